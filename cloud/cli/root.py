@@ -1,0 +1,40 @@
+"""The ``aisynergy`` command. Subcommand groups register themselves under the entry-point group
+``aisynergy.commands`` so that this root imports nothing but click: a device that installs only the
+``[device]`` extra never loads the hub's dependencies."""
+
+from __future__ import annotations
+
+import logging
+from importlib.metadata import entry_points
+
+import click
+
+
+class _PluginGroup(click.Group):
+    def _plugins(self) -> dict[str, object]:
+        return {ep.name: ep for ep in entry_points(group="aisynergy.commands")}
+
+    def list_commands(self, ctx: click.Context) -> list[str]:
+        return sorted(set(super().list_commands(ctx)) | set(self._plugins()))
+
+    def get_command(self, ctx: click.Context, cmd_name: str) -> click.Command | None:
+        command = super().get_command(ctx, cmd_name)
+        if command is not None:
+            return command
+        ep = self._plugins().get(cmd_name)
+        if ep is None:
+            return None
+        try:
+            return ep.load()  # type: ignore[attr-defined,no-any-return]
+        except ImportError as exc:
+            raise click.ClickException(
+                f"'{cmd_name}' needs an extra that is not installed ({exc.name}): pip install 'aisynergy[{cmd_name}]'"
+            ) from exc
+
+
+@click.group(cls=_PluginGroup)
+@click.option("--log-level", default="INFO", show_default=True, envvar="AISYNERGY_LOG_LEVEL",
+              type=click.Choice(["DEBUG", "INFO", "WARNING", "ERROR"], case_sensitive=False))
+def main(log_level: str) -> None:
+    """AISynergy: cloud-edge-device orchestration for AI workloads."""
+    logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")

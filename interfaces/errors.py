@@ -1,0 +1,57 @@
+"""Error codes and the RFC 9457 problem document every REST error is returned as."""
+
+from __future__ import annotations
+
+from enum import StrEnum
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field
+
+PROBLEM_MEDIA_TYPE = "application/problem+json"
+
+
+class ErrorCode(StrEnum):
+    """Stable, documented error codes; ``type`` is ``urn:aisynergy:error:<code>``."""
+
+    MALFORMED_REQUEST = "malformed_request"  # body is not valid JSON / not parseable
+    VALIDATION_FAILED = "validation_failed"  # well-formed but fails the model (unknown field, bad value)
+    UNAUTHENTICATED = "unauthenticated"  # no or unknown bearer token
+    FORBIDDEN = "forbidden"  # token's role may not do this
+    NOT_FOUND = "not_found"
+    CONFLICT = "conflict"  # uniqueness clash
+    ILLEGAL_TRANSITION = "illegal_transition"  # state machine refuses the move
+    BOOTSTRAP_TOKEN_INVALID = "bootstrap_token_invalid"  # unknown or wrong for this node
+    BOOTSTRAP_TOKEN_EXPIRED = "bootstrap_token_expired"
+    BOOTSTRAP_TOKEN_USED = "bootstrap_token_used"
+    CSR_INVALID = "csr_invalid"  # unparseable CSR, bad signature, wrong subject, weak key
+    NODE_DELETED = "node_deleted"
+    PAYLOAD_TOO_LARGE = "payload_too_large"
+    UNSUPPORTED_MEDIA_TYPE = "unsupported_media_type"
+    METHOD_NOT_ALLOWED = "method_not_allowed"
+    IDEMPOTENCY_KEY_REUSED = "idempotency_key_reused"  # same key, different request
+    IDEMPOTENCY_IN_PROGRESS = "idempotency_in_progress"  # same key, first request still running
+    INVALID_SELECTOR = "invalid_selector"
+    INVALID_CURSOR = "invalid_cursor"
+    INTERNAL = "internal_error"
+
+
+ERROR_TYPE_PREFIX = "urn:aisynergy:error:"
+
+
+class Problem(BaseModel):
+    """An RFC 9457 problem document with the project's stable ``code``."""
+
+    model_config = ConfigDict(extra="allow")
+
+    type: str = Field(description="urn:aisynergy:error:<code>")
+    title: str
+    status: int
+    code: ErrorCode
+    detail: str | None = None
+    instance: str | None = None
+    errors: list[dict[str, Any]] | None = Field(default=None, description="Per-field validation errors")
+    current_state: str | None = Field(default=None, description="Set on illegal_transition")
+
+    @classmethod
+    def of(cls, code: ErrorCode, status: int, title: str, detail: str | None = None, **extra: Any) -> Problem:
+        return cls(type=ERROR_TYPE_PREFIX + code.value, title=title, status=status, code=code, detail=detail, **extra)

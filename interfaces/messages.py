@@ -1,0 +1,118 @@
+"""MQTT payloads: the envelope ``{v, id, ts, src, kind, body}`` and the typed bodies.
+
+A reply carries, in ``reply_to``, the ``id`` of the request it answers. Validate into these models at
+the edge of a process; untyped dicts never travel inward.
+"""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+from enum import StrEnum
+from typing import Any, ClassVar, Generic, Literal, TypeVar
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from interfaces import PROTOCOL_VERSION
+from interfaces.ids import new_id
+from interfaces.resources import Resources
+
+MAX_MESSAGE_BYTES = 256 * 1024
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    KIND: ClassVar[str]
+
+
+class ConnectionState(StrEnum):
+    ONLINE = "online"
+    OFFLINE = "offline"
+
+
+class StateBody(_Body):
+    """Retained on ``state``; the agent's last will publishes ``offline``."""
+
+    KIND: ClassVar[str] = "state"
+    state: ConnectionState
+    agent_version: str | None = Field(default=None, max_length=64)
+    reason: str | None = Field(default=None, max_length=256, description="why offline: will, shutdown, ...")
+
+
+class Health(StrEnum):
+    OK = "ok"
+    DEGRADED = "degraded"
+
+
+class HeartbeatBody(_Body):
+    KIND: ClassVar[str] = "heartbeat"
+    seq: int = Field(ge=0, description="monotonic per agent run")
+    health: Health = Health.OK
+    health_detail: str | None = Field(default=None, max_length=512)
+    agent_version: str = Field(max_length=64)
+    uptime_s: float = Field(ge=0)
+    resources: Resources
+
+
+class DesiredBody(_Body):
+    """Retained desired-state document on ``desired``."""
+
+    KIND: ClassVar[str] = "desired"
+    version: int = Field(ge=0)
+    spec: dict[str, Any] = Field(default_factory=dict)
+
+
+class ReportedBody(_Body):
+    KIND: ClassVar[str] = "reported"
+    version: int = Field(ge=0, description="the desired version this report converged to")
+    status: dict[str, Any] = Field(default_factory=dict)
+
+
+class CommandBody(_Body):
+    """A request on ``cmd``; the answer goes to the MQTT 5 response topic with the correlation data."""
+
+    KIND: ClassVar[str] = "command"
+    name: str = Field(min_length=1, max_length=64)
+    args: dict[str, Any] = Field(default_factory=dict)
+    timeout_s: float = Field(default=10, gt=0, le=3600)
+
+
+class CommandResultBody(_Body):
+    KIND: ClassVar[str] = "command_result"
+    ok: bool
+    result: dict[str, Any] | None = None
+    error_code: str | None = Field(default=None, max_length=64)
+    error: str | None = Field(default=None, max_length=2048)
+
+
+class EventBody(_Body):
+    """Progress, logs, metrics and error reports on ``events``."""
+
+    KIND: ClassVar[str] = "event"
+    type: str = Field(min_length=1, max_length=64)
+    severity: Literal["debug", "info", "warning", "error"] = "info"
+    message: str | None = Field(default=None, max_length=8192)
+    data: dict[str, Any] = Field(default_factory=dict)
+
+
+B = TypeVar("B", bound=_Body)
+
+
+class Envelope(BaseModel, Generic[B]):
+    """Every control message. ``src`` is the sender's identity (node or device id, or ``hub``)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    v: Literal[1] = PROTOCOL_VERSION
+    id: str = Field(min_length=1, max_length=64)
+    ts: datetime
+    src: str = Field(min_length=1, max_length=64)
+    kind: str = Field(min_length=1, max_length=32)
+    reply_to: str | None = Field(default=None, max_length=64)
+    body: B
+
+
+def envelope(src: str, body: B, reply_to: str | None = None) -> Envelope[B]:
+    """Wrap ``body`` in a fresh envelope from ``src``."""
+    return Envelope[type(body)](  # type: ignore[index]
+        id=new_id("m"), ts=datetime.now(UTC), src=src, kind=body.KIND, reply_to=reply_to, body=body
+    )

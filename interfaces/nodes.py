@@ -1,0 +1,154 @@
+"""REST models of edge node management (DESIGN §4.1, standard §8.1)."""
+
+from __future__ import annotations
+
+from datetime import datetime
+from enum import StrEnum
+from typing import Annotated, Any
+
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field
+
+from interfaces.lifecycle import AdminState, NodeState
+from interfaces.messages import Health
+from interfaces.resources import Resources
+from interfaces.selectors import validate_labels
+
+Labels = Annotated[dict[str, str], AfterValidator(validate_labels)]
+Name = Annotated[str, Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9][A-Za-z0-9 _.:-]*$")]
+Description = Annotated[str, Field(max_length=1024)]
+
+
+class _In(BaseModel):
+    """Request bodies refuse unknown fields."""
+
+    model_config = ConfigDict(extra="forbid")
+
+
+class NodeKind(StrEnum):
+    EDGE = "edge"
+
+
+class NodeCreate(_In):
+    name: Name
+    kind: NodeKind = NodeKind.EDGE
+    labels: Labels = Field(default_factory=dict)
+    description: Description = ""
+    bootstrap_ttl_s: int = Field(default=3600, ge=60, le=7 * 24 * 3600, description="lifetime of the bootstrap token")
+
+
+class NodeUpdate(_In):
+    """PATCH body; absent fields are left as they are. ``labels`` replaces the whole label set."""
+
+    name: Name | None = None
+    labels: Labels | None = None
+    description: Description | None = None
+
+
+class AdminStateUpdate(_In):
+    admin_state: AdminState
+
+
+class NodePublic(BaseModel):
+    id: str
+    name: str
+    kind: NodeKind
+    labels: dict[str, str]
+    description: str
+    state: NodeState
+    admin_state: AdminState
+    created_at: datetime
+    updated_at: datetime
+    certificate_serial: str | None = None
+    certificate_not_after: datetime | None = None
+
+
+class NodeRegistered(BaseModel):
+    """The answer to ``POST /nodes``: the node and its one-time bootstrap token (shown once)."""
+
+    node: NodePublic
+    bootstrap_token: str
+    bootstrap_expires_at: datetime
+
+
+class BootstrapTokenReissue(_In):
+    ttl_s: int = Field(default=3600, ge=60, le=7 * 24 * 3600)
+
+
+class CertificateRequest(_In):
+    csr_pem: str = Field(min_length=64, max_length=16384, description="PEM PKCS#10 CSR; subject CN = node id")
+    bootstrap_token: str = Field(min_length=16, max_length=256)
+
+
+class CertificateIssued(BaseModel):
+    node_id: str
+    certificate_pem: str
+    ca_pem: str
+    serial: str
+    not_after: datetime
+    mqtt_url: str = Field(description="where the agent connects, e.g. mqtts://broker:8883")
+    heartbeat_interval_s: float
+
+
+class NodeStatus(BaseModel):
+    node_id: str
+    state: NodeState
+    admin_state: AdminState
+    connected: bool
+    last_heartbeat_at: datetime | None = None
+    last_state_change_at: datetime | None = None
+    health: Health | None = None
+    health_detail: str | None = None
+    agent_version: str | None = None
+    uptime_s: float | None = None
+    resources: Resources | None = None
+
+
+class NodeTransition(BaseModel):
+    from_state: NodeState | None
+    to_state: NodeState
+    at: datetime
+    reason: str
+
+
+class DeviceCreate(_In):
+    node_id: str = Field(min_length=1, max_length=64)
+    name: Name | None = None
+    model: str = Field(min_length=1, max_length=128)
+    labels: Labels = Field(default_factory=dict)
+    description: Description = ""
+
+
+class DeviceUpdate(_In):
+    name: Name | None = None
+    model: str | None = Field(default=None, min_length=1, max_length=128)
+    labels: Labels | None = None
+    description: Description | None = None
+
+
+class DevicePublic(BaseModel):
+    id: str
+    node_id: str
+    name: str | None
+    model: str
+    labels: dict[str, str]
+    description: str
+    state: NodeState
+    created_at: datetime
+    updated_at: datetime
+
+
+class TwinUpdate(_In):
+    """``PUT /devices/{id}/twin``: replaces the desired document and bumps its version."""
+
+    desired: dict[str, Any] = Field(default_factory=dict)
+    expected_version: int | None = Field(default=None, ge=0, description="optimistic concurrency: 409 if the current desired version differs")
+
+
+class Twin(BaseModel):
+    device_id: str
+    desired: dict[str, Any]
+    desired_version: int
+    reported: dict[str, Any]
+    reported_version: int
+    reported_at: datetime | None = None
+    in_sync: bool

@@ -1,0 +1,166 @@
+"""THE MQTT topic table (DESIGN §4.4). Nobody builds a topic string anywhere else.
+
+The same channels exist at both tiers: hub <-> edge under ``synergy/v1/nodes/{node_id}/`` and
+edge <-> device under ``synergy/v1/devices/{device_id}/``. Each identity may publish and subscribe only
+under its own subtree (broker ACL, :func:`own_subtree`).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from enum import StrEnum
+from typing import Generic, TypeVar
+
+from pydantic import BaseModel
+
+from interfaces.messages import (
+    CommandBody,
+    CommandResultBody,
+    DesiredBody,
+    Envelope,
+    EventBody,
+    HeartbeatBody,
+    ReportedBody,
+    StateBody,
+)
+
+PREFIX = "synergy/v1"
+SHARE_GROUP = "hub"
+
+P = TypeVar("P", bound=BaseModel)
+
+
+class Direction(StrEnum):
+    HUB_TO_EDGE = "hub->edge"
+    EDGE_TO_HUB = "edge->hub"
+    EDGE_TO_DEVICE = "edge->device"
+    DEVICE_TO_EDGE = "device->edge"
+
+
+class Tier(StrEnum):
+    NODE = "nodes"
+    DEVICE = "devices"
+
+
+class Channel(StrEnum):
+    STATE = "state"
+    HEARTBEAT = "heartbeat"
+    DESIRED = "desired"
+    REPORTED = "reported"
+    CMD = "cmd"
+    CMD_REPLY = "cmd/reply"
+    EVENTS = "events"
+
+
+_PLACEHOLDER = re.compile(r"\{([a-z_]+)\}")
+_ID_SEGMENT = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
+
+
+@dataclass(frozen=True)
+class Topic(Generic[P]):
+    pattern: str
+    payload: type[P]
+    direction: Direction
+    qos: int = 1
+    retain: bool = False
+    description: str = ""
+    _regex: re.Pattern[str] = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        regex = "^" + _PLACEHOLDER.sub(lambda m: f"(?P<{m.group(1)}>[^/+#]+)", re.escape(self.pattern).replace(r"\{", "{").replace(r"\}", "}")) + "$"
+        object.__setattr__(self, "_regex", re.compile(regex))
+
+    @property
+    def placeholders(self) -> list[str]:
+        return _PLACEHOLDER.findall(self.pattern)
+
+    def topic(self, **ids: str) -> str:
+        """The concrete topic for these ids; each id must be one safe topic level."""
+        missing = set(self.placeholders) - set(ids)
+        if missing:
+            raise ValueError(f"missing ids for {self.pattern}: {sorted(missing)}")
+        for name, value in ids.items():
+            if not _ID_SEGMENT.match(value):
+                raise ValueError(f"{name}={value!r} is not a valid topic level")
+        return self.pattern.format(**ids)
+
+    def filter(self) -> str:
+        """The subscription filter matching every id (``{x}`` -> ``+``)."""
+        return _PLACEHOLDER.sub("+", self.pattern)
+
+    def shared_filter(self, group: str = SHARE_GROUP) -> str:
+        """A shared subscription so that N hub replicas each get a share of the messages."""
+        return f"$share/{group}/{self.filter()}"
+
+    def parse(self, topic: str) -> dict[str, str] | None:
+        """The ids in a concrete topic, or ``None`` if it is not one of this pattern's."""
+        match = self._regex.match(topic)
+        return match.groupdict() if match else None
+
+
+def _pair(channel: Channel, body: type[BaseModel], up: bool, qos: int, retain: bool, what: str) -> tuple[Topic, Topic]:
+    node = Topic(
+        f"{PREFIX}/{Tier.NODE}/{{node_id}}/{channel}",
+        Envelope[body],  # type: ignore[valid-type]
+        Direction.EDGE_TO_HUB if up else Direction.HUB_TO_EDGE,
+        qos,
+        retain,
+        what,
+    )
+    device = Topic(
+        f"{PREFIX}/{Tier.DEVICE}/{{device_id}}/{channel}",
+        Envelope[body],  # type: ignore[valid-type]
+        Direction.DEVICE_TO_EDGE if up else Direction.EDGE_TO_DEVICE,
+        qos,
+        retain,
+        what,
+    )
+    return node, device
+
+
+NODE_STATE, DEVICE_STATE = _pair(Channel.STATE, StateBody, True, 1, True, "retained online/offline; offline is the last will")
+NODE_HEARTBEAT, DEVICE_HEARTBEAT = _pair(Channel.HEARTBEAT, HeartbeatBody, True, 0, False, "periodic liveness with resource readings")
+NODE_DESIRED, DEVICE_DESIRED = _pair(Channel.DESIRED, DesiredBody, False, 1, True, "retained, versioned desired-state document")
+NODE_REPORTED, DEVICE_REPORTED = _pair(Channel.REPORTED, ReportedBody, True, 1, False, "state the agent converged to")
+NODE_CMD, DEVICE_CMD = _pair(Channel.CMD, CommandBody, False, 1, False, "requests, with MQTT 5 response topic and correlation data")
+NODE_CMD_REPLY, DEVICE_CMD_REPLY = _pair(Channel.CMD_REPLY, CommandResultBody, True, 1, False, "answers to cmd (the response topic)")
+NODE_EVENTS, DEVICE_EVENTS = _pair(Channel.EVENTS, EventBody, True, 1, False, "task progress, logs, metrics, errors")
+
+TOPICS: tuple[Topic, ...] = (
+    NODE_STATE, NODE_HEARTBEAT, NODE_DESIRED, NODE_REPORTED, NODE_CMD, NODE_CMD_REPLY, NODE_EVENTS,
+    DEVICE_STATE, DEVICE_HEARTBEAT, DEVICE_DESIRED, DEVICE_REPORTED, DEVICE_CMD, DEVICE_CMD_REPLY, DEVICE_EVENTS,
+)  # fmt: skip
+
+
+def own_subtree(tier: Tier, identity: str) -> str:
+    """The only subtree an identity's certificate may publish and subscribe in."""
+    return f"{PREFIX}/{tier}/{identity}/#"
+
+
+def acl_pattern(tier: Tier) -> str:
+    """Mosquitto ACL ``pattern`` line body for a tier (``%u`` = certificate CN)."""
+    return f"{PREFIX}/{tier}/%u/#"
+
+
+def topic_table_markdown() -> str:
+    """The topic table as committed in ``interfaces/TOPICS.md``."""
+    lines = [
+        "# MQTT topic table",
+        "",
+        "Generated from `interfaces/topics.py`; do not edit by hand (`aisynergy contracts write`).",
+        "",
+        "| pattern | payload | direction | QoS | retain | what |",
+        "|---|---|---|---|---|---|",
+    ]
+    for t in TOPICS:
+        body = t.payload.model_fields["body"].annotation.__name__  # type: ignore[union-attr]
+        lines.append(f"| `{t.pattern}` | `Envelope[{body}]` | {t.direction} | {t.qos} | {'yes' if t.retain else 'no'} | {t.description} |")
+    lines += [
+        "",
+        "Access: an identity whose certificate CN is `X` may publish and subscribe only under",
+        f"`{PREFIX}/nodes/X/#` (edge nodes) or `{PREFIX}/devices/X/#` (devices). The hub subscribes through",
+        f"shared subscriptions (`$share/{SHARE_GROUP}/...`) so that several replicas split the load.",
+        "",
+    ]
+    return "\n".join(lines)
