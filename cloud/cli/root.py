@@ -10,6 +10,9 @@ from importlib.metadata import entry_points
 import click
 
 
+_EXTRA_FOR = {"broker": "hub", "up": "all", "contracts": "hub", "conformance": "dev"}
+
+
 class _PluginGroup(click.Group):
     def _plugins(self) -> dict[str, object]:
         return {ep.name: ep for ep in entry_points(group="aisynergy.commands")}
@@ -27,8 +30,9 @@ class _PluginGroup(click.Group):
         try:
             return ep.load()  # type: ignore[attr-defined,no-any-return]
         except ImportError as exc:
+            extra = _EXTRA_FOR.get(cmd_name, cmd_name)
             raise click.ClickException(
-                f"'{cmd_name}' needs an extra that is not installed ({exc.name}): pip install 'aisynergy[{cmd_name}]'"
+                f"'{cmd_name}' needs an extra that is not installed ({exc.name}): pip install 'aisynergy[{extra}]'"
             ) from exc
 
 
@@ -38,3 +42,4 @@ class _PluginGroup(click.Group):
 def main(log_level: str) -> None:
     """AISynergy: cloud-edge-device orchestration for AI workloads."""
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("alembic").setLevel(logging.WARNING)

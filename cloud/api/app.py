@@ -1,0 +1,123 @@
+"""The hub application: REST API plus its background loops (MQTT bridge, ingest, liveness)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import socket
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+from fastapi import APIRouter, FastAPI, Request
+from fastapi.responses import PlainTextResponse
+from sqlalchemy import text
+from sqlalchemy.engine import Engine
+
+from cloud import lease
+from cloud.api import problems
+from cloud.api.guards import RequestGuard, purge_idempotency
+from cloud.api.routes import devices, nodes
+from cloud.bridge import MqttBridge
+from cloud.config import Settings
+from cloud.db import make_engine, upgrade
+from cloud.ingest import StatusIngest
+from cloud.liveness import mark_silent_nodes_offline
+from cloud.pki import CertificateAuthority
+from interfaces import API_PREFIX
+
+log = logging.getLogger("aisynergy.hub")
+VERSION = "0.1.0"
+
+
+async def _every(interval_s: float, fn: Any, *args: Any) -> None:
+    """Run a blocking ``fn`` in a worker thread every ``interval_s``; log and carry on on errors."""
+    while True:
+        try:
+            await asyncio.to_thread(fn, *args)
+        except Exception:  # noqa: BLE001 - a background loop must survive a bad tick
+            log.exception("background task %s failed", getattr(fn, "__name__", fn))
+        await asyncio.sleep(interval_s)
+
+
+def _liveness_tick(engine: Engine, settings: Settings, holder: str) -> None:
+    if lease.acquire(engine, "liveness", holder, ttl_s=max(5.0, 5 * settings.liveness_check_interval_s)):
+        mark_silent_nodes_offline(engine, settings.offline_timeout_s, settings.offline_after_missed)
+
+
+def _housekeeping_tick(engine: Engine, settings: Settings) -> None:
+    purge_idempotency(engine, settings.idempotency_ttl_s)
+
+
+def create_app(settings: Settings | None = None) -> FastAPI:
+    settings = settings or Settings()
+    holder = f"{socket.gethostname()}:{os.getpid()}"
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        assert settings.database_url
+        await asyncio.to_thread(upgrade, settings.database_url)
+        engine = make_engine(settings.database_url)
+        app.state.engine = engine
+        app.state.ca = await asyncio.to_thread(CertificateAuthority.load_or_create, settings.pki_dir)
+        ingest = StatusIngest(engine)
+        app.state.ingest = ingest
+        tasks = [
+            asyncio.create_task(_every(settings.heartbeat_flush_interval_s, ingest.flush), name="ingest"),
+            asyncio.create_task(_every(settings.liveness_check_interval_s, _liveness_tick, engine, settings, holder), name="liveness"),
+            asyncio.create_task(_every(3600, _housekeeping_tick, engine, settings), name="housekeeping"),
+        ]
+        if settings.enable_mqtt:
+            bridge = MqttBridge(settings.broker_url, settings.pki_dir, settings.mqtt_client_id, ingest)
+            app.state.bridge = bridge
+            tasks.append(asyncio.create_task(bridge.run(), name="mqtt"))
+        log.info("hub ready: database %s, broker %s", engine.url.render_as_string(hide_password=True), settings.broker_url)
+        try:
+            yield
+        finally:
+            for task in tasks:
+                task.cancel()
+            for task in tasks:
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+            await asyncio.to_thread(ingest.flush)
+            engine.dispose()
+
+    app = FastAPI(
+        title="AISynergy hub",
+        version=VERSION,
+        summary="Cloud-edge-device collaboration interfaces (GB/T 45401.2 §8)",
+        lifespan=lifespan,
+    )
+    app.state.settings = settings
+    problems.install(app)
+    app.add_middleware(RequestGuard, engine=lambda: app.state.engine, max_body_bytes=settings.max_body_bytes)
+
+    api = APIRouter(prefix=API_PREFIX)
+    api.include_router(nodes.router)
+    api.include_router(devices.router)
+
+    @api.get("/ca.crt", response_class=PlainTextResponse, tags=["pki"], openapi_extra={"security": []})
+    def ca_certificate(request: Request) -> PlainTextResponse:
+        """The hub CA certificate (PEM) that signs node and broker certificates."""
+        return PlainTextResponse(request.app.state.ca.ca_pem, media_type="application/x-pem-file")
+
+    app.include_router(api)
+
+    @app.get("/healthz", tags=["meta"])
+    def healthz(request: Request) -> dict[str, Any]:
+        """Liveness of the hub, its database and its broker connection."""
+        with request.app.state.engine.connect() as conn:
+            conn.execute(text("SELECT 1"))
+        bridge = getattr(request.app.state, "bridge", None)
+        return {
+            "status": "ok",
+            "version": VERSION,
+            "database": "ok",
+            "mqtt": {"connected": bool(bridge and bridge.connected.is_set()), **(dict(bridge.counters) if bridge else {})},
+            "ingest": {"backlog": request.app.state.ingest.backlog, **dict(request.app.state.ingest.counters)},
+        }
+
+    return app

@@ -1,0 +1,67 @@
+"""Dependencies shared by the routes (``SessionDep``, ``require(role)``, ...)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Annotated
+
+from fastapi import Depends, Header, Query, Request
+from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+from sqlmodel import Session
+
+from cloud.auth import lookup_api_token
+from cloud.config import Settings
+from cloud.errors import Forbidden, Unauthenticated
+from cloud.pki import CertificateAuthority
+from cloud.tables import ApiToken
+from interfaces.auth import Role
+from interfaces.pagination import DEFAULT_LIMIT, MAX_LIMIT
+
+
+def get_db(request: Request) -> Iterator[Session]:
+    with Session(request.app.state.engine, expire_on_commit=False) as session:
+        yield session
+
+
+def get_settings(request: Request) -> Settings:
+    return request.app.state.settings  # type: ignore[no-any-return]
+
+
+def get_ca(request: Request) -> CertificateAuthority:
+    return request.app.state.ca  # type: ignore[no-any-return]
+
+
+SessionDep = Annotated[Session, Depends(get_db)]
+SettingsDep = Annotated[Settings, Depends(get_settings)]
+CADep = Annotated[CertificateAuthority, Depends(get_ca)]
+
+_bearer = HTTPBearer(auto_error=False, description="An integrator token (`aisynergy hub token create --role R`)")
+
+
+def require(role: Role) -> Callable[..., ApiToken]:
+    def dependency(session: SessionDep, credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)]) -> ApiToken:
+        if credentials is None or credentials.scheme.lower() != "bearer":
+            raise Unauthenticated("a bearer token is required")
+        token = lookup_api_token(session, credentials.credentials)
+        if token is None:
+            raise Unauthenticated("the bearer token is not valid")
+        if not Role(token.role).allows(role):
+            raise Forbidden(f"this needs the {role.value} role; the token has {token.role}")
+        return token
+
+    return dependency
+
+
+Viewer = Annotated[ApiToken, Depends(require(Role.VIEWER))]
+Operator = Annotated[ApiToken, Depends(require(Role.OPERATOR))]
+Admin = Annotated[ApiToken, Depends(require(Role.ADMIN))]
+
+# Documents the header; RequestGuard does the work.
+IdempotencyKey = Annotated[
+    str | None,
+    Header(alias="Idempotency-Key", max_length=255, description="Retry-safe writes: the same key replays the first response"),
+]
+Limit = Annotated[int, Query(ge=1, le=MAX_LIMIT, description="page size")]
+Cursor = Annotated[str | None, Query(max_length=128, description="next_cursor of the previous page")]
+Selector = Annotated[str | None, Query(max_length=4096, description="label selector, e.g. zone=a,tier!=x,gpu,!legacy")]
+DEFAULT_PAGE = DEFAULT_LIMIT

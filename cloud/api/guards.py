@@ -1,0 +1,172 @@
+"""ASGI middleware: request size limit, JSON content type, and ``Idempotency-Key`` replay.
+
+A write (POST, PUT, PATCH, DELETE) that carries ``Idempotency-Key`` is run once per (caller, key):
+a retry with the same request gets the stored response (``Idempotent-Replayed: true``); the same key
+with a different request is refused (422 ``idempotency_key_reused``); a retry while the first is
+still running gets 409 ``idempotency_in_progress``. Server errors are not stored, so they can be retried.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Callable
+from datetime import UTC, datetime
+
+import anyio
+from sqlalchemy import delete, select
+from sqlalchemy.engine import Engine
+from sqlalchemy.exc import IntegrityError
+from sqlmodel import Session
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from cloud.api.problems import simple_problem
+from cloud.tables import IdempotencyRecord
+from interfaces.errors import ErrorCode
+
+WRITE_METHODS = {"POST", "PUT", "PATCH", "DELETE"}
+JSON_TYPES = ("application/json", "application/merge-patch+json")
+FORM_TYPES = ("multipart/form-data",)
+
+
+def _header(scope: Scope, name: bytes) -> str | None:
+    for key, value in scope.get("headers", []):
+        if key == name:
+            return value.decode("latin-1")
+    return None
+
+
+async def _read_body(receive: Receive, limit: int) -> bytes | None:
+    """The whole body, or None once it passes ``limit`` bytes."""
+    chunks, size = [], 0
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            break
+        chunk = message.get("body", b"")
+        size += len(chunk)
+        if size > limit:
+            return None
+        chunks.append(chunk)
+        if not message.get("more_body", False):
+            break
+    return b"".join(chunks)
+
+
+def _replay(body: bytes) -> Receive:
+    sent = False
+
+    async def receive() -> Message:
+        nonlocal sent
+        if sent:
+            await anyio.sleep_forever()
+        sent = True
+        return {"type": "http.request", "body": body, "more_body": False}
+
+    return receive
+
+
+class RequestGuard:
+    def __init__(self, app: ASGIApp, engine: Callable[[], Engine], max_body_bytes: int) -> None:
+        self.app = app
+        self.engine = engine
+        self.max_body_bytes = max_body_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["method"] not in WRITE_METHODS:
+            await self.app(scope, receive, send)
+            return
+        length = _header(scope, b"content-length")
+        if length is not None and (not length.isdigit() or int(length) > self.max_body_bytes):
+            await simple_problem(ErrorCode.PAYLOAD_TOO_LARGE, 413, "Payload too large", f"bodies are limited to {self.max_body_bytes} bytes")(scope, receive, send)
+            return
+        body = await _read_body(receive, self.max_body_bytes)
+        if body is None:
+            await simple_problem(ErrorCode.PAYLOAD_TOO_LARGE, 413, "Payload too large", f"bodies are limited to {self.max_body_bytes} bytes")(scope, receive, send)
+            return
+        ctype = (_header(scope, b"content-type") or "").split(";")[0].strip().lower()
+        if body and not (ctype in JSON_TYPES or ctype.endswith("+json") or ctype in FORM_TYPES):
+            await simple_problem(ErrorCode.UNSUPPORTED_MEDIA_TYPE, 415, "Unsupported media type", "send application/json")(scope, receive, send)
+            return
+        key = _header(scope, b"idempotency-key")
+        if key is None:
+            await self.app(scope, _replay(body), send)
+            return
+        if not (1 <= len(key) <= 255) or not key.isprintable():
+            await simple_problem(ErrorCode.VALIDATION_FAILED, 400, "Bad Idempotency-Key", "Idempotency-Key must be 1-255 printable characters")(scope, receive, send)
+            return
+        await self._idempotent(scope, body, key, send)
+
+    async def _idempotent(self, scope: Scope, body: bytes, key: str, send: Send) -> None:
+        principal = hashlib.sha256((_header(scope, b"authorization") or "").encode()).hexdigest()
+        fingerprint = hashlib.sha256(
+            b"\0".join([scope["method"].encode(), scope["path"].encode(), scope.get("query_string", b""), body])
+        ).hexdigest()
+        claim = await anyio.to_thread.run_sync(self._claim, principal, key, fingerprint)
+        if isinstance(claim, IdempotencyRecord):
+            headers = [(b"content-type", (claim.content_type or "application/json").encode()), (b"idempotent-replayed", b"true")]
+            payload = (claim.response_body or "").encode()
+            await send({"type": "http.response.start", "status": claim.status_code, "headers": headers})
+            await send({"type": "http.response.body", "body": payload})
+            return
+        if claim is not None:
+            await claim(scope, _replay(b""), send)
+            return
+        captured: dict[str, object] = {"status": 500, "ctype": None, "body": []}
+
+        async def capture(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                captured["status"] = message["status"]
+                for k, v in message.get("headers", []):
+                    if k.lower() == b"content-type":
+                        captured["ctype"] = v.decode("latin-1")
+            elif message["type"] == "http.response.body":
+                captured["body"].append(message.get("body", b""))  # type: ignore[union-attr]
+            await send(message)
+
+        try:
+            await self.app(scope, _replay(body), capture)
+        finally:
+            status = int(captured["status"])  # type: ignore[call-overload]
+            raw = b"".join(captured["body"])  # type: ignore[arg-type]
+            await anyio.to_thread.run_sync(self._complete, principal, key, status, captured["ctype"], raw)
+
+    def _claim(self, principal: str, key: str, fingerprint: str) -> IdempotencyRecord | object | None:
+        with Session(self.engine()) as session:
+            row = session.exec(select(IdempotencyRecord).where(IdempotencyRecord.principal == principal, IdempotencyRecord.key == key)).scalars().first()  # type: ignore[call-overload]
+            if row is None:
+                session.add(IdempotencyRecord(principal=principal, key=key, request_hash=fingerprint, created_at=datetime.now(UTC)))
+                try:
+                    session.commit()
+                    return None
+                except IntegrityError:
+                    session.rollback()
+                    return simple_problem(ErrorCode.IDEMPOTENCY_IN_PROGRESS, 409, "Request in progress", "a request with this Idempotency-Key is still running")
+            if row.request_hash != fingerprint:
+                return simple_problem(ErrorCode.IDEMPOTENCY_KEY_REUSED, 422, "Idempotency-Key reused", "this Idempotency-Key was used for a different request")
+            if row.status_code is None:
+                return simple_problem(ErrorCode.IDEMPOTENCY_IN_PROGRESS, 409, "Request in progress", "a request with this Idempotency-Key is still running")
+            return row
+
+    def _complete(self, principal: str, key: str, status: int, ctype: object, body: bytes) -> None:
+        with Session(self.engine()) as session:
+            row = session.exec(select(IdempotencyRecord).where(IdempotencyRecord.principal == principal, IdempotencyRecord.key == key)).scalars().first()  # type: ignore[call-overload]
+            if row is None:
+                return
+            if status >= 500:
+                session.delete(row)
+            else:
+                row.status_code = status
+                row.content_type = str(ctype) if ctype else None
+                row.response_body = body.decode("utf-8", errors="replace")
+                session.add(row)
+            session.commit()
+
+
+def purge_idempotency(engine: Engine, ttl_s: int) -> int:
+    cutoff = datetime.fromtimestamp(datetime.now(UTC).timestamp() - ttl_s, UTC)
+    with Session(engine) as session:
+        result = session.execute(delete(IdempotencyRecord).where(IdempotencyRecord.created_at < cutoff))
+        session.commit()
+        return result.rowcount  # type: ignore[attr-defined,no-any-return]
+
+

@@ -1,0 +1,83 @@
+"""Turn every error into an RFC 9457 problem document with a stable code."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from cloud.errors import ApiError
+from interfaces.errors import PROBLEM_MEDIA_TYPE, ErrorCode, Problem
+
+log = logging.getLogger("aisynergy.hub.api")
+
+_HTTP_CODES = {
+    400: ErrorCode.MALFORMED_REQUEST,
+    401: ErrorCode.UNAUTHENTICATED,
+    403: ErrorCode.FORBIDDEN,
+    404: ErrorCode.NOT_FOUND,
+    405: ErrorCode.METHOD_NOT_ALLOWED,
+    409: ErrorCode.CONFLICT,
+    413: ErrorCode.PAYLOAD_TOO_LARGE,
+    415: ErrorCode.UNSUPPORTED_MEDIA_TYPE,
+    422: ErrorCode.VALIDATION_FAILED,
+}
+
+
+def problem_response(problem: Problem, headers: dict[str, str] | None = None) -> JSONResponse:
+    return JSONResponse(
+        problem.model_dump(mode="json", exclude_none=True), status_code=problem.status, media_type=PROBLEM_MEDIA_TYPE, headers=headers
+    )
+
+
+def simple_problem(code: ErrorCode, status: int, title: str, detail: str) -> JSONResponse:
+    return problem_response(Problem.of(code, status, title, detail))
+
+
+def _clean_errors(errors: Any) -> list[dict[str, Any]]:
+    out = []
+    for err in errors:
+        out.append({"loc": [str(p) for p in err.get("loc", ())], "msg": str(err.get("msg", "")), "type": str(err.get("type", ""))})
+    return out
+
+
+def install(app: FastAPI) -> None:
+    @app.exception_handler(ApiError)
+    async def _api_error(request: Request, exc: ApiError) -> JSONResponse:
+        headers = {"WWW-Authenticate": "Bearer"} if exc.status == 401 else None
+        return problem_response(exc.problem(instance=request.url.path), headers)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation(request: Request, exc: RequestValidationError) -> JSONResponse:
+        errors = _clean_errors(exc.errors())
+        if any(e["type"] == "json_invalid" for e in errors):
+            problem = Problem.of(ErrorCode.MALFORMED_REQUEST, 400, "Malformed request", "the body is not valid JSON", errors=errors)
+        else:
+            problem = Problem.of(ErrorCode.VALIDATION_FAILED, 422, "Validation failed", "the request does not match the schema", errors=errors)
+        problem.instance = request.url.path
+        return problem_response(problem)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        code = _HTTP_CODES.get(exc.status_code, ErrorCode.MALFORMED_REQUEST if exc.status_code < 500 else ErrorCode.INTERNAL)
+        problem = Problem.of(code, exc.status_code, str(exc.detail) if exc.detail else "Error", str(exc.detail), instance=request.url.path)
+        return problem_response(problem, dict(exc.headers) if exc.headers else None)
+
+    @app.exception_handler(Exception)
+    async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
+        log.exception("unhandled error on %s %s", request.method, request.url.path)
+        return simple_problem(ErrorCode.INTERNAL, 500, "Internal error", "the hub failed to handle this request")
+
+
+# For route declarations: every route may answer with these problem documents.
+PROBLEM_RESPONSES: dict[int | str, dict[str, Any]] = {
+    status: {"model": Problem, "content": {PROBLEM_MEDIA_TYPE: {}}, "description": desc}
+    for status, desc in {
+        400: "Malformed request", 401: "Unauthenticated", 403: "Forbidden", 404: "Not found", 409: "Conflict",
+        413: "Payload too large", 415: "Unsupported media type", 422: "Validation failed",
+    }.items()
+}  # fmt: skip

@@ -1,0 +1,118 @@
+"""Edge node management: /nodes (DESIGN §4.1)."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+from fastapi import APIRouter, Request, Response, status
+
+from cloud.api.deps import DEFAULT_PAGE, Admin, CADep, Cursor, IdempotencyKey, Limit, Operator, Selector, SessionDep, SettingsDep, Viewer
+from cloud.api.problems import PROBLEM_RESPONSES
+from cloud.convert import device_to_wire, node_status_to_wire, node_to_wire, transition_to_wire
+from cloud.services import devices as device_service
+from cloud.services import nodes as node_service
+from cloud.services import revocation
+from interfaces.lifecycle import NodeState
+from interfaces.nodes import (
+    AdminStateUpdate,
+    BootstrapTokenReissue,
+    CertificateIssued,
+    CertificateRequest,
+    DevicePublic,
+    NodeCreate,
+    NodePublic,
+    NodeRegistered,
+    NodeStatus,
+    NodeTransition,
+    NodeUpdate,
+)
+from interfaces.pagination import Page
+
+router = APIRouter(prefix="/nodes", tags=["nodes"], responses=PROBLEM_RESPONSES)
+
+
+@router.post("", status_code=status.HTTP_201_CREATED)
+def register_node(body: NodeCreate, session: SessionDep, _: Operator, __: IdempotencyKey = None) -> NodeRegistered:
+    """Pre-register an edge node; returns its one-time bootstrap token."""
+    node, token, expires = node_service.register(session, body)
+    return NodeRegistered(node=node_to_wire(node), bootstrap_token=token, bootstrap_expires_at=expires)
+
+
+@router.get("")
+def list_nodes(
+    session: SessionDep, _: Viewer, selector: Selector = None, state: NodeState | None = None,
+    limit: Limit = DEFAULT_PAGE, cursor: Cursor = None,
+) -> Page[NodePublic]:  # fmt: skip
+    """List nodes, filtered by label selector and state."""
+    rows, next_cursor = node_service.list_nodes(session, selector, state, limit, cursor)
+    return Page[NodePublic](items=[node_to_wire(r) for r in rows], next_cursor=next_cursor)
+
+
+@router.get("/{node_id}")
+def get_node(node_id: str, session: SessionDep, _: Viewer) -> NodePublic:
+    """Read one node."""
+    return node_to_wire(node_service.get(session, node_id))
+
+
+@router.patch("/{node_id}")
+def update_node(node_id: str, body: NodeUpdate, session: SessionDep, _: Operator, __: IdempotencyKey = None) -> NodePublic:
+    """Change a node's name, labels or description."""
+    return node_to_wire(node_service.update_node(session, node_id, body))
+
+
+@router.delete("/{node_id}", status_code=status.HTTP_204_NO_CONTENT)
+def delete_node(node_id: str, request: Request, session: SessionDep, ca: CADep, _: Admin, __: IdempotencyKey = None) -> Response:
+    """Delete a node: revoke its certificate (the broker refuses it) and delete its devices."""
+    node_service.delete(session, node_id)
+    revocation.publish(session, ca)
+    bridge = getattr(request.app.state, "bridge", None)
+    if bridge is not None:
+        bridge.forget_node(node_id)
+    return Response(status_code=status.HTTP_204_NO_CONTENT)
+
+
+@router.put("/{node_id}/admin-state")
+def set_admin_state(node_id: str, body: AdminStateUpdate, session: SessionDep, _: Operator, __: IdempotencyKey = None) -> NodePublic:
+    """Lock (no new deployments or task workers) or unlock a node."""
+    return node_to_wire(node_service.set_admin_state(session, node_id, body.admin_state))
+
+
+@router.get("/{node_id}/status")
+def node_status(node_id: str, session: SessionDep, _: Viewer) -> NodeStatus:
+    """Connection state, last heartbeat, resources and agent version."""
+    return node_status_to_wire(node_service.get(session, node_id))
+
+
+@router.get("/{node_id}/history")
+def node_history(node_id: str, session: SessionDep, _: Viewer, limit: Limit = 100) -> list[NodeTransition]:
+    """The node's lifecycle transitions, oldest first."""
+    rows, _next = node_service.history(session, node_id, limit, None)
+    return [transition_to_wire(r) for r in rows]
+
+
+@router.post("/{node_id}/bootstrap-token", status_code=status.HTTP_201_CREATED)
+def reissue_bootstrap_token(node_id: str, body: BootstrapTokenReissue, session: SessionDep, _: Operator, __: IdempotencyKey = None) -> dict[str, str]:
+    """Issue a fresh one-time bootstrap token (to re-enrol a node that lost its identity)."""
+    token, expires = node_service.reissue_bootstrap(session, node_id, body.ttl_s)
+    return {"bootstrap_token": token, "bootstrap_expires_at": expires.isoformat()}
+
+
+@router.post("/{node_id}/certificate", status_code=status.HTTP_201_CREATED, openapi_extra={"security": []})
+def enrol_node(node_id: str, body: CertificateRequest, session: SessionDep, ca: CADep, settings: SettingsDep, __: IdempotencyKey = None) -> CertificateIssued:
+    """Sign the node's CSR (CN = node id) in exchange for its one-time bootstrap token."""
+    validity = timedelta(days=settings.certificate_validity_days)
+    node, cert, pem = node_service.enrol(session, ca, node_id, body, validity)
+    revocation.publish(session, ca)  # a superseded certificate is revoked
+    return CertificateIssued(
+        node_id=node.id, certificate_pem=pem, ca_pem=ca.ca_pem, serial=cert.serial, not_after=cert.not_after,
+        mqtt_url=settings.public_mqtt_url or settings.broker_url, heartbeat_interval_s=settings.heartbeat_interval_s,
+    )  # fmt: skip
+
+
+@router.get("/{node_id}/devices")
+def node_devices(node_id: str, session: SessionDep, _: Viewer, selector: Selector = None, limit: Limit = DEFAULT_PAGE, cursor: Cursor = None) -> Page[DevicePublic]:
+    """The devices under this node."""
+    rows, next_cursor = device_service.list_devices(session, node_id, selector, limit, cursor)
+    return Page[DevicePublic](items=[device_to_wire(r) for r in rows], next_cursor=next_cursor)
+
+

@@ -1,0 +1,89 @@
+"""``aisynergy hub``: serve the hub, manage integrator tokens, migrate the database."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import click
+
+from interfaces.auth import Role
+
+_data_dir = click.option("--data-dir", type=click.Path(path_type=Path), envvar="AISYNERGY_DATA_DIR", default=".data", show_default=True, help="PKI, default SQLite database")
+_db = click.option("--database-url", envvar="AISYNERGY_DATABASE_URL", default=None, help="default: sqlite:///<data-dir>/hub.db; postgresql://... for PostgreSQL")
+
+
+@click.group()
+def hub() -> None:
+    """The hub: REST API, MQTT bridge and controllers."""
+
+
+@hub.command()
+@click.option("--host", default="127.0.0.1", show_default=True, envvar="AISYNERGY_HOST")
+@click.option("--port", default=8000, show_default=True, type=int, envvar="AISYNERGY_PORT")
+@_db
+@click.option("--broker-url", envvar="AISYNERGY_BROKER_URL", default="mqtts://127.0.0.1:8883", show_default=True)
+@click.option("--public-mqtt-url", envvar="AISYNERGY_PUBLIC_MQTT_URL", default=None, help="what agents are told (default: --broker-url)")
+@click.option("--heartbeat-interval", type=float, envvar="AISYNERGY_HEARTBEAT_INTERVAL_S", default=None, help="seconds between agent heartbeats (default 10)")
+@click.option("--offline-after-missed", type=int, envvar="AISYNERGY_OFFLINE_AFTER_MISSED", default=None, help="missed heartbeats before OFFLINE (default 3)")
+@_data_dir
+def serve(host: str, port: int, database_url: str | None, broker_url: str, public_mqtt_url: str | None,
+          heartbeat_interval: float | None, offline_after_missed: int | None, data_dir: Path) -> None:  # fmt: skip
+    """Run the hub (creates and migrates the database on start)."""
+    import uvicorn
+    from pydantic import ValidationError
+
+    from cloud.api.app import create_app
+    from cloud.config import Settings
+
+    overrides: dict[str, object] = {"data_dir": data_dir, "broker_url": broker_url}
+    for key, value in (("database_url", database_url), ("public_mqtt_url", public_mqtt_url),
+                       ("heartbeat_interval_s", heartbeat_interval), ("offline_after_missed", offline_after_missed)):  # fmt: skip
+        if value is not None:
+            overrides[key] = value
+    try:
+        settings = Settings(**overrides)  # type: ignore[arg-type]
+    except ValidationError as exc:
+        raise click.UsageError(f"invalid settings: {exc}") from exc
+    uvicorn.run(create_app(settings), host=host, port=port, log_level="info", timeout_graceful_shutdown=5)
+
+
+@hub.command()
+@_db
+@_data_dir
+def migrate(database_url: str | None, data_dir: Path) -> None:
+    """Create or upgrade the database schema."""
+    from cloud.config import Settings
+    from cloud.db import upgrade
+
+    settings = Settings(data_dir=data_dir, database_url=database_url)
+    assert settings.database_url
+    upgrade(settings.database_url)
+    click.echo("database is at the latest schema")
+
+
+@hub.group()
+def token() -> None:
+    """Integrator bearer tokens."""
+
+
+@token.command("create")
+@click.option("--role", type=click.Choice([r.value for r in Role]), required=True)
+@click.option("--name", default="", help="what the token is for")
+@_db
+@_data_dir
+def token_create(role: str, name: str, database_url: str | None, data_dir: Path) -> None:
+    """Create a token and print it (it is shown only once)."""
+    from sqlmodel import Session
+
+    from cloud.auth import create_api_token
+    from cloud.config import Settings
+    from cloud.db import make_engine, upgrade
+
+    settings = Settings(data_dir=data_dir, database_url=database_url)
+    assert settings.database_url
+    upgrade(settings.database_url)
+    engine = make_engine(settings.database_url)
+    with Session(engine) as session:
+        _row, secret = create_api_token(session, Role(role), name)
+    engine.dispose()
+    click.echo(secret)

@@ -1,0 +1,53 @@
+"""Hub errors. Every one becomes an RFC 9457 problem document with a stable code.
+
+    ApiError
+    ├── NotFound            404 not_found
+    ├── Conflict            409 conflict / illegal_transition / node_deleted / idempotency_*
+    ├── Unauthenticated     401 unauthenticated
+    ├── Forbidden           403 forbidden
+    └── BadRequest          400/422 (bootstrap token, CSR, selector, cursor, ...)
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from interfaces.errors import ErrorCode, Problem
+
+
+class ApiError(Exception):
+    status = 400
+    code = ErrorCode.VALIDATION_FAILED
+    title = "Bad request"
+
+    def __init__(self, detail: str, code: ErrorCode | None = None, status: int | None = None, **extra: Any) -> None:
+        super().__init__(detail)
+        self.detail = detail
+        if code is not None:
+            self.code = code
+        if status is not None:
+            self.status = status
+        self.extra = extra
+
+    def problem(self, instance: str | None = None) -> Problem:
+        return Problem.of(self.code, self.status, self.title, self.detail, instance=instance, **self.extra)
+
+
+class NotFound(ApiError):
+    status, code, title = 404, ErrorCode.NOT_FOUND, "Not found"
+
+
+class Conflict(ApiError):
+    status, code, title = 409, ErrorCode.CONFLICT, "Conflict"
+
+
+class Unauthenticated(ApiError):
+    status, code, title = 401, ErrorCode.UNAUTHENTICATED, "Unauthenticated"
+
+
+class Forbidden(ApiError):
+    status, code, title = 403, ErrorCode.FORBIDDEN, "Forbidden"
+
+
+class BadRequest(ApiError):
+    status, code, title = 400, ErrorCode.VALIDATION_FAILED, "Bad request"

@@ -1,0 +1,238 @@
+"""The hub's certificate authority: node identities for mutual TLS (DESIGN §6).
+
+Layout of a PKI directory (created on first use, private keys 0600):
+
+    ca.crt  ca.key        the hub CA (EC P-256), signs everything below
+    broker.crt broker.key the broker's server certificate (SAN: localhost, 127.0.0.1, extra names)
+    hub.crt  hub.key      the hub's own client identity (CN = hub)
+    crl.pem               certificate revocation list, rewritten on every revocation
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import ipaddress
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from cryptography import x509
+from cryptography.exceptions import InvalidSignature
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import ec, ed25519, rsa
+from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+
+HUB_IDENTITY = "hub"
+CA_VALIDITY = dt.timedelta(days=3650)
+LEAF_VALIDITY = dt.timedelta(days=365)
+
+
+class CsrError(ValueError):
+    """The CSR cannot be signed: unparseable, bad signature, wrong subject or weak key."""
+
+
+@dataclass(frozen=True)
+class Issued:
+    certificate_pem: str
+    serial: str
+    not_after: dt.datetime
+
+
+def _now() -> dt.datetime:
+    return dt.datetime.now(dt.UTC)
+
+
+def _write_private(path: Path, data: bytes) -> None:
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "wb") as fh:
+        fh.write(data)
+    os.replace(tmp, path)
+
+
+def _write_public(path: Path, data: bytes) -> None:
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_bytes(data)
+    os.chmod(tmp, 0o644)
+    os.replace(tmp, path)
+
+
+def _key_pem(key: ec.EllipticCurvePrivateKey) -> bytes:
+    return key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption())
+
+
+def new_private_key() -> ec.EllipticCurvePrivateKey:
+    return ec.generate_private_key(ec.SECP256R1())
+
+
+def make_csr(key: ec.EllipticCurvePrivateKey, common_name: str) -> str:
+    csr = (
+        x509.CertificateSigningRequestBuilder()
+        .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, common_name)]))
+        .sign(key, hashes.SHA256())
+    )
+    return csr.public_bytes(serialization.Encoding.PEM).decode()
+
+
+class CertificateAuthority:
+    def __init__(self, directory: Path, key: ec.EllipticCurvePrivateKey, cert: x509.Certificate) -> None:
+        self.directory = directory
+        self._key = key
+        self.cert = cert
+
+    # ---- creation -------------------------------------------------------------------------------
+    @classmethod
+    def load_or_create(cls, directory: Path | str, broker_hosts: tuple[str, ...] = ()) -> CertificateAuthority:
+        """Open the CA in ``directory``, creating the CA, broker and hub identities if missing."""
+        directory = Path(directory)
+        directory.mkdir(parents=True, exist_ok=True)
+        ca_key_path, ca_crt_path = directory / "ca.key", directory / "ca.crt"
+        if ca_key_path.exists() and ca_crt_path.exists():
+            key = serialization.load_pem_private_key(ca_key_path.read_bytes(), password=None)
+            cert = x509.load_pem_x509_certificate(ca_crt_path.read_bytes())
+            assert isinstance(key, ec.EllipticCurvePrivateKey)
+            ca = cls(directory, key, cert)
+        else:
+            key = new_private_key()
+            name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "AISynergy hub CA")])
+            now = _now()
+            cert = (
+                x509.CertificateBuilder()
+                .subject_name(name)
+                .issuer_name(name)
+                .public_key(key.public_key())
+                .serial_number(x509.random_serial_number())
+                .not_valid_before(now - dt.timedelta(minutes=5))
+                .not_valid_after(now + CA_VALIDITY)
+                .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
+                .add_extension(
+                    x509.KeyUsage(False, False, False, False, False, True, True, False, False), critical=True
+                )
+                .add_extension(x509.SubjectKeyIdentifier.from_public_key(key.public_key()), critical=False)
+                .sign(key, hashes.SHA256())
+            )
+            _write_private(ca_key_path, _key_pem(key))
+            _write_public(ca_crt_path, cert.public_bytes(serialization.Encoding.PEM))
+            ca = cls(directory, key, cert)
+        if not (directory / "crl.pem").exists():
+            ca.write_crl([])
+        ca.ensure_broker_identity(broker_hosts)
+        ca.ensure_client_identity(HUB_IDENTITY)
+        return ca
+
+    @property
+    def ca_pem(self) -> str:
+        return self.cert.public_bytes(serialization.Encoding.PEM).decode()
+
+    def _builder(self, subject_cn: str, public_key: object, validity: dt.timedelta) -> x509.CertificateBuilder:
+        now = _now()
+        return (
+            x509.CertificateBuilder()
+            .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, subject_cn)]))
+            .issuer_name(self.cert.subject)
+            .public_key(public_key)  # type: ignore[arg-type]
+            .serial_number(x509.random_serial_number())
+            .not_valid_before(now - dt.timedelta(minutes=5))
+            .not_valid_after(now + validity)
+            .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
+            .add_extension(
+                x509.AuthorityKeyIdentifier.from_issuer_public_key(self._key.public_key()), critical=False
+            )
+        )
+
+    def ensure_broker_identity(self, extra_hosts: tuple[str, ...] = ()) -> None:
+        crt, key_path = self.directory / "broker.crt", self.directory / "broker.key"
+        hosts = sorted({"localhost", "127.0.0.1", "::1", *extra_hosts})
+        if crt.exists() and key_path.exists():
+            existing = x509.load_pem_x509_certificate(crt.read_bytes())
+            san = existing.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+            have = {str(v) for v in san.get_values_for_type(x509.DNSName)} | {
+                str(v) for v in san.get_values_for_type(x509.IPAddress)
+            }
+            if set(hosts) <= have:
+                return
+        key = new_private_key()
+        names: list[x509.GeneralName] = []
+        for host in hosts:
+            try:
+                names.append(x509.IPAddress(ipaddress.ip_address(host)))
+            except ValueError:
+                names.append(x509.DNSName(host))
+        cert = (
+            self._builder("aisynergy-broker", key.public_key(), LEAF_VALIDITY)
+            .add_extension(x509.SubjectAlternativeName(names), critical=False)
+            .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH]), critical=False)
+            .sign(self._key, hashes.SHA256())
+        )
+        # the broker may run as another user (mosquitto drops root): its key must be readable by it
+        _write_public(key_path, _key_pem(key))
+        os.chmod(key_path, 0o640 if os.geteuid() != 0 else 0o644)
+        _write_public(crt, cert.public_bytes(serialization.Encoding.PEM))
+
+    def ensure_client_identity(self, common_name: str) -> tuple[Path, Path]:
+        crt, key_path = self.directory / f"{common_name}.crt", self.directory / f"{common_name}.key"
+        if not (crt.exists() and key_path.exists()):
+            key = new_private_key()
+            cert = self._client_cert(common_name, key.public_key(), LEAF_VALIDITY)
+            _write_private(key_path, _key_pem(key))
+            _write_public(crt, cert.public_bytes(serialization.Encoding.PEM))
+        return crt, key_path
+
+    def _client_cert(self, common_name: str, public_key: object, validity: dt.timedelta) -> x509.Certificate:
+        return (
+            self._builder(common_name, public_key, validity)
+            .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.CLIENT_AUTH]), critical=False)
+            .add_extension(
+                x509.KeyUsage(True, False, True, False, False, False, False, False, False), critical=True
+            )
+            .sign(self._key, hashes.SHA256())
+        )
+
+    # ---- node identities ----------------------------------------------------------------------------
+    def sign_csr(self, csr_pem: str, expected_cn: str, validity: dt.timedelta = LEAF_VALIDITY) -> Issued:
+        """Sign a node's CSR. The subject must be exactly ``CN=<expected_cn>``; RSA < 2048 refused."""
+        try:
+            csr = x509.load_pem_x509_csr(csr_pem.encode())
+        except (ValueError, TypeError) as exc:
+            raise CsrError("not a PEM PKCS#10 certificate signing request") from exc
+        try:
+            if not csr.is_signature_valid:
+                raise CsrError("the CSR's signature does not verify")
+        except InvalidSignature as exc:  # pragma: no cover - older cryptography
+            raise CsrError("the CSR's signature does not verify") from exc
+        cns = csr.subject.get_attributes_for_oid(NameOID.COMMON_NAME)
+        if len(cns) != 1 or cns[0].value != expected_cn or len(csr.subject) != 1:
+            raise CsrError(f"the CSR's subject must be exactly CN={expected_cn}")
+        public_key = csr.public_key()
+        if isinstance(public_key, rsa.RSAPublicKey):
+            if public_key.key_size < 2048:
+                raise CsrError("RSA keys shorter than 2048 bits are refused")
+        elif isinstance(public_key, ec.EllipticCurvePublicKey):
+            if public_key.curve.key_size < 256:
+                raise CsrError("EC keys smaller than 256 bits are refused")
+        elif not isinstance(public_key, ed25519.Ed25519PublicKey):
+            raise CsrError("unsupported key type: use EC P-256, Ed25519 or RSA >= 2048")
+        cert = self._client_cert(expected_cn, public_key, validity)
+        return Issued(
+            certificate_pem=cert.public_bytes(serialization.Encoding.PEM).decode(),
+            serial=format(cert.serial_number, "x"),
+            not_after=cert.not_valid_after_utc,
+        )
+
+    def write_crl(self, revoked: list[tuple[str, dt.datetime]]) -> Path:
+        """Rewrite ``crl.pem`` with the given (hex serial, revoked at) pairs."""
+        now = _now()
+        builder = (
+            x509.CertificateRevocationListBuilder()
+            .issuer_name(self.cert.subject)
+            .last_update(now - dt.timedelta(minutes=5))
+            .next_update(now + dt.timedelta(days=30))
+        )
+        for serial_hex, at in revoked:
+            builder = builder.add_revoked_certificate(
+                x509.RevokedCertificateBuilder().serial_number(int(serial_hex, 16)).revocation_date(at).build()
+            )
+        crl = builder.sign(self._key, hashes.SHA256())
+        path = self.directory / "crl.pem"
+        _write_public(path, crl.public_bytes(serialization.Encoding.PEM))
+        return path

@@ -1,0 +1,200 @@
+"""Edge node management (DESIGN §4.1): registration, enrolment, lifecycle, revocation.
+
+Transport-neutral: REST routes and the MQTT bridge both call into here.
+"""
+
+from __future__ import annotations
+
+import logging
+from datetime import UTC, datetime, timedelta
+
+from sqlalchemy import select, update
+from sqlmodel import Session
+
+from cloud.auth import hash_secret, new_secret
+from cloud.convert import utc
+from cloud.errors import ApiError, BadRequest, Conflict, NotFound
+from cloud.pki import CertificateAuthority, CsrError
+from cloud.services.labels import clear_labels, selector_clause, set_labels
+from cloud.services.paging import page, parse_selector_or_400
+from cloud.tables import BootstrapToken, Certificate, Device, Node, NodeTransitionRow
+from interfaces.errors import ErrorCode
+from interfaces.ids import new_id
+from interfaces.lifecycle import AdminState, IllegalTransition, NodeState, check_transition
+from interfaces.nodes import CertificateRequest, NodeCreate, NodeUpdate
+
+log = logging.getLogger("aisynergy.hub.nodes")
+BOOTSTRAP_PREFIX = "bst_"
+
+
+def now() -> datetime:
+    return datetime.now(UTC)
+
+
+def record_transition(session: Session, node_id: str, from_state: str | None, to_state: NodeState, reason: str, at: datetime) -> None:
+    session.add(NodeTransitionRow(node_id=node_id, from_state=from_state, to_state=to_state.value, at=at, reason=reason[:256]))
+
+
+def transition(session: Session, node: Node, target: NodeState, reason: str) -> None:
+    """Move ``node`` to ``target`` if the lifecycle allows it; record the step."""
+    current = NodeState(node.state)
+    if current == target:
+        return
+    try:
+        check_transition(current, target)
+    except IllegalTransition as exc:
+        raise Conflict(str(exc), code=ErrorCode.ILLEGAL_TRANSITION, current_state=current.value) from exc
+    at = now()
+    record_transition(session, node.id, node.state, target, reason, at)
+    node.state = target.value
+    node.last_state_change_at = at
+    node.updated_at = at
+
+
+def _issue_bootstrap(session: Session, node_id: str, ttl_s: int) -> tuple[str, datetime]:
+    secret = new_secret(BOOTSTRAP_PREFIX)
+    at = now()
+    expires = at + timedelta(seconds=ttl_s)
+    session.add(BootstrapToken(token_hash=hash_secret(secret), node_id=node_id, created_at=at, expires_at=expires))
+    return secret, expires
+
+
+def register(session: Session, body: NodeCreate) -> tuple[Node, str, datetime]:
+    at = now()
+    node = Node(
+        id=new_id("n"),
+        name=body.name,
+        kind=body.kind.value,
+        description=body.description,
+        labels=dict(body.labels),
+        state=NodeState.REGISTERED.value,
+        admin_state=AdminState.UNLOCKED.value,
+        created_at=at,
+        updated_at=at,
+        last_state_change_at=at,
+    )
+    session.add(node)
+    set_labels(session, node.id, node.labels)
+    record_transition(session, node.id, None, NodeState.REGISTERED, "registered", at)
+    token, expires = _issue_bootstrap(session, node.id, body.bootstrap_ttl_s)
+    session.commit()
+    log.info("registered node %s (%s)", node.id, node.name)
+    return node, token, expires
+
+
+def get(session: Session, node_id: str) -> Node:
+    node = session.get(Node, node_id)
+    if node is None or node.state == NodeState.DELETED:
+        raise NotFound(f"node {node_id} does not exist")
+    return node
+
+
+def list_nodes(session: Session, selector: str | None, state: NodeState | None, limit: int, cursor: str | None) -> tuple[list[Node], str | None]:
+    requirements = parse_selector_or_400(selector)
+    query = select(Node).where(Node.state != NodeState.DELETED.value, *selector_clause(Node.id, requirements))
+    if state is not None:
+        query = query.where(Node.state == state.value)
+    return page(session, query, Node.id, limit, cursor)
+
+
+def update_node(session: Session, node_id: str, body: NodeUpdate) -> Node:
+    node = get(session, node_id)
+    if body.name is not None:
+        node.name = body.name
+    if body.description is not None:
+        node.description = body.description
+    if body.labels is not None:
+        node.labels = dict(body.labels)
+        set_labels(session, node.id, node.labels)
+    node.updated_at = now()
+    session.add(node)
+    session.commit()
+    return node
+
+
+def set_admin_state(session: Session, node_id: str, admin_state: AdminState) -> Node:
+    node = get(session, node_id)
+    if node.admin_state != admin_state.value:
+        node.admin_state = admin_state.value
+        node.updated_at = now()
+        session.add(node)
+        session.commit()
+        log.info("node %s admin state %s", node_id, admin_state)
+    return node
+
+
+def reissue_bootstrap(session: Session, node_id: str, ttl_s: int) -> tuple[str, datetime]:
+    get(session, node_id)
+    token, expires = _issue_bootstrap(session, node_id, ttl_s)
+    session.commit()
+    return token, expires
+
+
+def enrol(session: Session, ca: CertificateAuthority, node_id: str, body: CertificateRequest, validity: timedelta) -> tuple[Node, Certificate, str]:
+    """Check the one-time bootstrap token, sign the CSR, revoke any certificate it supersedes."""
+    token = session.get(BootstrapToken, hash_secret(body.bootstrap_token), with_for_update=True)
+    if token is None or token.node_id != node_id:
+        raise ApiError("bootstrap token is not valid for this node", code=ErrorCode.BOOTSTRAP_TOKEN_INVALID, status=403)
+    node = session.get(Node, node_id)
+    if node is None:
+        raise NotFound(f"node {node_id} does not exist")
+    if node.state == NodeState.DELETED:
+        raise Conflict(f"node {node_id} was deleted", code=ErrorCode.NODE_DELETED)
+    if token.used_at is not None:
+        raise Conflict("bootstrap token was already used", code=ErrorCode.BOOTSTRAP_TOKEN_USED)
+    if utc(token.expires_at) <= now():  # type: ignore[operator]
+        raise ApiError("bootstrap token has expired", code=ErrorCode.BOOTSTRAP_TOKEN_EXPIRED, status=403)
+    try:
+        issued = ca.sign_csr(body.csr_pem, expected_cn=node_id, validity=validity)
+    except CsrError as exc:
+        raise BadRequest(str(exc), code=ErrorCode.CSR_INVALID, status=422) from exc
+    # Consume the token with a guarded UPDATE so that two concurrent enrolments cannot both win.
+    consumed = session.execute(
+        update(BootstrapToken)
+        .where(BootstrapToken.token_hash == token.token_hash, BootstrapToken.used_at.is_(None))  # type: ignore[union-attr]
+        .values(used_at=now())
+    )
+    if consumed.rowcount != 1:  # type: ignore[attr-defined]
+        session.rollback()
+        raise Conflict("bootstrap token was already used", code=ErrorCode.BOOTSTRAP_TOKEN_USED)
+    at = now()
+    superseded = session.execute(
+        update(Certificate).where(Certificate.identity == node_id, Certificate.revoked_at.is_(None)).values(revoked_at=at)  # type: ignore[union-attr]
+    ).rowcount  # type: ignore[attr-defined]
+    cert = Certificate(serial=issued.serial, identity=node_id, issued_at=at, not_after=issued.not_after)
+    session.add(cert)
+    node.certificate_serial = issued.serial
+    node.certificate_not_after = issued.not_after
+    node.updated_at = at
+    session.add(node)
+    session.commit()
+    log.info("issued certificate %s to node %s (superseded %d)", issued.serial, node_id, superseded)
+    return node, cert, issued.certificate_pem
+
+
+def delete(session: Session, node_id: str) -> Node:
+    """Mark the node DELETED, revoke its certificates, delete its devices. Returns the node."""
+    node = get(session, node_id)
+    transition(session, node, NodeState.DELETED, "deleted by integrator")
+    at = now()
+    node.deleted_at = at
+    session.execute(
+        update(Certificate).where(Certificate.identity == node_id, Certificate.revoked_at.is_(None)).values(revoked_at=at)  # type: ignore[union-attr]
+    )
+    for device in session.exec(select(Device).where(Device.node_id == node_id, Device.state != NodeState.DELETED.value)).scalars():  # type: ignore[call-overload]
+        device.state = NodeState.DELETED.value
+        device.deleted_at = at
+        clear_labels(session, device.id)
+        session.add(device)
+    clear_labels(session, node.id)
+    session.add(node)
+    session.commit()
+    log.info("deleted node %s and revoked its certificates", node_id)
+    return node
+
+
+def history(session: Session, node_id: str, limit: int, cursor: str | None) -> tuple[list[NodeTransitionRow], str | None]:
+    get(session, node_id)
+    query = select(NodeTransitionRow).where(NodeTransitionRow.node_id == node_id)
+    rows = list(session.exec(query.order_by(NodeTransitionRow.id).limit(limit)).scalars())  # type: ignore[call-overload]
+    return rows, None

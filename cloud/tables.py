@@ -1,0 +1,136 @@
+"""Database tables (SQLModel). The schema is created and upgraded by Alembic (cloud/migrations)."""
+
+from __future__ import annotations
+
+from datetime import datetime
+from typing import Any
+
+from sqlalchemy import JSON, Column, DateTime, Index, Text, UniqueConstraint
+from sqlmodel import Field, SQLModel
+
+
+def _ts(**kw: Any) -> Any:
+    return Field(sa_column=Column(DateTime(timezone=True), **kw))
+
+
+class Node(SQLModel, table=True):
+    __tablename__ = "nodes"
+    __table_args__ = (Index("ix_nodes_state", "state"),)
+
+    id: str = Field(primary_key=True, max_length=64)
+    name: str = Field(max_length=128)
+    kind: str = Field(max_length=16)
+    description: str = Field(default="", sa_column=Column(Text, nullable=False, default=""))
+    labels: dict[str, str] = Field(default_factory=dict, sa_column=Column(JSON, nullable=False))
+    state: str = Field(max_length=16)
+    admin_state: str = Field(max_length=16)
+    created_at: datetime = _ts(nullable=False)
+    updated_at: datetime = _ts(nullable=False)
+    deleted_at: datetime | None = _ts(nullable=True)
+    certificate_serial: str | None = Field(default=None, max_length=64)
+    certificate_not_after: datetime | None = _ts(nullable=True)
+    last_heartbeat_at: datetime | None = _ts(nullable=True)
+    last_state_change_at: datetime | None = _ts(nullable=True)
+    health: str | None = Field(default=None, max_length=16)
+    health_detail: str | None = Field(default=None, sa_column=Column(Text, nullable=True))
+    agent_version: str | None = Field(default=None, max_length=64)
+    uptime_s: float | None = None
+    resources: dict[str, Any] | None = Field(default=None, sa_column=Column(JSON, nullable=True))
+
+
+class NodeTransitionRow(SQLModel, table=True):
+    __tablename__ = "node_transitions"
+    __table_args__ = (Index("ix_node_transitions_node", "node_id", "id"),)
+
+    id: int | None = Field(default=None, primary_key=True)
+    node_id: str = Field(max_length=64)
+    from_state: str | None = Field(default=None, max_length=16)
+    to_state: str = Field(max_length=16)
+    at: datetime = _ts(nullable=False)
+    reason: str = Field(max_length=256)
+
+
+class Label(SQLModel, table=True):
+    """One row per (owner, key): lets label selectors run in SQL for nodes and devices alike."""
+
+    __tablename__ = "labels"
+    __table_args__ = (Index("ix_labels_key_value", "key", "value"),)
+
+    owner_id: str = Field(primary_key=True, max_length=64)
+    key: str = Field(primary_key=True, max_length=317)
+    value: str = Field(max_length=63)
+
+
+class BootstrapToken(SQLModel, table=True):
+    __tablename__ = "bootstrap_tokens"
+
+    token_hash: str = Field(primary_key=True, max_length=64)
+    node_id: str = Field(index=True, max_length=64)
+    created_at: datetime = _ts(nullable=False)
+    expires_at: datetime = _ts(nullable=False)
+    used_at: datetime | None = _ts(nullable=True)
+
+
+class Certificate(SQLModel, table=True):
+    __tablename__ = "certificates"
+
+    serial: str = Field(primary_key=True, max_length=64)
+    identity: str = Field(index=True, max_length=64)
+    issued_at: datetime = _ts(nullable=False)
+    not_after: datetime = _ts(nullable=False)
+    revoked_at: datetime | None = _ts(nullable=True)
+
+
+class Device(SQLModel, table=True):
+    __tablename__ = "devices"
+
+    id: str = Field(primary_key=True, max_length=64)
+    node_id: str = Field(index=True, max_length=64)
+    name: str | None = Field(default=None, max_length=128)
+    model: str = Field(max_length=128)
+    description: str = Field(default="", sa_column=Column(Text, nullable=False, default=""))
+    labels: dict[str, str] = Field(default_factory=dict, sa_column=Column(JSON, nullable=False))
+    state: str = Field(max_length=16)
+    created_at: datetime = _ts(nullable=False)
+    updated_at: datetime = _ts(nullable=False)
+    deleted_at: datetime | None = _ts(nullable=True)
+    desired: dict[str, Any] = Field(default_factory=dict, sa_column=Column(JSON, nullable=False))
+    desired_version: int = 0
+    reported: dict[str, Any] = Field(default_factory=dict, sa_column=Column(JSON, nullable=False))
+    reported_version: int = 0
+    reported_at: datetime | None = _ts(nullable=True)
+
+
+class ApiToken(SQLModel, table=True):
+    __tablename__ = "api_tokens"
+
+    id: str = Field(primary_key=True, max_length=64)
+    token_hash: str = Field(unique=True, max_length=64)
+    role: str = Field(max_length=16)
+    name: str = Field(default="", max_length=128)
+    created_at: datetime = _ts(nullable=False)
+    revoked_at: datetime | None = _ts(nullable=True)
+
+
+class IdempotencyRecord(SQLModel, table=True):
+    __tablename__ = "idempotency_records"
+    __table_args__ = (UniqueConstraint("principal", "key", name="uq_idempotency_principal_key"),)
+
+    id: int | None = Field(default=None, primary_key=True)
+    principal: str = Field(max_length=64)
+    key: str = Field(max_length=255)
+    request_hash: str = Field(max_length=64)
+    status_code: int | None = None
+    content_type: str | None = Field(default=None, max_length=128)
+    response_body: str | None = Field(default=None, sa_column=Column(Text, nullable=True))
+    created_at: datetime = _ts(nullable=False)
+
+
+class Lease(SQLModel, table=True):
+    """Only the replica holding a controller's lease drives it."""
+
+    __tablename__ = "leases"
+
+    name: str = Field(primary_key=True, max_length=64)
+    holder: str = Field(max_length=128)
+    expires_at: datetime = _ts(nullable=False)
