@@ -9,6 +9,7 @@ Every topic comes from :mod:`interfaces.topics` (DESIGN §4.4).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import random
 import ssl
@@ -152,7 +153,11 @@ class EdgeAgent:
             self._transport_error.message = None
             log.info("connecting to mqtts://%s:%s as %s (attempt %s)", self.host, self.port, self.node_id, attempt)
             try:
-                async with self._client() as client:
+                async with contextlib.AsyncExitStack() as stack:
+                    client = await self._connect(stack)
+                    if client is None:
+                        log.info("stopped while connecting")
+                        return
                     log.info("connected to %s:%s", self.host, self.port)
                     attempt = 0
                     await self._session(client)
@@ -168,6 +173,17 @@ class EdgeAgent:
                     pass
 
     # ---- connection ---------------------------------------------------------------------------------
+    async def _connect(self, stack: contextlib.AsyncExitStack) -> aiomqtt.Client | None:
+        """Enter a fresh client's context on ``stack``; ``None`` when stopped before the broker answered."""
+        connecting = asyncio.create_task(stack.enter_async_context(self._client()))
+        stopping = asyncio.create_task(self._stop.wait())
+        await asyncio.wait((connecting, stopping), return_when=asyncio.FIRST_COMPLETED)
+        stopping.cancel()
+        if not connecting.done():
+            connecting.cancel()
+            return None
+        return connecting.result()
+
     def _client(self) -> aiomqtt.Client:
         will = envelope(self.node_id, self._state(ConnectionState.OFFLINE, "will"))
         return aiomqtt.Client(

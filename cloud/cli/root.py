@@ -43,3 +43,7 @@ def main(log_level: str) -> None:
     """AISynergy: cloud-edge-device orchestration for AI workloads."""
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("alembic").setLevel(logging.WARNING)
+
+
+if __name__ == "__main__":
+    main()

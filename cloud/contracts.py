@@ -1,0 +1,50 @@
+"""The generated contract artefacts committed under ``interfaces/``, and the check that they match the code.
+
+- ``interfaces/openapi.json``: the hub's OpenAPI document;
+- ``interfaces/schemas/<channel>.json``: the JSON Schema of every MQTT payload in the topic table;
+- ``interfaces/TOPICS.md``: the topic table.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import interfaces
+from interfaces.topics import TOPICS, topic_table_markdown
+
+ROOT = Path(interfaces.__file__).parent
+
+
+def _dump(data: object) -> str:
+    return json.dumps(data, indent=2, sort_keys=True, ensure_ascii=False) + "\n"
+
+
+def render() -> dict[Path, str]:
+    from cloud.api.app import create_app
+    from cloud.config import Settings
+
+    app = create_app(Settings(enable_mqtt=False, data_dir=Path("/nonexistent")))
+    files: dict[Path, str] = {ROOT / "openapi.json": _dump(app.openapi()), ROOT / "TOPICS.md": topic_table_markdown()}
+    for topic in TOPICS:
+        name = topic.pattern.split("/", 3)[3].split("/", 1)[1].replace("/", "-")  # channel, e.g. "cmd-reply"
+        schema = topic.payload.model_json_schema()
+        schema["$id"] = f"urn:aisynergy:schema:{name}"
+        schema["description"] = f"{topic.description} (QoS {topic.qos}, retain {str(topic.retain).lower()})"
+        files[ROOT / "schemas" / f"{name}.json"] = _dump(schema)
+    return files
+
+
+def write() -> list[Path]:
+    written = []
+    for path, content in render().items():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        if not path.exists() or path.read_text() != content:
+            path.write_text(content)
+            written.append(path)
+    return written
+
+
+def drift() -> list[Path]:
+    """Paths whose committed content differs from what the code generates now."""
+    return [p for p, content in render().items() if not p.exists() or p.read_text() != content]
