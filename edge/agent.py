@@ -300,7 +300,13 @@ class EdgeAgent:
         except ValidationError as exc:
             await self._reject(client, message, exc)
             return
-        write_atomic(self.desired_path, request.model_dump_json().encode(), mode=0o600)
+        try:
+            write_atomic(self.desired_path, request.model_dump_json().encode(), mode=0o600)
+        except OSError as exc:
+            log.error("cannot store desired version %s: %s", request.body.version, exc)
+            error = EventBody(type="desired_not_stored", severity="error", message=str(exc), data={"version": request.body.version})
+            await self._publish(client, NODE_EVENTS, error)
+            return
         log.info("desired version %s stored", request.body.version)
         await self._publish(client, NODE_REPORTED, ReportedBody(version=request.body.version), reply_to=request.id)
 

@@ -133,3 +133,78 @@ def start_hub(data_dir: Path, database_url: str, broker_url: str, heartbeat_inte
     for role in ("admin", "operator", "viewer"):
         hub.tokens[role] = create_token(data_dir, database_url, role)
     return hub
+
+
+# ---- a simulated agent speaking only the documented protocol (for broker-level tests) ----------------
+@dataclass
+class Identity:
+    node_id: str
+    directory: Path
+
+    @property
+    def cert(self) -> Path:
+        return self.directory / "node.crt"
+
+    @property
+    def key(self) -> Path:
+        return self.directory / "node.key"
+
+    @property
+    def ca(self) -> Path:
+        return self.directory / "ca.crt"
+
+
+def enrol(hub: Hub, node_id: str, bootstrap_token: str, directory: Path) -> Identity:
+    from cryptography.hazmat.primitives import serialization
+
+    from cloud.pki import make_csr, new_private_key
+
+    key = new_private_key()
+    r = httpx.post(f"{hub.url}/api/v1/nodes/{node_id}/certificate", json={"csr_pem": make_csr(key, node_id), "bootstrap_token": bootstrap_token})
+    assert r.status_code == 201, r.text
+    body = r.json()
+    directory.mkdir(parents=True, exist_ok=True)
+    ident = Identity(node_id, directory)
+    ident.cert.write_text(body["certificate_pem"])
+    ident.ca.write_text(body["ca_pem"])
+    ident.key.write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()))
+    return ident
+
+
+class MqttProbe:
+    """A paho MQTT 5 client with one identity, recording connects, acks and messages."""
+
+    def __init__(self, ident: Identity, port: int) -> None:
+        import paho.mqtt.client as mqtt
+        from paho.mqtt.enums import CallbackAPIVersion
+
+        self.events: list[tuple[str, object]] = []
+        self.client = mqtt.Client(CallbackAPIVersion.VERSION2, client_id=ident.node_id, protocol=mqtt.MQTTv5)
+        self.client.tls_set(ca_certs=str(ident.ca), certfile=str(ident.cert), keyfile=str(ident.key))
+        self.client.on_connect = lambda c, u, f, rc, p: self.events.append(("connect", str(rc)))
+        self.client.on_disconnect = lambda c, u, f, rc, p: self.events.append(("disconnect", str(rc)))
+        self.client.on_publish = lambda c, u, mid, rc, p: self.events.append(("puback", (mid, str(rc))))
+        self.client.on_message = lambda c, u, m: self.events.append(("message", (m.topic, m.payload)))
+        self.port = port
+
+    def connect(self) -> MqttProbe:
+        try:
+            self.client.connect("127.0.0.1", self.port, keepalive=30)
+        except OSError as exc:  # TLS refusal can surface here
+            self.events.append(("refused", str(exc)))
+            return self
+        self.client.loop_start()
+        return self
+
+    def connected(self) -> bool:
+        return ("connect", "Success") in self.events
+
+    def publish(self, topic: str, payload: bytes | str, qos: int = 1, retain: bool = False) -> str:
+        """Publish and return the broker's PUBACK reason string."""
+        info = self.client.publish(topic, payload, qos=qos, retain=retain)
+        wait_for(lambda: any(e[0] == "puback" and e[1][0] == info.mid for e in self.events), 5, what="puback")  # type: ignore[index]
+        return next(e[1][1] for e in self.events if e[0] == "puback" and e[1][0] == info.mid)  # type: ignore[index]
+
+    def close(self) -> None:
+        self.client.disconnect()
+        self.client.loop_stop()

@@ -42,7 +42,8 @@ class _PluginGroup(click.Group):
 def main(log_level: str) -> None:
     """AISynergy: cloud-edge-device orchestration for AI workloads."""
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    logging.getLogger("alembic").setLevel(logging.WARNING)
+    for noisy in ("alembic", "httpx", "httpcore"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)
 
 
 if __name__ == "__main__":

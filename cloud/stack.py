@@ -1,0 +1,159 @@
+"""The local stack behind ``aisynergy up``: broker, hub and one edge agent as child processes.
+
+Everything lives in one data directory, so a second ``up`` resumes the same stack:
+
+    DIR/pki/ broker/ hub.db      hub CA, broker config, SQLite database
+    DIR/admin.token               the admin bearer token printed at start (0600)
+    DIR/stack.json                the edge node's id
+    DIR/edge-1/                   the edge agent's identity and local state
+    DIR/logs/*.log                each child's output
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+
+log = logging.getLogger("aisynergy.up")
+CLI = [sys.executable, "-m", "cloud.cli.root"]
+
+
+class StackError(RuntimeError):
+    pass
+
+
+@dataclass
+class Child:
+    name: str
+    proc: subprocess.Popen[bytes]
+
+
+@dataclass
+class Stack:
+    data_dir: Path
+    hub_port: int = 8000
+    broker_port: int = 8883
+    host: str = "127.0.0.1"
+    children: list[Child] = field(default_factory=list)
+    admin_token: str = ""
+    node_id: str = ""
+
+    @property
+    def hub_url(self) -> str:
+        return f"http://{self.host}:{self.hub_port}"
+
+    @property
+    def broker_url(self) -> str:
+        return f"mqtts://{self.host}:{self.broker_port}"
+
+    def _spawn(self, name: str, args: list[str]) -> Child:
+        logs = self.data_dir / "logs"
+        logs.mkdir(parents=True, exist_ok=True)
+        out = (logs / f"{name}.log").open("ab")
+        proc = subprocess.Popen([*CLI, *args], stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
+        child = Child(name, proc)
+        self.children.append(child)
+        log.info("started %s (pid %d), log %s", name, proc.pid, logs / f"{name}.log")
+        return child
+
+    def _wait(self, what: str, check: object, child: Child, timeout: float = 60) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if child.proc.poll() is not None:
+                raise StackError(f"{what}: {child.name} exited with {child.proc.returncode} (see {self.data_dir}/logs/{child.name}.log)")
+            try:
+                if check():  # type: ignore[operator]
+                    return
+            except (httpx.HTTPError, OSError):
+                pass
+            time.sleep(0.2)
+        raise StackError(f"timed out waiting for {what}")
+
+    def start(self) -> None:
+        self.data_dir.mkdir(parents=True, exist_ok=True)
+        d = str(self.data_dir)
+        broker = self._spawn("broker", ["broker", "run", "--data-dir", d, "--host", self.host, "--port", str(self.broker_port)])
+        import socket
+
+        def broker_up() -> bool:
+            with socket.create_connection((self.host, self.broker_port), timeout=0.5):
+                return True
+
+        self._wait("the broker", broker_up, broker)
+        hub = self._spawn("hub", ["hub", "serve", "--data-dir", d, "--host", self.host, "--port", str(self.hub_port), "--broker-url", self.broker_url])
+        self._wait("the hub", lambda: httpx.get(self.hub_url + "/healthz", timeout=1).json()["mqtt"]["connected"], hub)
+        self.admin_token = self._admin_token()
+        node_id, token = self._edge_node()
+        args = ["edge", "run", "--hub", self.hub_url, "--node-id", node_id, "--data-dir", str(self.data_dir / "edge-1")]
+        if token:
+            args += ["--bootstrap-token", token]
+        edge = self._spawn("edge-1", args)
+        self._wait("the edge node to come ONLINE", lambda: self._node_state(node_id) == "ONLINE", edge)
+
+    def _admin_token(self) -> str:
+        path = self.data_dir / "admin.token"
+        if path.exists():
+            return path.read_text().strip()
+        out = subprocess.run([*CLI, "hub", "token", "create", "--role", "admin", "--name", "aisynergy up", "--data-dir", str(self.data_dir)],
+                             check=True, capture_output=True, text=True)  # fmt: skip
+        token = out.stdout.strip().splitlines()[-1]
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as fh:
+            fh.write(token + "\n")
+        return token
+
+    def api(self) -> httpx.Client:
+        return httpx.Client(base_url=self.hub_url + "/api/v1", headers={"Authorization": f"Bearer {self.admin_token}"}, timeout=5)
+
+    def _edge_node(self) -> tuple[str, str | None]:
+        """The edge node's id, registering it (and returning its bootstrap token) on first start."""
+        state_file = self.data_dir / "stack.json"
+        if state_file.exists():
+            node_id = json.loads(state_file.read_text())["edge_node_id"]
+            with self.api() as api:
+                if api.get(f"/nodes/{node_id}").status_code == 200:
+                    self.node_id = node_id
+                    return node_id, None
+        with self.api() as api:
+            r = api.post("/nodes", json={"name": "edge-1", "labels": {"stack": "local"}})
+            r.raise_for_status()
+            registered = r.json()
+        self.node_id = registered["node"]["id"]
+        state_file.write_text(json.dumps({"edge_node_id": self.node_id}) + "\n")
+        return self.node_id, registered["bootstrap_token"]
+
+    def _node_state(self, node_id: str) -> str | None:
+        with self.api() as api:
+            r = api.get(f"/nodes/{node_id}/status")
+            return r.json().get("state") if r.status_code == 200 else None
+
+    def failed(self) -> Child | None:
+        return next((c for c in self.children if c.proc.poll() is not None), None)
+
+    def stop(self, timeout: float = 10) -> None:
+        """Stop children in reverse order: SIGTERM to each process group, SIGKILL what is left."""
+        for child in reversed(self.children):
+            if child.proc.poll() is None:
+                try:
+                    os.killpg(child.proc.pid, signal.SIGTERM)
+                except ProcessLookupError:
+                    continue
+                try:
+                    child.proc.wait(timeout)
+                except subprocess.TimeoutExpired:
+                    log.warning("%s did not stop in %ss, killing it", child.name, timeout)
+            try:
+                os.killpg(child.proc.pid, signal.SIGKILL)  # anything the child left in its group
+            except ProcessLookupError:
+                pass
+            child.proc.wait()
+        self.children.clear()
