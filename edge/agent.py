@@ -22,8 +22,8 @@ from typing import Any
 from urllib.parse import urlsplit
 
 import aiomqtt
-from aiomqtt.exceptions import MqttConnectError
 import psutil
+from aiomqtt.exceptions import MqttConnectError
 from paho.mqtt.packettypes import PacketTypes
 from paho.mqtt.properties import Properties
 from pydantic import BaseModel, ValidationError
@@ -64,6 +64,7 @@ except PackageNotFoundError:  # pragma: no cover - running from a bare checkout
 
 MQTTS_DEFAULT_PORT = 8883
 UNKNOWN_COMMAND = "unknown_command"
+MIN_HEARTBEAT_S = 0.1
 
 
 def parse_mqtt_url(url: str) -> tuple[str, int]:
@@ -123,7 +124,10 @@ class EdgeAgent:
         self.config = config
         self.node_id = config.node_id
         self.host, self.port = parse_mqtt_url(config.mqtt_url)
+        if config.heartbeat_interval_s < MIN_HEARTBEAT_S:
+            raise ValueError(f"heartbeat interval {config.heartbeat_interval_s} s is below {MIN_HEARTBEAT_S} s")
         self.identity = IdentityStore(config.data_dir)
+        self._tls = tls_context(self.identity)
         self.desired_path = Path(config.data_dir) / "desired.json"
         self.rejected = 0
         self._sampler = sampler or ResourceSampler(Path(config.data_dir))
@@ -191,8 +195,10 @@ class EdgeAgent:
             self.port,
             identifier=self.node_id,
             protocol=aiomqtt.ProtocolVersion.V5,
-            tls_context=tls_context(self.identity),
-            will=aiomqtt.Will(NODE_STATE.topic(node_id=self.node_id), will.model_dump_json(), NODE_STATE.qos, NODE_STATE.retain),
+            tls_context=self._tls,
+            will=aiomqtt.Will(
+                NODE_STATE.topic(node_id=self.node_id), will.model_dump_json(), NODE_STATE.qos, NODE_STATE.retain
+            ),
             keepalive=self.config.keepalive_s,
             timeout=self.config.connect_timeout_s,
             logger=self._mqtt_log,
@@ -304,7 +310,9 @@ class EdgeAgent:
             write_atomic(self.desired_path, request.model_dump_json().encode(), mode=0o600)
         except OSError as exc:
             log.error("cannot store desired version %s: %s", request.body.version, exc)
-            error = EventBody(type="desired_not_stored", severity="error", message=str(exc), data={"version": request.body.version})
+            error = EventBody(
+                type="desired_not_stored", severity="error", message=str(exc), data={"version": request.body.version}
+            )
             await self._publish(client, NODE_EVENTS, error)
             return
         log.info("desired version %s stored", request.body.version)
@@ -329,7 +337,9 @@ class EdgeAgent:
             request_id = request.id
             result = self._execute(request.body)
             log.info("command %s (%s) answered ok=%s", request.body.name, request_id, result.ok)
-        await self._publish(client, NODE_CMD_REPLY, result, to=response_topic, reply_to=request_id, properties=reply_props)
+        await self._publish(
+            client, NODE_CMD_REPLY, result, to=response_topic, reply_to=request_id, properties=reply_props
+        )
 
     def _execute(self, command: CommandBody) -> CommandResultBody:
         if command.name == "ping":

@@ -24,7 +24,7 @@ from typing import NoReturn
 
 import click
 
-from edge.agent import AgentConfig, EdgeAgent, parse_mqtt_url
+from edge.agent import AgentConfig, EdgeAgent
 from edge.enrol import EnrolmentError, HubUnreachable, request_certificate
 from edge.identity import Enrolment, IdentityError, IdentityStore
 from interfaces.topics import NODE_STATE
@@ -48,12 +48,23 @@ def edge() -> None:
 @click.option("--hub", "hub_url", envvar="AISYNERGY_HUB_URL", help="hub base URL, e.g. https://hub:8000")
 @click.option("--node-id", envvar="AISYNERGY_NODE_ID", required=True, help="the id the hub gave this node")
 @click.option("--bootstrap-token", envvar="AISYNERGY_BOOTSTRAP_TOKEN", help="one-time token, first start only")
-@click.option("--data-dir", envvar="AISYNERGY_DATA_DIR", required=True,
-              type=click.Path(file_okay=False, path_type=Path), help="identity and local state")
+@click.option(
+    "--data-dir",
+    envvar="AISYNERGY_DATA_DIR",
+    required=True,
+    type=click.Path(file_okay=False, path_type=Path),
+    help="identity and local state",
+)
 @click.option("--mqtt-url", help="override the broker URL the hub gave (mqtts://host:port)")
 @click.option("--heartbeat-interval", type=click.FloatRange(min=0.1), help="seconds; overrides the hub's value")
-def run(hub_url: str | None, node_id: str, bootstrap_token: str | None, data_dir: Path,
-        mqtt_url: str | None, heartbeat_interval: float | None) -> None:
+def run(
+    hub_url: str | None,
+    node_id: str,
+    bootstrap_token: str | None,
+    data_dir: Path,
+    mqtt_url: str | None,
+    heartbeat_interval: float | None,
+) -> None:
     """Enrol if needed, then keep the node online until SIGTERM/SIGINT."""
     try:
         NODE_STATE.topic(node_id=node_id)
@@ -78,10 +89,12 @@ def run(hub_url: str | None, node_id: str, bootstrap_token: str | None, data_dir
         heartbeat_interval_s=heartbeat_interval or enrolment.heartbeat_interval_s,
     )
     try:
-        parse_mqtt_url(config.mqtt_url)
-    except ValueError as exc:
-        raise click.BadParameter(str(exc), param_hint="--mqtt-url") from None
-    asyncio.run(_serve(EdgeAgent(config)))
+        agent = EdgeAgent(config)
+    except ValueError as exc:  # a bad broker URL or heartbeat interval, ours or the hub's
+        raise click.UsageError(f"{exc} (see --mqtt-url, --heartbeat-interval)") from None
+    except OSError as exc:  # ssl.SSLError included: the key does not match the certificate
+        _fail(EXIT_IDENTITY, f"cannot load the node certificate and key from {store.identity_dir}: {exc}")
+    asyncio.run(_serve(agent))
     sys.exit(EXIT_OK)
 
 

@@ -99,7 +99,9 @@ def _issued(response: httpx.Response, node_id: str) -> CertificateIssued:
     try:
         issued = CertificateIssued.model_validate_json(response.content)
     except ValidationError as exc:
-        raise EnrolmentError(INVALID_RESPONSE, f"the hub's answer is not a CertificateIssued: {exc}", response.status_code) from exc
+        raise EnrolmentError(
+            INVALID_RESPONSE, f"the hub's answer is not a CertificateIssued: {exc}", response.status_code
+        ) from exc
     if issued.node_id != node_id:
         raise EnrolmentError(INVALID_RESPONSE, f"the hub issued a certificate for {issued.node_id!r}, not {node_id!r}")
     log.info("certificate issued for %s (serial %s, valid until %s)", node_id, issued.serial, issued.not_after)

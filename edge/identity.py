@@ -100,7 +100,9 @@ class IdentityStore:
             return key
         self.identity_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
         key = ec.generate_private_key(ec.SECP256R1())
-        pem = key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption())
+        pem = key.private_bytes(
+            serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
+        )
         write_atomic(self.key_path, pem, mode=0o600)
         log.info("generated a new node key in %s", self.key_path)
         return key
@@ -153,7 +155,9 @@ class IdentityStore:
         """Raise :class:`IdentityError` unless key, certificate and CA are all present."""
         missing = [p.name for p in (self.key_path, self.cert_path, self.ca_path) if not p.exists()]
         if missing:
-            raise IdentityError(f"{self.identity_dir} lacks {', '.join(missing)}; remove {self.enrolment_path} to re-enrol")
+            raise IdentityError(
+                f"{self.identity_dir} lacks {', '.join(missing)}; remove {self.enrolment_path} to re-enrol"
+            )
         if os.stat(self.key_path).st_mode & 0o077:
             log.warning("%s is readable by other users; it should be mode 0600", self.key_path)
 

@@ -46,7 +46,13 @@ def parse_nvidia_smi(output: str) -> list[Accelerator]:
         memory = int(_number(memory_mib) * 1024 * 1024)  # nvidia-smi reports MiB
         groups[(name[:128], memory)].append(min(1.0, _number(utilisation) / 100))
     return [
-        Accelerator(type=AcceleratorType.GPU, model=name, count=len(utils), memory_bytes=memory, utilisation=sum(utils) / len(utils))
+        Accelerator(
+            type=AcceleratorType.GPU,
+            model=name,
+            count=len(utils),
+            memory_bytes=memory,
+            utilisation=sum(utils) / len(utils),
+        )
         for (name, memory), utils in groups.items()
     ]
 
@@ -116,7 +122,9 @@ class ResourceSampler:
                 send_rate = (sent - prev_sent) * 8 / elapsed
                 receive_rate = (received - prev_received) * 8 / elapsed
         self._net_prev = (now, sent, received)
-        return NetworkReading(bytes_sent=sent, bytes_received=received, send_rate_bps=send_rate, receive_rate_bps=receive_rate)
+        return NetworkReading(
+            bytes_sent=sent, bytes_received=received, send_rate_bps=send_rate, receive_rate_bps=receive_rate
+        )
 
     def _accelerators_cached(self) -> list[Accelerator]:
         if self._smi is None:

@@ -42,7 +42,9 @@ class ThrowawayCA:
     def pem(self) -> str:
         return self.cert.public_bytes(serialization.Encoding.PEM).decode()
 
-    def _leaf(self, cn: str, public_key: object, usage: x509.ObjectIdentifier, hosts: tuple[str, ...] = ()) -> x509.Certificate:
+    def _leaf(
+        self, cn: str, public_key: object, usage: x509.ObjectIdentifier, hosts: tuple[str, ...] = ()
+    ) -> x509.Certificate:
         now = dt.datetime.now(dt.UTC)
         builder = (
             x509.CertificateBuilder().subject_name(_name(cn)).issuer_name(self.cert.subject)
@@ -56,7 +58,9 @@ class ThrowawayCA:
             )
         return builder.sign(self.key, hashes.SHA256())
 
-    def issue(self, csr_pem: str, node_id: str, mqtt_url: str = "mqtts://127.0.0.1:8883", heartbeat_s: float = 5.0) -> CertificateIssued:
+    def issue(
+        self, csr_pem: str, node_id: str, mqtt_url: str = "mqtts://127.0.0.1:8883", heartbeat_s: float = 5.0
+    ) -> CertificateIssued:
         """What the hub answers to a CSR."""
         csr = x509.load_pem_x509_csr(csr_pem.encode())
         cert = self._leaf(node_id, csr.public_key(), ExtendedKeyUsageOID.CLIENT_AUTH)
@@ -77,7 +81,11 @@ class ThrowawayCA:
         cert = self._leaf(cn, key.public_key(), usage, ("127.0.0.1",) if server else ())
         crt_path, key_path = directory / f"{cn}.crt", directory / f"{cn}.key"
         crt_path.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
-        key_path.write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()))
+        key_path.write_bytes(
+            key.private_bytes(
+                serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
+            )
+        )
         return crt_path, key_path
 
 

@@ -53,7 +53,9 @@ def broker(tmp_path: Path, test_ca) -> Iterator[tuple[int, Path]]:  # type: igno
         f"cafile {pki / 'ca.crt'}\ncertfile {crt}\nkeyfile {key}\nrequire_certificate true\nuse_identity_as_username true\n"
         + ("user root\n" if os.geteuid() == 0 else "")
     )
-    process = subprocess.Popen([MOSQUITTO, "-c", str(pki / "mosquitto.conf")], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    process = subprocess.Popen(
+        [MOSQUITTO, "-c", str(pki / "mosquitto.conf")], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+    )
     deadline = time.monotonic() + 5
     while not _listening(port):
         assert time.monotonic() < deadline and process.poll() is None, "mosquitto did not start"
@@ -92,7 +94,9 @@ class Hub:
         self.client.loop_stop()
         self.client.disconnect()
 
-    def publish(self, topic: str, payload: bytes, qos: int, retain: bool = False, properties: Properties | None = None) -> None:
+    def publish(
+        self, topic: str, payload: bytes, qos: int, retain: bool = False, properties: Properties | None = None
+    ) -> None:
         self.client.publish(topic, payload, qos=qos, retain=retain, properties=properties).wait_for_publish(5)
 
 
@@ -106,7 +110,9 @@ def test_agent_session_over_mutual_tls(tmp_path: Path, broker: tuple[int, Path],
     port, pki = broker
     node_id = new_id("nd")
     store = IdentityStore(tmp_path / "node")
-    store.save(test_ca.issue(store.make_csr(node_id), node_id, f"mqtts://127.0.0.1:{port}", heartbeat_s=0.2), "http://hub")
+    store.save(
+        test_ca.issue(store.make_csr(node_id), node_id, f"mqtts://127.0.0.1:{port}", heartbeat_s=0.2), "http://hub"
+    )
     hub = Hub(port, pki, node_id)
     agent = _start_agent(store.data_dir, node_id)
     try:
@@ -118,7 +124,11 @@ def test_agent_session_over_mutual_tls(tmp_path: Path, broker: tuple[int, Path],
         props.ResponseTopic, props.CorrelationData = NODE_CMD_REPLY.topic(node_id=node_id), b"corr-1"
         hub.publish(NODE_CMD.topic(node_id=node_id), request.model_dump_json().encode(), NODE_CMD.qos, properties=props)
         reply, body = hub.expect("cmd/reply", ok=True)
-        assert (reply.properties.CorrelationData, body["reply_to"], body["body"]["result"]["pong"]) == (b"corr-1", request.id, True)
+        assert (reply.properties.CorrelationData, body["reply_to"], body["body"]["result"]["pong"]) == (
+            b"corr-1",
+            request.id,
+            True,
+        )
 
         props.CorrelationData = b"corr-2"
         unknown = envelope("hub", CommandBody(name="format-disk")).model_dump_json().encode()
@@ -147,4 +157,5 @@ def test_agent_session_over_mutual_tls(tmp_path: Path, broker: tuple[int, Path],
         late.close()
     finally:
         agent.kill()
+        agent.wait(5)
         hub.close()

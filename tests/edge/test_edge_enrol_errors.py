@@ -21,7 +21,15 @@ def _problem(status: int, code: str, detail: str) -> httpx.Response:
 
 def _enrol(handler, attempts: int = 3):  # type: ignore[no-untyped-def]
     return asyncio.run(
-        request_certificate("http://hub", "nd-0001", CSR, TOKEN, attempts=attempts, max_delay_s=0, transport=httpx.MockTransport(handler))
+        request_certificate(
+            "http://hub",
+            "nd-0001",
+            CSR,
+            TOKEN,
+            attempts=attempts,
+            max_delay_s=0,
+            transport=httpx.MockTransport(handler),
+        )
     )
 
 

@@ -41,8 +41,16 @@ def test_enrolment_survives_a_restart(tmp_path: Path, test_ca) -> None:
     restarted.check_owner("nd-0001")
     restarted.check_complete()
     enrolment = restarted.load_enrolment()
-    assert (enrolment.node_id, enrolment.hub_url, enrolment.heartbeat_interval_s) == ("nd-0001", "https://hub.example:8000", 7.5)
-    assert (enrolment.serial, enrolment.not_after, enrolment.mqtt_url) == (issued.serial, issued.not_after, issued.mqtt_url)
+    assert (enrolment.node_id, enrolment.hub_url, enrolment.heartbeat_interval_s) == (
+        "nd-0001",
+        "https://hub.example:8000",
+        7.5,
+    )
+    assert (enrolment.serial, enrolment.not_after, enrolment.mqtt_url) == (
+        issued.serial,
+        issued.not_after,
+        issued.mqtt_url,
+    )
     assert restarted.cert_path.read_text() == issued.certificate_pem
     assert restarted.ca_path.read_text() == issued.ca_pem
     assert stat.S_IMODE(restarted.key_path.stat().st_mode) == 0o600
@@ -66,7 +74,9 @@ def test_cli_exits_4_on_identity_mismatch(tmp_path: Path, test_ca) -> None:
 
 
 def test_cli_first_start_without_token_is_a_usage_error(tmp_path: Path) -> None:
-    result = CliRunner().invoke(edge, ["run", "--hub", "http://127.0.0.1:9", "--node-id", "nd-0001", "--data-dir", str(tmp_path)])
+    result = CliRunner().invoke(
+        edge, ["run", "--hub", "http://127.0.0.1:9", "--node-id", "nd-0001", "--data-dir", str(tmp_path)]
+    )
 
     assert result.exit_code == 2
     assert "bootstrap-token" in result.output

@@ -53,5 +53,10 @@ def test_nvidia_smi_output_groups_gpus_by_model() -> None:
 
     assert set(gpus) == {"NVIDIA H200", "Tesla T4"}
     h200 = gpus["NVIDIA H200"]
-    assert (h200.type, h200.count, h200.memory_bytes, h200.utilisation) == (AcceleratorType.GPU, 2, 143771 * 1024**2, 0.5)
+    assert (h200.type, h200.count, h200.memory_bytes, h200.utilisation) == (
+        AcceleratorType.GPU,
+        2,
+        143771 * 1024**2,
+        0.5,
+    )
     assert (gpus["Tesla T4"].count, gpus["Tesla T4"].utilisation) == (1, 0.0)
