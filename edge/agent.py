@@ -171,10 +171,8 @@ class EdgeAgent:
             except aiomqtt.MqttError as exc:
                 delay = random.uniform(0, min(self.config.reconnect_cap_s, 1.5 ** min(10, attempt)))
                 self._log_failure(exc, delay)
-                try:
+                with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(self._stop.wait(), delay)
-                except TimeoutError:
-                    pass
 
     # ---- connection ---------------------------------------------------------------------------------
     async def _connect(self, stack: contextlib.AsyncExitStack) -> aiomqtt.Client | None:
@@ -207,12 +205,12 @@ class EdgeAgent:
     def _log_failure(self, exc: aiomqtt.MqttError, delay: float) -> None:
         where = f"{self.host}:{self.port}"
         reason = str(exc) or type(exc).__name__
-        if self._transport_error.message:
-            reason = f"{reason}: {self._transport_error.message}"
+        if self._transport_error.message:  # the real cause, where aiomqtt only saw a timeout
+            reason = f"{self._transport_error.message} ({reason})"
         if isinstance(exc, MqttConnectError):
             log.error("broker %s refused %s: %s; retrying in %.1f s", where, self.node_id, reason, delay)
         elif _is_tls_failure(exc, reason):
-            log.error("TLS with %s failed, certificate refused?: %s; retrying in %.1f s", where, reason, delay)
+            log.error("TLS with %s failed: %s; retrying in %.1f s", where, reason, delay)
         else:
             log.warning("connection to %s failed or lost: %s; retrying in %.1f s", where, reason, delay)
 

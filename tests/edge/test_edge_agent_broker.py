@@ -50,8 +50,8 @@ def broker(tmp_path: Path, test_ca) -> Iterator[tuple[int, Path]]:  # type: igno
     (pki / "acl").write_text(f"user hub\ntopic readwrite synergy/v1/#\npattern readwrite {acl_pattern(Tier.NODE)}\n")
     (pki / "mosquitto.conf").write_text(
         f"allow_anonymous false\npersistence false\nacl_file {pki / 'acl'}\nlistener {port} 127.0.0.1\n"
-        f"cafile {pki / 'ca.crt'}\ncertfile {crt}\nkeyfile {key}\nrequire_certificate true\nuse_identity_as_username true\n"
-        + ("user root\n" if os.geteuid() == 0 else "")
+        f"cafile {pki / 'ca.crt'}\ncertfile {crt}\nkeyfile {key}\n"
+        "require_certificate true\nuse_identity_as_username true\n" + ("user root\n" if os.geteuid() == 0 else "")
     )
     process = subprocess.Popen(
         [MOSQUITTO, "-c", str(pki / "mosquitto.conf")], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
