@@ -31,9 +31,9 @@ from pydantic import BaseModel, ValidationError
 from edge.files import write_atomic
 from edge.identity import IdentityStore
 from edge.resources import ResourceSampler
-from interfaces.errors import ErrorCode
 from interfaces.messages import (
     CommandBody,
+    CommandError,
     CommandResultBody,
     ConnectionState,
     EventBody,
@@ -63,7 +63,6 @@ except PackageNotFoundError:  # pragma: no cover - running from a bare checkout
     AGENT_VERSION = "0+unknown"
 
 MQTTS_DEFAULT_PORT = 8883
-UNKNOWN_COMMAND = "unknown_command"
 MIN_HEARTBEAT_S = 0.1
 
 
@@ -330,7 +329,7 @@ class EdgeAgent:
             self.rejected += 1
             log.warning("rejected a malformed command: %s", exc.error_count())
             log.debug("malformed command payload: %r", message.payload)
-            result = CommandResultBody(ok=False, error_code=ErrorCode.VALIDATION_FAILED.value, error=str(exc)[:2048])
+            result = CommandResultBody(ok=False, error_code=CommandError.VALIDATION_FAILED.value, error=str(exc)[:2048])
         else:
             request_id = request.id
             result = self._execute(request.body)
@@ -342,7 +341,7 @@ class EdgeAgent:
     def _execute(self, command: CommandBody) -> CommandResultBody:
         if command.name == "ping":
             return CommandResultBody(ok=True, result={"pong": True, "ts": datetime.now(UTC).isoformat()})
-        return CommandResultBody(ok=False, error_code=UNKNOWN_COMMAND, error=f"unknown command {command.name!r}")
+        return CommandResultBody(ok=False, error_code=CommandError.UNKNOWN_COMMAND.value, error=f"unknown command {command.name!r}")
 
     async def _reject(self, client: aiomqtt.Client, message: aiomqtt.Message, exc: ValidationError) -> None:
         """Drop a malformed message, count it and say so on ``events`` (DESIGN §6)."""

@@ -76,11 +76,20 @@ class CommandBody(_Body):
     timeout_s: float = Field(default=10, gt=0, le=3600)
 
 
+class CommandError(StrEnum):
+    """``error_code`` of a failed command result."""
+
+    UNKNOWN_COMMAND = "unknown_command"  # the agent has no handler for this name
+    VALIDATION_FAILED = "validation_failed"  # the request did not validate into CommandBody
+    FAILED = "failed"  # the handler ran and failed
+    TIMEOUT = "timeout"  # no answer within timeout_s
+
+
 class CommandResultBody(_Body):
     KIND: ClassVar[str] = "command_result"
     ok: bool
     result: dict[str, Any] | None = None
-    error_code: str | None = Field(default=None, max_length=64)
+    error_code: str | None = Field(default=None, max_length=64, description="a CommandError value, or an agent-specific code")
     error: str | None = Field(default=None, max_length=2048)
 
 

@@ -86,7 +86,7 @@ class CertificateIssued(BaseModel):
     serial: str
     not_after: datetime
     mqtt_url: str = Field(description="where the agent connects, e.g. mqtts://broker:8883")
-    heartbeat_interval_s: float
+    heartbeat_interval_s: float = Field(gt=0)
 
 
 class NodeStatus(BaseModel):

@@ -48,8 +48,8 @@ class DiskReading(_Strict):
 class NetworkReading(_Strict):
     bytes_sent: int = Field(ge=0)
     bytes_received: int = Field(ge=0)
-    send_rate_bps: float | None = Field(default=None, ge=0)
-    receive_rate_bps: float | None = Field(default=None, ge=0)
+    send_rate_bps: float | None = Field(default=None, ge=0, description="bits per second since the previous reading")
+    receive_rate_bps: float | None = Field(default=None, ge=0, description="bits per second since the previous reading")
 
 
 class Resources(_Strict):
