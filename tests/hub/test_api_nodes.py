@@ -16,7 +16,7 @@ from tests.hub.conftest import HubUnderTest, assert_problem
 
 
 def _ts(value: str) -> datetime:
-    return datetime.fromisoformat(value.replace("Z", "+00:00"))
+    return datetime.fromisoformat(value)
 
 
 def _list_ids(hub: HubUnderTest, path: str, **params: str | int) -> list[str]:
