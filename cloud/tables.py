@@ -121,7 +121,7 @@ class IdempotencyRecord(SQLModel, table=True):
     key: str = Field(max_length=255)
     request_hash: str = Field(max_length=64)
     status_code: int | None = None
-    content_type: str | None = Field(default=None, max_length=128)
+    response_headers: list[list[str]] | None = Field(default=None, sa_column=Column(JSON, nullable=True))
     response_body: str | None = Field(default=None, sa_column=Column(Text, nullable=True))
     created_at: datetime = _ts(nullable=False)
 

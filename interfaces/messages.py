@@ -15,11 +15,12 @@ from pydantic import BaseModel, ConfigDict, Field
 from interfaces import PROTOCOL_VERSION
 from interfaces.ids import new_id
 from interfaces.resources import Resources
+from interfaces.text import NoNul
 
 MAX_MESSAGE_BYTES = 256 * 1024
 
 
-class _Body(BaseModel):
+class _Body(NoNul):
     model_config = ConfigDict(extra="forbid")
     KIND: ClassVar[str]
 

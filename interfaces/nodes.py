@@ -12,14 +12,15 @@ from interfaces.lifecycle import AdminState, NodeState
 from interfaces.messages import Health
 from interfaces.resources import Resources
 from interfaces.selectors import validate_labels
+from interfaces.text import NoNul
 
 Labels = Annotated[dict[str, str], AfterValidator(validate_labels)]
 Name = Annotated[str, Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9][A-Za-z0-9 _.:-]*$")]
 Description = Annotated[str, Field(max_length=1024)]
 
 
-class _In(BaseModel):
-    """Request bodies refuse unknown fields."""
+class _In(NoNul):
+    """Request bodies refuse unknown fields and U+0000 in text."""
 
     model_config = ConfigDict(extra="forbid")
 

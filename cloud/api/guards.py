@@ -9,6 +9,7 @@ still running gets 409 ``idempotency_in_progress``. Server errors are not stored
 from __future__ import annotations
 
 import hashlib
+import re
 from collections.abc import Callable
 from datetime import UTC, datetime
 
@@ -24,6 +25,8 @@ from cloud.tables import IdempotencyRecord
 from interfaces.errors import ErrorCode
 
 WRITE_METHODS = {"POST", "PUT", "PATCH", "DELETE"}
+_KEY_RE = re.compile(r"^[\x20-\x7e]{1,255}$")  # as documented on the Idempotency-Key header
+_NOT_REPLAYED = {b"content-length", b"date", b"server", b"transfer-encoding", b"connection"}
 JSON_TYPES = ("application/json", "application/merge-patch+json")
 FORM_TYPES = ("multipart/form-data",)
 
@@ -91,19 +94,22 @@ class RequestGuard:
         if key is None:
             await self.app(scope, _replay(body), send)
             return
-        if not (1 <= len(key) <= 255) or not key.isprintable():
-            await simple_problem(ErrorCode.VALIDATION_FAILED, 400, "Bad Idempotency-Key", "Idempotency-Key must be 1-255 printable characters")(scope, receive, send)
+        if not _KEY_RE.match(key):
+            await simple_problem(ErrorCode.VALIDATION_FAILED, 422, "Bad Idempotency-Key", "Idempotency-Key must be 1-255 printable characters")(scope, receive, send)
             return
         await self._idempotent(scope, body, key, send)
 
     async def _idempotent(self, scope: Scope, body: bytes, key: str, send: Send) -> None:
-        principal = hashlib.sha256((_header(scope, b"authorization") or "").encode()).hexdigest()
+        # Keys are scoped per caller; callers without a bearer token (enrolment) per path.
+        authorization = _header(scope, b"authorization") or f"anonymous:{scope['path']}"
+        principal = hashlib.sha256(authorization.encode()).hexdigest()
         fingerprint = hashlib.sha256(
             b"\0".join([scope["method"].encode(), scope["path"].encode(), scope.get("query_string", b""), body])
         ).hexdigest()
         claim = await anyio.to_thread.run_sync(self._claim, principal, key, fingerprint)
         if isinstance(claim, IdempotencyRecord):
-            headers = [(b"content-type", (claim.content_type or "application/json").encode()), (b"idempotent-replayed", b"true")]
+            headers = [(k.encode("latin-1"), v.encode("latin-1")) for k, v in claim.response_headers or []]
+            headers.append((b"idempotent-replayed", b"true"))
             payload = (claim.response_body or "").encode()
             await send({"type": "http.response.start", "status": claim.status_code, "headers": headers})
             await send({"type": "http.response.body", "body": payload})
@@ -111,14 +117,14 @@ class RequestGuard:
         if claim is not None:
             await claim(scope, _replay(b""), send)
             return
-        captured: dict[str, object] = {"status": 500, "ctype": None, "body": []}
+        captured: dict[str, object] = {"status": 500, "headers": [], "body": []}
 
         async def capture(message: Message) -> None:
             if message["type"] == "http.response.start":
                 captured["status"] = message["status"]
-                for k, v in message.get("headers", []):
-                    if k.lower() == b"content-type":
-                        captured["ctype"] = v.decode("latin-1")
+                captured["headers"] = [
+                    [k.decode("latin-1"), v.decode("latin-1")] for k, v in message.get("headers", []) if k.lower() not in _NOT_REPLAYED
+                ]
             elif message["type"] == "http.response.body":
                 captured["body"].append(message.get("body", b""))  # type: ignore[union-attr]
             await send(message)
@@ -128,7 +134,7 @@ class RequestGuard:
         finally:
             status = int(captured["status"])  # type: ignore[call-overload]
             raw = b"".join(captured["body"])  # type: ignore[arg-type]
-            await anyio.to_thread.run_sync(self._complete, principal, key, status, captured["ctype"], raw)
+            await anyio.to_thread.run_sync(self._complete, principal, key, status, captured["headers"], raw)
 
     def _claim(self, principal: str, key: str, fingerprint: str) -> IdempotencyRecord | object | None:
         with Session(self.engine()) as session:
@@ -147,16 +153,17 @@ class RequestGuard:
                 return simple_problem(ErrorCode.IDEMPOTENCY_IN_PROGRESS, 409, "Request in progress", "a request with this Idempotency-Key is still running")
             return row
 
-    def _complete(self, principal: str, key: str, status: int, ctype: object, body: bytes) -> None:
+    def _complete(self, principal: str, key: str, status: int, headers: object, body: bytes) -> None:
         with Session(self.engine()) as session:
             row = session.exec(select(IdempotencyRecord).where(IdempotencyRecord.principal == principal, IdempotencyRecord.key == key)).scalars().first()  # type: ignore[call-overload]
             if row is None:
                 return
-            if status >= 500:
+            if status >= 500 or status in (401, 403):
+                # not stored: a server error can be retried, and a refused caller writes nothing
                 session.delete(row)
             else:
                 row.status_code = status
-                row.content_type = str(ctype) if ctype else None
+                row.response_headers = headers  # type: ignore[assignment]
                 row.response_body = body.decode("utf-8", errors="replace")
                 session.add(row)
             session.commit()

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 
-from sqlalchemy import select
+from sqlalchemy import select, update
 from sqlmodel import Session
 
 from cloud.errors import Conflict, NotFound
@@ -14,7 +14,7 @@ from cloud.services.nodes import now
 from cloud.services.paging import page, parse_selector_or_400
 from cloud.tables import Device
 from interfaces.errors import ErrorCode
-from interfaces.ids import new_id
+from interfaces.ids import is_id, new_id
 from interfaces.lifecycle import NodeState
 from interfaces.nodes import DeviceCreate, DeviceUpdate, TwinUpdate
 
@@ -43,7 +43,7 @@ def create(session: Session, body: DeviceCreate) -> Device:
 
 
 def get(session: Session, device_id: str) -> Device:
-    device = session.get(Device, device_id)
+    device = session.get(Device, device_id) if is_id(device_id) else None
     if device is None or device.state == NodeState.DELETED.value:
         raise NotFound(f"device {device_id} does not exist")
     return device
@@ -86,16 +86,25 @@ def delete(session: Session, device_id: str) -> None:
 
 
 def put_twin(session: Session, device_id: str, body: TwinUpdate) -> Device:
-    device = get(session, device_id)
-    if body.expected_version is not None and body.expected_version != device.desired_version:
-        raise Conflict(
-            f"desired version is {device.desired_version}, not {body.expected_version}",
-            code=ErrorCode.CONFLICT,
-            current_version=device.desired_version,
+    """Replace the desired document and bump its version.
+
+    The version check and the bump are one conditional UPDATE, so two writers holding the same
+    ``expected_version`` cannot both win; without ``expected_version`` the last writer wins.
+    """
+    for _attempt in range(5):
+        device = get(session, device_id)
+        expected = device.desired_version if body.expected_version is None else body.expected_version
+        result = session.execute(
+            update(Device)
+            .where(Device.id == device_id, Device.desired_version == expected)  # type: ignore[arg-type]
+            .values(desired=dict(body.desired), desired_version=expected + 1, updated_at=now())
         )
-    device.desired = dict(body.desired)
-    device.desired_version += 1
-    device.updated_at = now()
-    session.add(device)
-    session.commit()
-    return device
+        if result.rowcount == 1:  # type: ignore[attr-defined]
+            session.commit()
+            session.refresh(device)
+            return device
+        session.rollback()
+        if body.expected_version is not None:
+            break
+    current = get(session, device_id).desired_version
+    raise Conflict(f"desired version is {current}, not {expected}", code=ErrorCode.CONFLICT, current_version=current)

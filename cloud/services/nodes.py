@@ -13,13 +13,13 @@ from sqlmodel import Session
 
 from cloud.auth import hash_secret, new_secret
 from cloud.convert import utc
-from cloud.errors import ApiError, BadRequest, Conflict, NotFound
+from cloud.errors import BadRequest, Conflict, Forbidden, NotFound
 from cloud.pki import CertificateAuthority, CsrError
 from cloud.services.labels import clear_labels, selector_clause, set_labels
 from cloud.services.paging import page, parse_selector_or_400
 from cloud.tables import BootstrapToken, Certificate, Device, Node, NodeTransitionRow
 from interfaces.errors import ErrorCode
-from interfaces.ids import new_id
+from interfaces.ids import is_id, new_id
 from interfaces.lifecycle import AdminState, IllegalTransition, NodeState, check_transition
 from interfaces.nodes import CertificateRequest, NodeCreate, NodeUpdate
 
@@ -83,7 +83,7 @@ def register(session: Session, body: NodeCreate) -> tuple[Node, str, datetime]:
 
 
 def get(session: Session, node_id: str) -> Node:
-    node = session.get(Node, node_id)
+    node = session.get(Node, node_id) if is_id(node_id) else None
     if node is None or node.state == NodeState.DELETED:
         raise NotFound(f"node {node_id} does not exist")
     return node
@@ -132,9 +132,11 @@ def reissue_bootstrap(session: Session, node_id: str, ttl_s: int) -> tuple[str, 
 
 def enrol(session: Session, ca: CertificateAuthority, node_id: str, body: CertificateRequest, validity: timedelta) -> tuple[Node, Certificate, str]:
     """Check the one-time bootstrap token, sign the CSR, revoke any certificate it supersedes."""
+    if not is_id(node_id):
+        raise NotFound(f"node {node_id} does not exist")
     token = session.get(BootstrapToken, hash_secret(body.bootstrap_token), with_for_update=True)
     if token is None or token.node_id != node_id:
-        raise ApiError("bootstrap token is not valid for this node", code=ErrorCode.BOOTSTRAP_TOKEN_INVALID, status=403)
+        raise Forbidden("bootstrap token is not valid for this node", code=ErrorCode.BOOTSTRAP_TOKEN_INVALID)
     node = session.get(Node, node_id)
     if node is None:
         raise NotFound(f"node {node_id} does not exist")
@@ -143,7 +145,7 @@ def enrol(session: Session, ca: CertificateAuthority, node_id: str, body: Certif
     if token.used_at is not None:
         raise Conflict("bootstrap token was already used", code=ErrorCode.BOOTSTRAP_TOKEN_USED)
     if utc(token.expires_at) <= now():  # type: ignore[operator]
-        raise ApiError("bootstrap token has expired", code=ErrorCode.BOOTSTRAP_TOKEN_EXPIRED, status=403)
+        raise Forbidden("bootstrap token has expired", code=ErrorCode.BOOTSTRAP_TOKEN_EXPIRED)
     try:
         issued = ca.sign_csr(body.csr_pem, expected_cn=node_id, validity=validity)
     except CsrError as exc:

@@ -388,12 +388,10 @@ def test_wrong_method_is_405_problem(hub: HubUnderTest, seeded: dict[str, str], 
     ids=["node-description", "patch-description", "device-model", "node-id-path", "node-id-query"],
 )
 def test_nul_characters_never_cause_a_server_error(
-    request: pytest.FixtureRequest, hub: HubUnderTest, seeded: dict[str, str],
+    hub: HubUnderTest, seeded: dict[str, str],
     method: str, path: str, params: dict[str, str] | None, body: dict[str, str] | None,
 ) -> None:  # fmt: skip
     """PostgreSQL cannot store U+0000 in text; the hub must answer 4xx (or store it safely), never 500."""
-    if hub.engine.dialect.name == "postgresql":
-        request.applymarker(pytest.mark.xfail(strict=True, reason="BUG (cloud/): U+0000 in a string reaches PostgreSQL and the hub answers 500"))
     before = hub.snapshot()
 
     # Execute

@@ -119,7 +119,7 @@ def test_a_request_still_running_under_the_key_is_409(hub: HubUnderTest) -> None
     key = {"Idempotency-Key": "busy"}
     hub.request("POST", "/nodes", Role.OPERATOR, json={"name": "gw"}, headers=key)
     with Session(hub.engine) as session:
-        session.execute(update(IdempotencyRecord).where(IdempotencyRecord.key == "busy").values(status_code=None, content_type=None, response_body=None))
+        session.execute(update(IdempotencyRecord).where(IdempotencyRecord.key == "busy").values(status_code=None, response_headers=None, response_body=None))
         session.commit()
     before = hub.snapshot()
 
@@ -132,11 +132,6 @@ def test_a_request_still_running_under_the_key_is_409(hub: HubUnderTest) -> None
     assert _node_count(hub) == 1
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG (cloud/api/deps.py IdempotencyKey): the OpenAPI document allows an empty Idempotency-Key "
-    "(no minLength) but RequestGuard refuses it with 400",
-)
 def test_an_empty_key_is_what_the_committed_schema_says(hub: HubUnderTest) -> None:
     # Prepare
     operation = hub.app.openapi()["paths"]["/api/v1/nodes"]["post"]
@@ -149,17 +144,12 @@ def test_an_empty_key_is_what_the_committed_schema_says(hub: HubUnderTest) -> No
 
     # Assert: refused exactly when the schema says it is invalid
     if string_schema.get("minLength", 0) >= 1:
-        assert_problem(r, 400, "validation_failed")
+        assert_problem(r, 422, "validation_failed")
         assert hub.snapshot() == before
     else:
         assert r.status_code == 201, r.text
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG (cloud/api/guards.py RequestGuard): the key is claimed before authentication, so an "
-    "unauthenticated request with an Idempotency-Key stores a row (and its 401) in idempotency_records",
-)
 def test_an_unauthenticated_request_with_a_key_stores_nothing(hub: HubUnderTest) -> None:
     # Prepare
     before = hub.snapshot()
@@ -172,11 +162,6 @@ def test_an_unauthenticated_request_with_a_key_stores_nothing(hub: HubUnderTest)
     assert hub.snapshot() == before
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG (cloud/api/guards.py RequestGuard._idempotent): a replay sends only content-type, so a "
-    "replayed 401 lacks WWW-Authenticate (RFC 9110 §11.6.1: MUST)",
-)
 def test_a_repeated_401_still_says_how_to_authenticate(hub: HubUnderTest) -> None:
     # Prepare
     headers = {"Authorization": "Bearer asy_unknown", "Idempotency-Key": "retry-me"}

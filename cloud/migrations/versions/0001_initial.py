@@ -2,7 +2,7 @@
 
 Revision ID: 0001
 Revises: 
-Create Date: 2026-11-29 23:46:01.212709
+Create Date: 2026-11-30 00:14:26.765848
 """
 
 from alembic import op
@@ -76,7 +76,7 @@ def upgrade() -> None:
     sa.Column('key', sqlmodel.sql.sqltypes.AutoString(length=255), nullable=False),
     sa.Column('request_hash', sqlmodel.sql.sqltypes.AutoString(length=64), nullable=False),
     sa.Column('status_code', sa.Integer(), nullable=True),
-    sa.Column('content_type', sqlmodel.sql.sqltypes.AutoString(length=128), nullable=True),
+    sa.Column('response_headers', sa.JSON(), nullable=True),
     sa.Column('response_body', sa.Text(), nullable=True),
     sa.Column('created_at', sa.DateTime(timezone=True), nullable=False),
     sa.PrimaryKeyConstraint('id'),
