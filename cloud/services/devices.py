@@ -8,7 +8,7 @@ from sqlalchemy import select, update
 from sqlmodel import Session
 
 from cloud.errors import Conflict, NotFound
-from cloud.services.labels import clear_labels, selector_clause, set_labels
+from cloud.services.labels import apply_patch, clear_labels, selector_clause, set_labels
 from cloud.services.nodes import get as get_node
 from cloud.services.nodes import now
 from cloud.services.paging import page, parse_selector_or_400
@@ -59,20 +59,7 @@ def list_devices(session: Session, node_id: str | None, selector: str | None, li
 
 
 def update_device(session: Session, device_id: str, body: DeviceUpdate) -> Device:
-    device = get(session, device_id)
-    if body.name is not None:
-        device.name = body.name
-    if body.model is not None:
-        device.model = body.model
-    if body.description is not None:
-        device.description = body.description
-    if body.labels is not None:
-        device.labels = dict(body.labels)
-        set_labels(session, device.id, device.labels)
-    device.updated_at = now()
-    session.add(device)
-    session.commit()
-    return device
+    return apply_patch(session, get(session, device_id), body)  # type: ignore[no-any-return]
 
 
 def delete(session: Session, device_id: str) -> None:

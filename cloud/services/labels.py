@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+from datetime import UTC, datetime
+from typing import Any
+
+from pydantic import BaseModel
 from sqlalchemy import and_, delete, exists, not_, select
 from sqlalchemy.sql.elements import ColumnElement
 from sqlmodel import Session
@@ -14,6 +18,19 @@ def set_labels(session: Session, owner_id: str, labels: dict[str, str]) -> None:
     session.execute(delete(Label).where(Label.owner_id == owner_id))
     for key, value in labels.items():
         session.add(Label(owner_id=owner_id, key=key, value=value))
+
+
+def apply_patch(session: Session, row: Any, body: BaseModel) -> Any:
+    """Apply a PATCH body to a node or device row: absent fields stay, ``labels`` replaces the set."""
+    changes = body.model_dump(exclude_none=True)
+    for field, value in changes.items():
+        setattr(row, field, dict(value) if field == "labels" else value)
+    if "labels" in changes:
+        set_labels(session, row.id, row.labels)
+    row.updated_at = datetime.now(UTC)
+    session.add(row)
+    session.commit()
+    return row
 
 
 def clear_labels(session: Session, owner_id: str) -> None:

@@ -15,7 +15,7 @@ from cloud.auth import hash_secret, new_secret
 from cloud.convert import utc
 from cloud.errors import BadRequest, Conflict, Forbidden, NotFound
 from cloud.pki import CertificateAuthority, CsrError
-from cloud.services.labels import clear_labels, selector_clause, set_labels
+from cloud.services.labels import apply_patch, clear_labels, selector_clause, set_labels
 from cloud.services.paging import page, parse_selector_or_400
 from cloud.tables import BootstrapToken, Certificate, Device, Node, NodeTransitionRow
 from interfaces.errors import ErrorCode
@@ -98,18 +98,7 @@ def list_nodes(session: Session, selector: str | None, state: NodeState | None, 
 
 
 def update_node(session: Session, node_id: str, body: NodeUpdate) -> Node:
-    node = get(session, node_id)
-    if body.name is not None:
-        node.name = body.name
-    if body.description is not None:
-        node.description = body.description
-    if body.labels is not None:
-        node.labels = dict(body.labels)
-        set_labels(session, node.id, node.labels)
-    node.updated_at = now()
-    session.add(node)
-    session.commit()
-    return node
+    return apply_patch(session, get(session, node_id), body)  # type: ignore[no-any-return]
 
 
 def set_admin_state(session: Session, node_id: str, admin_state: AdminState) -> Node:
