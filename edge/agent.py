@@ -28,9 +28,9 @@ from paho.mqtt.packettypes import PacketTypes
 from paho.mqtt.properties import Properties
 from pydantic import BaseModel, ValidationError
 
-from edge.files import write_atomic
+from device.files import write_atomic
 from edge.identity import IdentityStore
-from edge.resources import ResourceSampler
+from device.resources import ResourceSampler
 from interfaces.messages import (
     CommandBody,
     CommandError,

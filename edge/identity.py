@@ -29,7 +29,7 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 from pydantic import BaseModel, ValidationError
 
-from edge.files import write_atomic
+from device.files import write_atomic
 from interfaces.nodes import CertificateIssued
 
 log = logging.getLogger("aisynergy.edge")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from edge.resources import ResourceSampler, parse_nvidia_smi
+from device.resources import ResourceSampler, parse_nvidia_smi
 from interfaces.messages import HeartbeatBody, envelope
 from interfaces.resources import AcceleratorType, Resources
 from interfaces.topics import NODE_HEARTBEAT

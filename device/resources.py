@@ -22,7 +22,7 @@ from interfaces.resources import (
     Resources,
 )
 
-log = logging.getLogger("aisynergy.edge")
+log = logging.getLogger("aisynergy.resources")
 
 NVIDIA_SMI_QUERY = ["--query-gpu=name,memory.total,utilization.gpu", "--format=csv,noheader,nounits"]
 
