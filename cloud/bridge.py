@@ -1,32 +1,75 @@
 """The hub's MQTT bridge: one connection to the broker with the hub's own certificate.
 
-Consumes node ``state`` and ``heartbeat`` through shared subscriptions (so N replicas split the load),
-validates every payload into the envelope models, and hands them to :class:`StatusIngest`. The hub
-serves REST whether or not the broker is reachable: this loop connects, and reconnects with jittered
-back-off, in the background.
+Consumes node and relayed device channels through shared subscriptions (so N replicas split the
+load), validates every payload into the envelope models and hands them to :class:`StatusIngest`;
+publishes retained desired documents (and keeps them published: a change made while the broker was
+away goes out on reconnect); sends commands with an MQTT 5 response topic and correlation data and
+waits for the answer. The hub serves REST whether or not the broker is reachable: this loop connects,
+and reconnects with jittered back-off, in the background.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import random
 import ssl
+import uuid
 from collections import defaultdict
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 from urllib.parse import urlsplit
 
 import aiomqtt
-from pydantic import ValidationError
+from paho.mqtt.packettypes import PacketTypes
+from paho.mqtt.properties import Properties
+from pydantic import BaseModel, ValidationError
 
-from cloud.ingest import StatusIngest
-from interfaces.messages import MAX_MESSAGE_BYTES, Envelope, HeartbeatBody, StateBody
-from interfaces.topics import NODE_HEARTBEAT, NODE_STATE
+from cloud.desired import DesiredPublisher
+from cloud.ingest import DEVICE, NODE, StatusIngest
+from interfaces.messages import (
+    MAX_MESSAGE_BYTES,
+    CommandBody,
+    CommandResultBody,
+    ConnectionState,
+    Envelope,
+    EventBody,
+    HeartbeatBody,
+    ReportedBody,
+    StateBody,
+    envelope,
+)
+from interfaces.topics import (
+    HUB_STATE,
+    NODE_CMD_REPLY,
+    NODE_HEARTBEAT,
+    NODE_REPORTED,
+    NODE_STATE,
+    RELAY_CMD_REPLY,
+    RELAY_EVENTS,
+    RELAY_HEARTBEAT,
+    RELAY_REPORTED,
+    RELAY_STATE,
+    Topic,
+)
 
 log = logging.getLogger("aisynergy.hub.mqtt")
+HUB_SRC = "hub"
+REPLY_GRACE_S = 1.0
 
-_STATE = Envelope[StateBody]
-_HEARTBEAT = Envelope[HeartbeatBody]
+
+def _hub_state(state: ConnectionState, reason: str | None = None) -> str:
+    return envelope(HUB_SRC, StateBody(state=state, reason=reason)).model_dump_json()
+
+
+class BrokerUnavailable(RuntimeError):
+    pass
+
+
+class CommandTimeout(TimeoutError):
+    pass
 
 
 def parse_broker_url(url: str) -> tuple[str, int, bool]:
@@ -44,16 +87,35 @@ def tls_context(pki_dir: Path, identity: str) -> ssl.SSLContext:
 
 
 class MqttBridge:
-    def __init__(self, broker_url: str, pki_dir: Path, identity: str, ingest: StatusIngest, max_backoff_s: float = 30.0) -> None:
+    def __init__(self, broker_url: str, pki_dir: Path, identity: str, ingest: StatusIngest,
+                 desired: DesiredPublisher | None = None, max_backoff_s: float = 30.0,
+                 session_expiry_s: int = 86_400) -> None:  # fmt: skip
         self.host, self.port, self.tls = parse_broker_url(broker_url)
         self.pki_dir = pki_dir
         self.identity = identity
         self.ingest = ingest
+        self.desired = desired
         self.max_backoff_s = max_backoff_s
+        self.session_expiry_s = session_expiry_s
         self.connected = asyncio.Event()
         self.counters: dict[str, int] = defaultdict(int)
         self._client: aiomqtt.Client | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
+        self._replies: dict[bytes, asyncio.Future[CommandResultBody]] = {}
+        self._desired_wakeup = asyncio.Event()
+        # topic -> (payload model, handler(ids, envelope)); shared ones split across hub replicas
+        self._routes: list[tuple[Topic, type[BaseModel], Callable[[dict[str, str], Any], None], bool]] = [
+            (NODE_STATE, Envelope[StateBody], lambda ids, m: ingest.offer(ids["node_id"], m.body), True),
+            (NODE_HEARTBEAT, Envelope[HeartbeatBody], lambda ids, m: ingest.offer(ids["node_id"], m.body), True),
+            (NODE_REPORTED, Envelope[ReportedBody], lambda ids, m: ingest.offer(ids["node_id"], m.body), True),
+            (RELAY_STATE, Envelope[StateBody], lambda ids, m: ingest.offer(ids["device_id"], m.body, kind=DEVICE, via=ids["node_id"]), True),
+            (RELAY_HEARTBEAT, Envelope[HeartbeatBody], lambda ids, m: ingest.offer(ids["device_id"], m.body, kind=DEVICE, via=ids["node_id"]), True),
+            (RELAY_REPORTED, Envelope[ReportedBody], lambda ids, m: ingest.offer(ids["device_id"], m.body, kind=DEVICE, via=ids["node_id"]), True),
+            (RELAY_EVENTS, Envelope[EventBody], lambda ids, m: ingest.offer_event(ids["node_id"], ids["device_id"], m), True),
+            (NODE_CMD_REPLY, Envelope[CommandResultBody], self._on_reply, False),
+            (RELAY_CMD_REPLY, Envelope[CommandResultBody], self._on_reply, False),
+        ]
+        self._correlation: bytes | None = None
 
     async def run(self) -> None:
         """Connect and consume forever; returns only when cancelled."""
@@ -62,19 +124,37 @@ class MqttBridge:
         while True:
             try:
                 ctx = tls_context(self.pki_dir, self.identity) if self.tls else None
+                # A persistent session: while the hub is away the broker keeps its (shared) subscriptions
+                # and queues what edges deliver, so a store-and-forward flush never lands in the void.
+                connect_props = Properties(PacketTypes.CONNECT)
+                connect_props.SessionExpiryInterval = self.session_expiry_s
+                will = aiomqtt.Will(HUB_STATE.topic(), _hub_state(ConnectionState.OFFLINE, "will"), qos=HUB_STATE.qos, retain=True)
                 async with aiomqtt.Client(
                     self.host, self.port, identifier=self.identity, protocol=aiomqtt.ProtocolVersion.V5,
-                    tls_context=ctx, keepalive=30, clean_start=True, max_queued_incoming_messages=200_000,
+                    tls_context=ctx, keepalive=30, clean_start=False, properties=connect_props, will=will,
+                    max_queued_incoming_messages=200_000,
                 ) as client:  # fmt: skip
                     self._client = client
-                    await client.subscribe(NODE_STATE.shared_filter(), qos=NODE_STATE.qos)
-                    await client.subscribe(NODE_HEARTBEAT.shared_filter(), qos=NODE_HEARTBEAT.qos)
+                    for topic, _model, _handler, shared in self._routes:
+                        await client.subscribe(topic.shared_filter() if shared else topic.filter(), qos=topic.qos)
+                    # subscribed: edges may now deliver what they stored (Sparkplug's primary-host STATE)
+                    await client.publish(HUB_STATE.topic(), _hub_state(ConnectionState.ONLINE), qos=HUB_STATE.qos, retain=True)
                     log.info("connected to broker %s:%d as %s", self.host, self.port, self.identity)
                     self.connected.set()
                     self.counters["connects"] += 1
                     attempt = 0
-                    async for message in client.messages:
-                        self.dispatch(str(message.topic), message.payload)  # type: ignore[arg-type]
+                    publisher = asyncio.create_task(self._publish_desired(client)) if self.desired else None
+                    try:
+                        await self._consume(client)
+                    except asyncio.CancelledError:
+                        # a clean stop: say so before leaving, as the will would for a crash
+                        with contextlib.suppress(Exception):
+                            await asyncio.wait_for(asyncio.shield(client.publish(
+                                HUB_STATE.topic(), _hub_state(ConnectionState.OFFLINE, "shutdown"), qos=HUB_STATE.qos, retain=True)), 2)  # fmt: skip
+                        raise
+                    finally:
+                        if publisher is not None:
+                            publisher.cancel()
             except asyncio.CancelledError:
                 raise
             except (aiomqtt.MqttError, OSError, ssl.SSLError) as exc:
@@ -86,30 +166,101 @@ class MqttBridge:
             attempt += 1
             await asyncio.sleep(random.uniform(0, min(self.max_backoff_s, 1.5 ** min(10, attempt))))
 
-    def dispatch(self, topic: str, payload: bytes) -> None:
-        """Validate one message and queue it; anything malformed is dropped and counted."""
+    async def _consume(self, client: aiomqtt.Client) -> None:
+        async for message in client.messages:
+            self.dispatch(str(message.topic), message.payload, message.properties)  # type: ignore[arg-type]
+
+    async def _publish_desired(self, client: aiomqtt.Client) -> None:
+        """Publish every desired document the broker does not hold yet; wake on changes, or every 5 s."""
+        assert self.desired is not None
+        while True:
+            try:
+                batch = await asyncio.to_thread(self.desired.pending)
+                for item in batch:
+                    await client.publish(item.topic, item.payload, qos=1, retain=True)
+                    self.counters["desired_published"] += 1
+                if batch:
+                    await asyncio.to_thread(self.desired.mark_published, batch)
+                    continue
+            except aiomqtt.MqttError:
+                return  # the connection is gone; the next one publishes what is left
+            except Exception:  # noqa: BLE001 - a bad tick (database busy) must not stop publishing
+                log.exception("publishing desired documents failed; retrying")
+            self._desired_wakeup.clear()
+            try:
+                await asyncio.wait_for(self._desired_wakeup.wait(), timeout=5)
+            except TimeoutError:
+                pass
+
+    def poke_desired(self) -> None:
+        """A desired document changed: publish it now (thread-safe)."""
+        if self._loop is not None:
+            self._loop.call_soon_threadsafe(self._desired_wakeup.set)
+
+    def dispatch(self, topic: str, payload: bytes, properties: Properties | None = None) -> None:
+        """Validate one message and route it; anything malformed is dropped and counted."""
         self.counters["messages_received"] += 1
         if not isinstance(payload, bytes | bytearray) or len(payload) > MAX_MESSAGE_BYTES:
             self.counters["dropped_invalid"] += 1
             return
-        for pattern, model in ((NODE_HEARTBEAT, _HEARTBEAT), (NODE_STATE, _STATE)):
+        for pattern, model, handler, _shared in self._routes:
             ids = pattern.parse(topic)
             if ids is None:
                 continue
             if not payload:  # a cleared retained message
                 return
             try:
-                envelope = model.model_validate_json(payload)
+                message = model.model_validate_json(payload)
             except ValidationError as exc:
                 self.counters["dropped_invalid"] += 1
                 log.debug("dropping invalid message on %s: %s", topic, exc)
                 return
-            if envelope.src != ids["node_id"]:
+            # on relayed topics the sender is the device, or its edge answering for it (unknown device, timeout)
+            senders = {ids["node_id"], ids.get("device_id", ids["node_id"])}
+            if message.src not in senders:  # type: ignore[attr-defined]
                 self.counters["dropped_src_mismatch"] += 1
                 return
-            self.ingest.offer(ids["node_id"], envelope.body)
+            self._correlation = getattr(properties, "CorrelationData", None)
+            handler(ids, message)
             return
         self.counters["dropped_unknown_topic"] += 1
+
+    def _on_reply(self, _ids: dict[str, str], message: Envelope[CommandResultBody]) -> None:
+        future = self._replies.get(self._correlation or b"")
+        if future is None or future.done():
+            self.counters["replies_unmatched"] += 1  # for another replica, or too late
+            return
+        future.set_result(message.body)
+
+    async def request(self, topic: str, reply_topic: str, body: CommandBody) -> CommandResultBody:
+        """Send a command and wait for its answer: ``timeout_s``, plus a grace period so that an edge that
+        reports its device's timeout (at ``timeout_s``) is heard rather than raced."""
+        client = self._client
+        if client is None:
+            raise BrokerUnavailable("the hub is not connected to the broker")
+        correlation = uuid.uuid4().bytes
+        future: asyncio.Future[CommandResultBody] = asyncio.get_running_loop().create_future()
+        self._replies[correlation] = future
+        props = Properties(PacketTypes.PUBLISH)
+        props.ResponseTopic = reply_topic
+        props.CorrelationData = correlation
+        try:
+            await client.publish(topic, envelope(HUB_SRC, body).model_dump_json(), qos=1, properties=props)
+            self.counters["commands_sent"] += 1
+            return await asyncio.wait_for(future, body.timeout_s + REPLY_GRACE_S)
+        except TimeoutError as exc:
+            self.counters["commands_timed_out"] += 1
+            raise CommandTimeout(f"no answer within {body.timeout_s:g} s") from exc
+        finally:
+            self._replies.pop(correlation, None)
+
+    def call(self, coro: Any, timeout: float) -> Any:
+        """Run a bridge coroutine from a worker thread (the REST routes) and wait for its result."""
+        loop = self._loop
+        if loop is None or not self.connected.is_set():
+            coro.close()
+            raise BrokerUnavailable("the hub is not connected to the broker")
+        return asyncio.run_coroutine_threadsafe(coro, loop).result(timeout)
 
     def forget_node(self, node_id: str) -> None:
         """Clear the retained state of a deleted node (thread-safe; no-op while disconnected)."""
@@ -118,3 +269,6 @@ class MqttBridge:
             return
         topic = NODE_STATE.topic(node_id=node_id)
         asyncio.run_coroutine_threadsafe(client.publish(topic, b"", qos=NODE_STATE.qos, retain=True), loop)
+
+
+__all__ = ["NODE", "DEVICE", "MqttBridge", "BrokerUnavailable", "CommandTimeout"]

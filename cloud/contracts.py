@@ -27,7 +27,8 @@ def render() -> dict[Path, str]:
     app = create_app(Settings(enable_mqtt=False, data_dir=Path("/nonexistent")))
     files: dict[Path, str] = {ROOT / "openapi.json": _dump(app.openapi()), ROOT / "TOPICS.md": topic_table_markdown()}
     for topic in TOPICS:
-        name = topic.pattern.split("/", 3)[3].split("/", 1)[1].replace("/", "-")  # channel, e.g. "cmd-reply"
+        # the channel ("cmd-reply"), or the topic below the prefix for topics without ids ("hub-state")
+        name = (topic.pattern.rsplit("}/", 1)[1] if "}/" in topic.pattern else topic.pattern.split("/", 2)[2]).replace("/", "-")
         schema = topic.payload.model_json_schema()
         schema["$id"] = f"urn:aisynergy:schema:{name}"
         schema["description"] = f"{topic.description} (QoS {topic.qos}, retain {str(topic.retain).lower()})"

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 from datetime import UTC, datetime
 
-from cloud.tables import Device, Node, NodeTransitionRow
+from cloud.services.twins import diff
+from cloud.tables import Device, DeviceEventRow, Node, NodeTransitionRow
 from interfaces.lifecycle import CONNECTED_STATES, AdminState, NodeState
 from interfaces.messages import Health
-from interfaces.nodes import DevicePublic, NodeKind, NodePublic, NodeStatus, NodeTransition, Twin
+from interfaces.nodes import DeviceEvent, DevicePublic, DeviceStatus, NodeKind, NodePublic, NodeStatus, NodeTransition, Twin
 from interfaces.resources import Resources
 
 
@@ -74,9 +75,12 @@ def device_to_wire(row: Device) -> DevicePublic:
     )
 
 
-def twin_to_wire(row: Device) -> Twin:
+def twin_to_wire(row: Device | Node) -> Twin:
+    is_device = isinstance(row, Device)
     return Twin(
-        device_id=row.id,
+        device_id=row.id if is_device else None,
+        node_id=row.node_id if is_device else row.id,  # type: ignore[union-attr]
+        diff=diff(row.desired, row.reported),
         desired=dict(row.desired),
         desired_version=row.desired_version,
         reported=dict(row.reported),
@@ -84,3 +88,26 @@ def twin_to_wire(row: Device) -> Twin:
         reported_at=utc(row.reported_at),
         in_sync=row.reported_version == row.desired_version,
     )
+
+
+def device_status_to_wire(row: Device) -> DeviceStatus:
+    state = NodeState(row.state)
+    return DeviceStatus(
+        device_id=row.id,
+        node_id=row.node_id,
+        state=state,
+        connected=state in CONNECTED_STATES,
+        last_heartbeat_at=utc(row.last_heartbeat_at),
+        last_state_change_at=utc(row.last_state_change_at),
+        health=Health(row.health) if row.health else None,
+        agent_version=row.agent_version,
+        uptime_s=row.uptime_s,
+        resources=Resources.model_validate(row.resources) if row.resources else None,
+    )
+
+
+def device_event_to_wire(row: DeviceEventRow) -> DeviceEvent:
+    return DeviceEvent(
+        device_id=row.device_id, seq=row.seq, message_id=row.message_id, type=row.type, severity=row.severity,
+        message=row.message, data=dict(row.data), ts=utc(row.ts), received_at=utc(row.received_at),  # type: ignore[arg-type]
+    )  # fmt: skip

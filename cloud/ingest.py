@@ -1,9 +1,10 @@
-"""Status ingest: node ``state`` and ``heartbeat`` messages coalesced into batched database writes.
+"""Ingest of what agents report: state, heartbeats, reported documents and device events.
 
-Messages are queued in memory per node (consecutive heartbeats of one node collapse into the latest)
-and written every ``flush_interval`` in one transaction: one SELECT of the nodes' current states per
-500 nodes, one bulk UPDATE, one bulk INSERT of lifecycle transitions. At 10,000 nodes heartbeating
-every 10 s this is 5 transactions a second instead of 1,000.
+Messages are queued in memory (consecutive heartbeats of one node or device collapse into the latest)
+and written every ``flush_interval`` in one transaction: per 500 rows one SELECT of current states,
+one bulk UPDATE, one bulk INSERT of lifecycle transitions, and one INSERT of events that skips ids
+already stored (an edge may resend after a lost acknowledgement: each event is kept once). At 10,000
+nodes heartbeating every 10 s this is 5 transactions a second instead of 1,000.
 """
 
 from __future__ import annotations
@@ -16,90 +17,118 @@ from datetime import UTC, datetime
 from typing import Any
 
 from sqlalchemy import insert, select, update
+from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.engine import Engine
 from sqlmodel import Session
 
-from cloud.tables import Node, NodeTransitionRow
+from cloud.tables import Device, DeviceEventRow, Node, NodeTransitionRow
 from interfaces.lifecycle import CONNECTED_STATES, NodeState, path_to, state_after_report
-from interfaces.messages import ConnectionState, Health, HeartbeatBody, StateBody
+from interfaces.messages import ConnectionState, Envelope, EventBody, Health, HeartbeatBody, ReportedBody, StateBody
 
 log = logging.getLogger("aisynergy.hub.ingest")
 CHUNK = 500
+NODE, DEVICE = "node", "device"
+_TABLES: dict[str, Any] = {NODE: Node, DEVICE: Device}
 
 
 @dataclass
 class _Op:
     at: datetime
-    body: HeartbeatBody | StateBody
+    body: HeartbeatBody | StateBody | ReportedBody
 
 
 class StatusIngest:
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
-        self._pending: dict[str, list[_Op]] = {}
+        self._pending: dict[tuple[str, str, str], list[_Op]] = {}
+        self._events: list[tuple[str, str, Envelope[EventBody], datetime]] = []
         self._lock = threading.Lock()
         self.counters: dict[str, int] = defaultdict(int)
 
-    def offer(self, node_id: str, body: HeartbeatBody | StateBody, at: datetime | None = None) -> None:
+    def offer(self, node_id: str, body: HeartbeatBody | StateBody | ReportedBody, at: datetime | None = None,
+              kind: str = NODE, via: str | None = None) -> None:  # fmt: skip
+        """Queue a report of node ``node_id`` (or of device ``node_id`` relayed by edge ``via``)."""
         op = _Op(at or datetime.now(UTC), body)
         with self._lock:
-            ops = self._pending.setdefault(node_id, [])
+            ops = self._pending.setdefault((kind, node_id, via or node_id), [])
             if ops and isinstance(body, HeartbeatBody) and isinstance(ops[-1].body, HeartbeatBody):
                 ops[-1] = op
                 self.counters["heartbeats_coalesced"] += 1
             else:
                 ops.append(op)
 
+    def offer_event(self, node_id: str, device_id: str, message: Envelope[EventBody]) -> None:
+        with self._lock:
+            self._events.append((node_id, device_id, message, datetime.now(UTC)))
+
     @property
     def backlog(self) -> int:
-        return len(self._pending)
+        return len(self._pending) + len(self._events)
 
     def flush(self) -> int:
-        """Write everything queued; returns the number of nodes updated."""
+        """Write everything queued; returns the number of rows updated or inserted."""
         with self._lock:
             pending, self._pending = self._pending, {}
-        if not pending:
+            events, self._events = self._events, []
+        if not pending and not events:
             return 0
         written = 0
-        ids = list(pending)
         with Session(self.engine) as session:
-            for start in range(0, len(ids), CHUNK):
-                written += self._flush_chunk(session, {i: pending[i] for i in ids[start : start + CHUNK]})
+            for kind in (NODE, DEVICE):
+                keys = [(i, via) for k, i, via in pending if k == kind]
+                for start in range(0, len(keys), CHUNK):
+                    chunk = {key: pending[(kind, *key)] for key in keys[start : start + CHUNK]}
+                    written += self._flush_chunk(session, kind, chunk)
+            if events:
+                written += self._insert_events(session, events)
             session.commit()
         self.counters["flushes"] += 1
-        self.counters["nodes_written"] += written
+        self.counters["rows_written"] += written
         return written
 
-    def _flush_chunk(self, session: Session, ops: dict[str, list[_Op]]) -> int:
-        current = dict(session.execute(select(Node.id, Node.state).where(Node.id.in_(list(ops)))).all())  # type: ignore[attr-defined]
+    def _flush_chunk(self, session: Session, kind: str, ops: dict[tuple[str, str], list[_Op]]) -> int:
+        """``ops`` is keyed by (id, edge id): a device's reports count only from the edge it is under."""
+        table = _TABLES[kind]
+        ids = [row_id for row_id, _via in ops]
+        if kind == DEVICE:
+            owner = dict(session.execute(select(Device.id, Device.node_id).where(Device.id.in_(ids))).all())  # type: ignore[attr-defined]
+            current = {row_id: state for row_id, state in session.execute(select(table.id, table.state).where(table.id.in_(ids))).all()}
+            current = {(i, owner.get(i)): st for i, st in current.items()}
+        else:
+            current = {(i, i): st for i, st in session.execute(select(table.id, table.state).where(table.id.in_(ids))).all()}
         groups: dict[tuple[str, ...], list[dict[str, Any]]] = defaultdict(list)
         transitions: list[dict[str, Any]] = []
-        for node_id, node_ops in ops.items():
-            state = current.get(node_id)
+        for (row_id, via), row_ops in ops.items():
+            state = current.get((row_id, via))
             if state is None or state == NodeState.DELETED:
-                self.counters["dropped_unknown_node"] += len(node_ops)
+                self.counters[f"dropped_unknown_{kind}"] += len(row_ops)
                 continue
-            values = self._apply(node_id, NodeState(state), node_ops, transitions)
+            values = self._apply(row_id, NodeState(state), row_ops, transitions, kind)
             groups[tuple(sorted(values))].append(values)
         for rows in groups.values():
-            session.execute(update(Node), rows)
-        if transitions:
+            session.execute(update(table), rows)
+        if transitions and kind == NODE:
             session.execute(insert(NodeTransitionRow), transitions)
         return sum(len(r) for r in groups.values())
 
     @staticmethod
-    def _apply(node_id: str, state: NodeState, node_ops: list[_Op], transitions: list[dict[str, Any]]) -> dict[str, Any]:
-        values: dict[str, Any] = {"id": node_id}
-        for op in node_ops:
+    def _apply(row_id: str, state: NodeState, row_ops: list[_Op], transitions: list[dict[str, Any]], kind: str) -> dict[str, Any]:
+        values: dict[str, Any] = {"id": row_id}
+        for op in row_ops:
             body = op.body
+            if isinstance(body, ReportedBody):
+                values.update(reported=body.status, reported_version=body.version, reported_at=op.at)
+                continue
             if isinstance(body, HeartbeatBody):
                 healthy = body.health is Health.OK
                 target = state_after_report(state, connected=True, healthy=healthy)
                 reason = "heartbeat" if healthy else f"heartbeat reports {body.health}: {body.health_detail or ''}".strip()
                 values.update(
-                    last_heartbeat_at=op.at, health=body.health.value, health_detail=body.health_detail,
-                    agent_version=body.agent_version, uptime_s=body.uptime_s, resources=body.resources.model_dump(mode="json"),
+                    last_heartbeat_at=op.at, health=body.health.value, agent_version=body.agent_version,
+                    uptime_s=body.uptime_s, resources=body.resources.model_dump(mode="json"),
                 )  # fmt: skip
+                if kind == NODE:
+                    values["health_detail"] = body.health_detail
             elif body.state is ConnectionState.ONLINE:
                 target = state if state in CONNECTED_STATES else NodeState.ONLINE
                 reason = "agent connected"
@@ -110,8 +139,26 @@ class StatusIngest:
                 target = state_after_report(state, connected=False, healthy=False)
                 reason = f"agent {body.reason or 'went offline'}" if body.reason != "will" else "last will: connection lost"
             for step in path_to(state, target):
-                transitions.append({"node_id": node_id, "from_state": state.value, "to_state": step.value, "at": op.at, "reason": reason[:256]})
+                transitions.append({"node_id": row_id, "from_state": state.value, "to_state": step.value, "at": op.at, "reason": reason[:256]})
                 state = step
                 values["state"] = state.value
                 values["last_state_change_at"] = op.at
         return values
+
+    def _insert_events(self, session: Session, events: list[tuple[str, str, Envelope[EventBody], datetime]]) -> int:
+        live = set(session.execute(
+            select(Device.id, Device.node_id).where(Device.id.in_({d for _, d, _, _ in events}), Device.state != NodeState.DELETED.value)  # type: ignore[attr-defined]
+        ).all())  # fmt: skip
+        rows = [
+            {"message_id": m.id, "node_id": n, "device_id": d, "seq": m.body.seq, "type": m.body.type, "severity": m.body.severity,
+             "message": m.body.message, "data": m.body.data, "ts": m.ts, "received_at": at}
+            for n, d, m, at in events if (d, n) in live
+        ]  # fmt: skip
+        self.counters["dropped_unknown_device"] += len(events) - len(rows)
+        if not rows:
+            return 0
+        dialect = session.get_bind().dialect.name
+        stmt = (postgresql.insert if dialect == "postgresql" else sqlite.insert)(DeviceEventRow).on_conflict_do_nothing(index_elements=["message_id"])
+        inserted = session.connection().execute(stmt, rows).rowcount
+        self.counters["events_stored"] += max(inserted, 0)
+        return len(rows)

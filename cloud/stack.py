@@ -4,8 +4,9 @@ Everything lives in one data directory, so a second ``up`` resumes the same stac
 
     DIR/pki/ broker/ hub.db      hub CA, broker config, SQLite database
     DIR/admin.token               the admin bearer token printed at start (0600)
-    DIR/stack.json                the edge node's id
+    DIR/stack.json                the edge node's id and the devices' ids
     DIR/edge-1/                   the edge agent's identity and local state
+    DIR/device-N/                 each device's identity and state
     DIR/logs/*.log                each child's output
 """
 
@@ -42,10 +43,13 @@ class Stack:
     data_dir: Path
     hub_port: int = 8000
     broker_port: int = 8883
+    devices: int = 2
+    enrol_port: int = 8090
     host: str = "127.0.0.1"
     children: list[Child] = field(default_factory=list)
     admin_token: str = ""
     node_id: str = ""
+    device_ids: list[str] = field(default_factory=list)
 
     @property
     def hub_url(self) -> str:
@@ -93,11 +97,19 @@ class Stack:
         self._wait("the hub", lambda: httpx.get(self.hub_url + "/healthz", timeout=1).json()["mqtt"]["connected"], hub)
         self.admin_token = self._admin_token()
         node_id, token = self._edge_node()
-        args = ["edge", "run", "--hub", self.hub_url, "--node-id", node_id, "--data-dir", str(self.data_dir / "edge-1")]
+        enrol_url = f"http://{self.host}:{self.enrol_port}"
+        args = ["edge", "run", "--hub", self.hub_url, "--node-id", node_id, "--data-dir", str(self.data_dir / "edge-1"),
+                "--device-listen", f"{self.host}:{self.enrol_port}"]  # fmt: skip
         if token:
             args += ["--bootstrap-token", token]
         edge = self._spawn("edge-1", args)
-        self._wait("the edge node to come ONLINE", lambda: self._node_state(node_id) == "ONLINE", edge)
+        self._wait("the edge node to come ONLINE", lambda: self._state(f"/nodes/{node_id}/status") == "ONLINE", edge)
+        for index, (device_id, device_token) in enumerate(self._devices(node_id), start=1):
+            args = ["device", "run", "--device-id", device_id, "--data-dir", str(self.data_dir / f"device-{index}"), "--enrol-url", enrol_url]
+            if device_token:
+                args += ["--bootstrap-token", device_token]
+            device = self._spawn(f"device-{index}", args)
+            self._wait(f"device-{index} to come ONLINE", lambda d=device_id: self._state(f"/devices/{d}/status") == "ONLINE", device)
 
     def _admin_token(self) -> str:
         path = self.data_dir / "admin.token"
@@ -114,11 +126,20 @@ class Stack:
     def api(self) -> httpx.Client:
         return httpx.Client(base_url=self.hub_url + "/api/v1", headers={"Authorization": f"Bearer {self.admin_token}"}, timeout=5)
 
+    @property
+    def _state_file(self) -> Path:
+        return self.data_dir / "stack.json"
+
+    def _saved(self) -> dict:  # type: ignore[type-arg]
+        return json.loads(self._state_file.read_text()) if self._state_file.exists() else {}
+
+    def _save(self, **values: object) -> None:
+        self._state_file.write_text(json.dumps({**self._saved(), **values}) + "\n")
+
     def _edge_node(self) -> tuple[str, str | None]:
         """The edge node's id, registering it (and returning its bootstrap token) on first start."""
-        state_file = self.data_dir / "stack.json"
-        if state_file.exists():
-            node_id = json.loads(state_file.read_text())["edge_node_id"]
+        node_id = self._saved().get("edge_node_id")
+        if node_id:
             with self.api() as api:
                 if api.get(f"/nodes/{node_id}").status_code == 200:
                     self.node_id = node_id
@@ -128,12 +149,34 @@ class Stack:
             r.raise_for_status()
             registered = r.json()
         self.node_id = registered["node"]["id"]
-        state_file.write_text(json.dumps({"edge_node_id": self.node_id}) + "\n")
+        self._save(edge_node_id=self.node_id, device_ids=[])
         return self.node_id, registered["bootstrap_token"]
 
-    def _node_state(self, node_id: str) -> str | None:
+    def _devices(self, node_id: str) -> list[tuple[str, str | None]]:
+        """``devices`` devices under the edge: (id, bootstrap token for those not enrolled yet)."""
+        known = list(self._saved().get("device_ids", []))[: self.devices]
+        out: list[tuple[str, str | None]] = []
         with self.api() as api:
-            r = api.get(f"/nodes/{node_id}/status")
+            for index in range(self.devices):
+                if index < len(known) and (self.data_dir / f"device-{index + 1}" / "enrolment.json").exists():
+                    out.append((known[index], None))
+                    continue
+                if index < len(known) and api.get(f"/devices/{known[index]}").status_code == 200:
+                    device_id = known[index]
+                else:
+                    r = api.post("/devices", json={"node_id": node_id, "name": f"device-{index + 1}", "model": "simulated", "labels": {"stack": "local"}})
+                    r.raise_for_status()
+                    device_id = r.json()["id"]
+                r = api.post(f"/devices/{device_id}/bootstrap-token", json={})
+                r.raise_for_status()
+                out.append((device_id, r.json()["bootstrap_token"]))
+        self.device_ids = [d for d, _ in out]
+        self._save(device_ids=self.device_ids)
+        return out
+
+    def _state(self, path: str) -> str | None:
+        with self.api() as api:
+            r = api.get(path)
             return r.json().get("state") if r.status_code == 200 else None
 
     def failed(self) -> Child | None:

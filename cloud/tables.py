@@ -36,6 +36,12 @@ class Node(SQLModel, table=True):
     agent_version: str | None = Field(default=None, max_length=64)
     uptime_s: float | None = None
     resources: dict[str, Any] | None = Field(default=None, sa_column=Column(JSON, nullable=True))
+    desired: dict[str, Any] = Field(default_factory=dict, sa_column=Column(JSON, nullable=False))
+    desired_version: int = 0
+    desired_published: int = Field(default=0, description="the desired version the broker holds retained")
+    reported: dict[str, Any] = Field(default_factory=dict, sa_column=Column(JSON, nullable=False))
+    reported_version: int = 0
+    reported_at: datetime | None = _ts(nullable=True)
 
 
 class NodeTransitionRow(SQLModel, table=True):
@@ -65,7 +71,7 @@ class BootstrapToken(SQLModel, table=True):
     __tablename__ = "bootstrap_tokens"
 
     token_hash: str = Field(primary_key=True, max_length=64)
-    node_id: str = Field(index=True, max_length=64)
+    owner_id: str = Field(index=True, max_length=64, description="the node or device it enrols")
     created_at: datetime = _ts(nullable=False)
     expires_at: datetime = _ts(nullable=False)
     used_at: datetime | None = _ts(nullable=True)
@@ -96,9 +102,37 @@ class Device(SQLModel, table=True):
     deleted_at: datetime | None = _ts(nullable=True)
     desired: dict[str, Any] = Field(default_factory=dict, sa_column=Column(JSON, nullable=False))
     desired_version: int = 0
+    desired_published: int = Field(default=-1, description="the desired version the broker holds retained")
     reported: dict[str, Any] = Field(default_factory=dict, sa_column=Column(JSON, nullable=False))
     reported_version: int = 0
     reported_at: datetime | None = _ts(nullable=True)
+    certificate_serial: str | None = Field(default=None, max_length=64)
+    certificate_not_after: datetime | None = _ts(nullable=True)
+    last_heartbeat_at: datetime | None = _ts(nullable=True)
+    last_state_change_at: datetime | None = _ts(nullable=True)
+    health: str | None = Field(default=None, max_length=16)
+    agent_version: str | None = Field(default=None, max_length=64)
+    uptime_s: float | None = None
+    resources: dict[str, Any] | None = Field(default=None, sa_column=Column(JSON, nullable=True))
+
+
+class DeviceEventRow(SQLModel, table=True):
+    """Device events relayed by edges; ``message_id`` (the envelope id) makes delivery idempotent."""
+
+    __tablename__ = "device_events"
+    __table_args__ = (Index("ix_device_events_device", "device_id", "id"),)
+
+    id: int | None = Field(default=None, primary_key=True)
+    message_id: str = Field(unique=True, max_length=64)
+    node_id: str = Field(max_length=64)
+    device_id: str = Field(max_length=64)
+    seq: int | None = None
+    type: str = Field(max_length=64)
+    severity: str = Field(max_length=16)
+    message: str | None = Field(default=None, sa_column=Column(Text, nullable=True))
+    data: dict[str, Any] = Field(default_factory=dict, sa_column=Column(JSON, nullable=False))
+    ts: datetime = _ts(nullable=False)
+    received_at: datetime = _ts(nullable=False)
 
 
 class ApiToken(SQLModel, table=True):

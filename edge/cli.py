@@ -4,6 +4,10 @@
 bootstrap token -> certificate, kept in DIR) and then keeps the node's MQTT session up until SIGTERM or
 SIGINT. A restart with a stored certificate needs neither the token nor the hub.
 
+Devices connect to ``--downstream-mqtt-url`` (default: the hub's broker, over the same connection) and
+enrol through the proxy on ``--device-listen`` (default 127.0.0.1:8090; ``off`` disables), which tells
+them to connect to ``--device-mqtt-url`` (default: the downstream URL).
+
 Exit codes:
     0   stopped cleanly (SIGTERM / SIGINT; ``offline`` published)
     1   unexpected error
@@ -11,13 +15,18 @@ Exit codes:
     3   enrolment refused by the hub (bootstrap token invalid, expired or used; node deleted; ...)
     4   the stored identity belongs to another node id, or is incomplete
     5   the hub could not be reached for enrolment
+    6   the device enrolment proxy cannot listen on an explicit --device-listen address
+    7   the local store (DIR/edge.db) cannot be opened
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
+import os
 import signal
+import sqlite3
 import sys
 from pathlib import Path
 from typing import NoReturn
@@ -26,12 +35,14 @@ import click
 
 from edge.agent import AgentConfig, EdgeAgent
 from edge.enrol import EnrolmentError, HubUnreachable, request_certificate
+from edge.enrol_proxy import ListenError, parse_listen
 from edge.identity import Enrolment, IdentityError, IdentityStore
 from interfaces.topics import NODE_STATE
 
 log = logging.getLogger("aisynergy.edge")
 
-EXIT_OK, EXIT_USAGE, EXIT_REFUSED, EXIT_IDENTITY, EXIT_UNREACHABLE = 0, 2, 3, 4, 5
+EXIT_OK, EXIT_USAGE, EXIT_REFUSED, EXIT_IDENTITY, EXIT_UNREACHABLE, EXIT_LISTEN, EXIT_STORE = 0, 2, 3, 4, 5, 6, 7
+DEFAULT_DEVICE_LISTEN = "127.0.0.1:8090"
 
 
 def _fail(code: int, message: str) -> NoReturn:
@@ -57,6 +68,21 @@ def edge() -> None:
 )
 @click.option("--mqtt-url", help="override the broker URL the hub gave (mqtts://host:port)")
 @click.option("--heartbeat-interval", type=click.FloatRange(min=0.1), help="seconds; overrides the hub's value")
+@click.option(
+    "--downstream-mqtt-url",
+    envvar="AISYNERGY_DOWNSTREAM_MQTT_URL",
+    help="the devices' broker (mqtts://host:port); default: the hub's broker",
+)
+@click.option(
+    "--device-mqtt-url",
+    envvar="AISYNERGY_DEVICE_MQTT_URL",
+    help="the broker URL enrolling devices are told to use; default: the downstream URL",
+)
+@click.option(
+    "--device-listen",
+    envvar="AISYNERGY_DEVICE_LISTEN",
+    help=f"HOST:PORT of the device enrolment proxy, or off [default: {DEFAULT_DEVICE_LISTEN}]",
+)
 def run(
     hub_url: str | None,
     node_id: str,
@@ -64,12 +90,19 @@ def run(
     data_dir: Path,
     mqtt_url: str | None,
     heartbeat_interval: float | None,
+    downstream_mqtt_url: str | None,
+    device_mqtt_url: str | None,
+    device_listen: str | None,
 ) -> None:
     """Enrol if needed, then keep the node online until SIGTERM/SIGINT."""
     try:
         NODE_STATE.topic(node_id=node_id)
     except ValueError as exc:
         raise click.BadParameter(str(exc), param_hint="--node-id") from None
+    try:
+        listen = parse_listen(device_listen or DEFAULT_DEVICE_LISTEN)
+    except ValueError as exc:
+        raise click.BadParameter(str(exc), param_hint="--device-listen") from None
     data_dir.mkdir(parents=True, exist_ok=True)
     store = IdentityStore(data_dir)
     try:
@@ -87,15 +120,32 @@ def run(
         mqtt_url=mqtt_url or enrolment.mqtt_url,
         data_dir=data_dir,
         heartbeat_interval_s=heartbeat_interval or enrolment.heartbeat_interval_s,
+        downstream_mqtt_url=downstream_mqtt_url,
+        device_mqtt_url=device_mqtt_url,
+        device_listen=listen,
+        hub_url=enrolment.hub_url,
     )
-    try:
-        agent = EdgeAgent(config)
-    except ValueError as exc:  # a bad broker URL or heartbeat interval, ours or the hub's
-        raise click.UsageError(f"{exc} (see --mqtt-url, --heartbeat-interval)") from None
-    except OSError as exc:  # ssl.SSLError included: the key does not match the certificate
-        _fail(EXIT_IDENTITY, f"cannot load the node certificate and key from {store.identity_dir}: {exc}")
+    agent = _agent(config, store, explicit_listen=device_listen is not None)
     asyncio.run(_serve(agent))
     sys.exit(EXIT_OK)
+
+
+def _agent(config: AgentConfig, store: IdentityStore, explicit_listen: bool) -> EdgeAgent:
+    try:
+        return EdgeAgent(config)
+    except ValueError as exc:  # a bad broker URL or heartbeat interval, ours or the hub's
+        raise click.UsageError(
+            f"{exc} (see --mqtt-url, --downstream-mqtt-url, --device-mqtt-url, --heartbeat-interval)"
+        ) from None
+    except ListenError as exc:
+        if explicit_listen:
+            _fail(EXIT_LISTEN, f"the device enrolment proxy {exc}")
+        log.error("the device enrolment proxy %s; running without it (see --device-listen)", exc)
+        return _agent(dataclasses.replace(config, device_listen=None), store, explicit_listen)
+    except sqlite3.Error as exc:
+        _fail(EXIT_STORE, f"cannot open the local store in {config.data_dir}: {exc}")
+    except OSError as exc:  # ssl.SSLError included: the key does not match the certificate
+        _fail(EXIT_IDENTITY, f"cannot load the node certificate and key from {store.identity_dir}: {exc}")
 
 
 def _enrolment(store: IdentityStore, node_id: str, hub_url: str | None, token: str | None) -> Enrolment:
@@ -119,5 +169,8 @@ async def _serve(agent: EdgeAgent) -> None:
 
 
 if __name__ == "__main__":  # python -m edge.cli, without the aisynergy root command
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=os.environ.get("AISYNERGY_LOG_LEVEL", "INFO").upper(),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
     edge()

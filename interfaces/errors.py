@@ -32,6 +32,9 @@ class ErrorCode(StrEnum):
     IDEMPOTENCY_IN_PROGRESS = "idempotency_in_progress"  # same key, first request still running
     INVALID_SELECTOR = "invalid_selector"
     INVALID_CURSOR = "invalid_cursor"
+    TARGET_OFFLINE = "target_offline"  # a command for a node or device that is not connected
+    COMMAND_TIMEOUT = "command_timeout"  # no answer within the command's timeout
+    BROKER_UNAVAILABLE = "broker_unavailable"  # the hub is not connected to the broker
     INTERNAL = "internal_error"
 
 

@@ -98,6 +98,7 @@ class EventBody(_Body):
     """Progress, logs, metrics and error reports on ``events``."""
 
     KIND: ClassVar[str] = "event"
+    seq: int | None = Field(default=None, ge=0, description="per-sender sequence number, monotonic across restarts; the hub keeps each (sender, seq) once")
     type: str = Field(min_length=1, max_length=64)
     severity: Literal["debug", "info", "warning", "error"] = "info"
     message: str | None = Field(default=None, max_length=8192)

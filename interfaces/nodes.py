@@ -146,10 +146,72 @@ class TwinUpdate(_In):
 
 
 class Twin(BaseModel):
-    device_id: str
+    """Desired and reported documents; ``diff`` holds what desired wants changed (key -> desired value,
+    ``null`` for a reported key that desired no longer has)."""
+
+    device_id: str | None = None
+    node_id: str | None = None
     desired: dict[str, Any]
     desired_version: int
     reported: dict[str, Any]
     reported_version: int
     reported_at: datetime | None = None
     in_sync: bool
+    diff: dict[str, Any] = Field(default_factory=dict)
+
+
+class DeviceCertificateIssued(BaseModel):
+    """The answer to ``POST /devices/{id}/certificate`` (at the hub, or at the device's edge, which
+    forwards the request to the hub and rewrites ``mqtt_url`` to the broker its devices use)."""
+
+    device_id: str
+    node_id: str
+    certificate_pem: str
+    ca_pem: str
+    serial: str
+    not_after: datetime
+    mqtt_url: str
+    heartbeat_interval_s: float = Field(gt=0)
+
+
+class DeviceStatus(BaseModel):
+    device_id: str
+    node_id: str
+    state: NodeState
+    connected: bool
+    last_heartbeat_at: datetime | None = None
+    last_state_change_at: datetime | None = None
+    health: Health | None = None
+    agent_version: str | None = None
+    uptime_s: float | None = None
+    resources: Resources | None = None
+
+
+class CommandRequest(_In):
+    """``POST /nodes/{id}/commands`` and ``POST /devices/{id}/commands``."""
+
+    name: str = Field(min_length=1, max_length=64, pattern=r"^[a-z][a-z0-9_.-]*$")
+    args: dict[str, Any] = Field(default_factory=dict)
+    timeout_s: float = Field(default=10, gt=0, le=300)
+
+
+class CommandResult(BaseModel):
+    """The target's answer (a failed command is still an answer: ``ok`` false with its error)."""
+
+    ok: bool
+    result: dict[str, Any] | None = None
+    error_code: str | None = None
+    error: str | None = None
+    duration_ms: float
+
+
+class DeviceEvent(BaseModel):
+    device_id: str
+    seq: int | None
+    message_id: str
+    type: str
+    severity: str
+    message: str | None
+    data: dict[str, Any]
+    ts: datetime
+    received_at: datetime

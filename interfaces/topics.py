@@ -85,13 +85,16 @@ class Topic(Generic[P]):
                 raise ValueError(f"{name}={value!r} is not a valid topic level")
         return self.pattern.format(**ids)
 
-    def filter(self) -> str:
-        """The subscription filter matching every id (``{x}`` -> ``+``)."""
-        return _PLACEHOLDER.sub("+", self.pattern)
+    def filter(self, **fixed: str) -> str:
+        """The subscription filter: ids given are fixed, the others match anything (``{x}`` -> ``+``)."""
+        for name, value in fixed.items():
+            if name not in self.placeholders or not _ID_SEGMENT.match(value):
+                raise ValueError(f"{name}={value!r} is not a valid id for {self.pattern}")
+        return _PLACEHOLDER.sub(lambda m: fixed.get(m.group(1), "+"), self.pattern)
 
-    def shared_filter(self, group: str = SHARE_GROUP) -> str:
+    def shared_filter(self, group: str = SHARE_GROUP, **fixed: str) -> str:
         """A shared subscription so that N hub replicas each get a share of the messages."""
-        return f"$share/{group}/{self.filter()}"
+        return f"$share/{group}/{self.filter(**fixed)}"
 
     def parse(self, topic: str) -> dict[str, str] | None:
         """The ids in a concrete topic, or ``None`` if it is not one of this pattern's."""
@@ -127,9 +130,40 @@ NODE_CMD, DEVICE_CMD = _pair(Channel.CMD, CommandBody, False, 1, False, "request
 NODE_CMD_REPLY, DEVICE_CMD_REPLY = _pair(Channel.CMD_REPLY, CommandResultBody, True, 1, False, "answers to cmd (the response topic)")
 NODE_EVENTS, DEVICE_EVENTS = _pair(Channel.EVENTS, EventBody, True, 1, False, "task progress, logs, metrics, errors")
 
+def _relay(channel: Channel, body: type[BaseModel], up: bool, qos: int, retain: bool, what: str) -> Topic:
+    """A device's channel relayed by its edge under the edge's own subtree (so the edge's ACL suffices)."""
+    return Topic(
+        f"{PREFIX}/{Tier.NODE}/{{node_id}}/{Tier.DEVICE}/{{device_id}}/{channel}",
+        Envelope[body],  # type: ignore[valid-type]
+        Direction.EDGE_TO_HUB if up else Direction.HUB_TO_EDGE,
+        qos,
+        retain,
+        what,
+    )
+
+
+RELAY_STATE = _relay(Channel.STATE, StateBody, True, 1, True, "a device's state, relayed by its edge")
+RELAY_HEARTBEAT = _relay(Channel.HEARTBEAT, HeartbeatBody, True, 0, False, "a device's heartbeat, relayed by its edge")
+RELAY_DESIRED = _relay(Channel.DESIRED, DesiredBody, False, 1, True, "a device's desired document; the edge republishes it downstream")
+RELAY_REPORTED = _relay(Channel.REPORTED, ReportedBody, True, 1, False, "a device's report, relayed by its edge")
+RELAY_CMD = _relay(Channel.CMD, CommandBody, False, 1, False, "a command for a device; the edge forwards it and relays the answer")
+RELAY_CMD_REPLY = _relay(Channel.CMD_REPLY, CommandResultBody, True, 1, False, "a device's answer to a command, relayed by its edge")
+RELAY_EVENTS = _relay(Channel.EVENTS, EventBody, True, 1, False, "a device's events (store-and-forward: in order, exactly once)")
+
+HUB_STATE = Topic(
+    f"{PREFIX}/hub/state",
+    Envelope[StateBody],  # type: ignore[valid-type]
+    Direction.HUB_TO_EDGE,
+    1,
+    True,
+    "retained online/offline of the hub (offline is its last will); edges deliver stored reports only while it is online",
+)
+
 TOPICS: tuple[Topic, ...] = (
+    HUB_STATE,
     NODE_STATE, NODE_HEARTBEAT, NODE_DESIRED, NODE_REPORTED, NODE_CMD, NODE_CMD_REPLY, NODE_EVENTS,
     DEVICE_STATE, DEVICE_HEARTBEAT, DEVICE_DESIRED, DEVICE_REPORTED, DEVICE_CMD, DEVICE_CMD_REPLY, DEVICE_EVENTS,
+    RELAY_STATE, RELAY_HEARTBEAT, RELAY_DESIRED, RELAY_REPORTED, RELAY_CMD, RELAY_CMD_REPLY, RELAY_EVENTS,
 )  # fmt: skip
 
 

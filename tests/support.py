@@ -75,13 +75,14 @@ class Broker:
         return f"mqtts://127.0.0.1:{self.port}"
 
 
-def start_broker(data_dir: Path, port: int | None = None) -> Broker:
+def start_broker(data_dir: Path, port: int | None = None, instance: str = "broker") -> Broker:
     port = port or free_port()
     data_dir.mkdir(parents=True, exist_ok=True)
-    proc = start([*AISYNERGY, "broker", "run", "--data-dir", str(data_dir), "--port", str(port)], data_dir / "broker.log")
+    proc = start([*AISYNERGY, "broker", "run", "--data-dir", str(data_dir), "--port", str(port), "--instance", instance],
+                 data_dir / f"{instance}.log")  # fmt: skip
     wait_for(lambda: port_open(port) or proc.poll() is not None, 20, what="broker port")
     if proc.poll() is not None:
-        raise RuntimeError(f"broker exited: {(data_dir / 'broker.log').read_text()[-2000:]}")
+        raise RuntimeError(f"broker exited: {(data_dir / f'{instance}.log').read_text()[-2000:]}")
     return Broker(data_dir, port, proc)
 
 
@@ -154,13 +155,14 @@ class Identity:
         return self.directory / "ca.crt"
 
 
-def enrol(hub: Hub, node_id: str, bootstrap_token: str, directory: Path) -> Identity:
+def enrol(hub: Hub, node_id: str, bootstrap_token: str, directory: Path, kind: str = "nodes") -> Identity:
+    """Enrol a node (or, with ``kind="devices"``, a device) at the hub; ``Identity.node_id`` is its id."""
     from cryptography.hazmat.primitives import serialization
 
     from cloud.pki import make_csr, new_private_key
 
     key = new_private_key()
-    r = httpx.post(f"{hub.url}/api/v1/nodes/{node_id}/certificate", json={"csr_pem": make_csr(key, node_id), "bootstrap_token": bootstrap_token})
+    r = httpx.post(f"{hub.url}/api/v1/{kind}/{node_id}/certificate", json={"csr_pem": make_csr(key, node_id), "bootstrap_token": bootstrap_token})
     assert r.status_code == 201, r.text
     body = r.json()
     directory.mkdir(parents=True, exist_ok=True)

@@ -23,6 +23,7 @@ from cloud.api.routes import devices, nodes
 from cloud.bridge import MqttBridge
 from cloud.config import Settings
 from cloud.db import make_engine, upgrade
+from cloud.desired import DesiredPublisher
 from cloud.ingest import StatusIngest
 from cloud.liveness import mark_silent_nodes_offline
 from cloud.pki import CertificateAuthority
@@ -70,7 +71,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             asyncio.create_task(_every(3600, _housekeeping_tick, engine, settings), name="housekeeping"),
         ]
         if settings.enable_mqtt:
-            bridge = MqttBridge(settings.broker_url, settings.pki_dir, settings.mqtt_client_id, ingest)
+            bridge = MqttBridge(settings.broker_url, settings.pki_dir, settings.mqtt_client_id, ingest, DesiredPublisher(engine))
             app.state.bridge = bridge
             tasks.append(asyncio.create_task(bridge.run(), name="mqtt"))
         log.info("hub ready: database %s, broker %s", engine.url.render_as_string(hide_password=True), settings.broker_url)

@@ -65,3 +65,10 @@ Limit = Annotated[int, Query(ge=1, le=MAX_LIMIT, description="page size")]
 Cursor = Annotated[str | None, Query(max_length=128, description="next_cursor of the previous page")]
 Selector = Annotated[str | None, Query(max_length=4096, description="label selector, e.g. zone=a,tier!=x,gpu,!legacy")]
 DEFAULT_PAGE = DEFAULT_LIMIT
+
+
+def poke_desired(request: Request) -> None:
+    """A desired document changed: let the bridge publish it now (it also catches up on its own)."""
+    bridge = getattr(request.app.state, "bridge", None)
+    if bridge is not None:
+        bridge.poke_desired()

@@ -10,7 +10,7 @@ import subprocess
 import time
 from pathlib import Path
 
-from cloud.broker.config import BrokerLayout, read_revoked, render_acl, render_config
+from cloud.broker.config import BrokerLayout, read_devices, read_revoked, render_acl, render_config
 from cloud.pki import CertificateAuthority
 
 log = logging.getLogger("aisynergy.broker")
@@ -60,18 +60,18 @@ def prepare(layout: BrokerLayout, host: str, port: int, extra_hosts: tuple[str, 
 
 def write_acl(layout: BrokerLayout) -> None:
     tmp = layout.acl_file.with_suffix(".tmp")
-    tmp.write_text(render_acl(read_revoked(layout)))
+    tmp.write_text(render_acl(read_revoked(layout), read_devices(layout)))
     os.replace(tmp, layout.acl_file)
 
 
-def _stamp(layout: BrokerLayout) -> tuple[float, float]:
+def _stamp(layout: BrokerLayout) -> tuple[float, ...]:
     def mtime(p: Path) -> float:
         try:
             return p.stat().st_mtime_ns
         except FileNotFoundError:
             return 0.0
 
-    return mtime(layout.revoked_file), mtime(layout.crl_file)
+    return mtime(layout.revoked_file), mtime(layout.crl_file), mtime(layout.devices_file)
 
 
 def run(layout: BrokerLayout, host: str, port: int, extra_hosts: tuple[str, ...] = (), poll_s: float = 0.5) -> int:
@@ -101,7 +101,7 @@ def run(layout: BrokerLayout, host: str, port: int, extra_hosts: tuple[str, ...]
         if now != seen and not stopping:
             seen = now
             write_acl(layout)
-            log.info("revocations changed: %d revoked identities, reloading broker", len(read_revoked(layout)))
+            log.info("access changed: %d revoked identities, %d devices; reloading broker", len(read_revoked(layout)), len(read_devices(layout)))
             proc.send_signal(signal.SIGHUP)
     code = proc.wait()
     return 0 if stopping else code

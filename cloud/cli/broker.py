@@ -18,6 +18,8 @@ _opts = [
     click.option("--host", default="127.0.0.1", show_default=True, envvar="AISYNERGY_BROKER_HOST"),
     click.option("--port", default=8883, show_default=True, type=int, envvar="AISYNERGY_BROKER_PORT"),
     click.option("--hostname", "hostnames", multiple=True, help="extra names for the broker certificate"),
+    click.option("--instance", default="broker", show_default=True,
+                 help="name of this broker's folder under the data dir (brokers sharing one PKI need distinct names)"),
 ]
 
 
@@ -29,26 +31,26 @@ def _with_opts(fn):  # type: ignore[no-untyped-def]
 
 @broker.command()
 @_with_opts
-def config(data_dir: Path, host: str, port: int, hostnames: tuple[str, ...]) -> None:
+def config(data_dir: Path, host: str, port: int, hostnames: tuple[str, ...], instance: str) -> None:
     """Write the broker's TLS material, config and ACL, and print the config path."""
     from cloud.broker.config import BrokerLayout
     from cloud.broker.runner import prepare
 
-    layout = BrokerLayout(data_dir.resolve())
+    layout = BrokerLayout(data_dir.resolve(), instance)
     prepare(layout, host, port, hostnames)
     click.echo(str(layout.config_file))
 
 
 @broker.command()
 @_with_opts
-def run(data_dir: Path, host: str, port: int, hostnames: tuple[str, ...]) -> None:
+def run(data_dir: Path, host: str, port: int, hostnames: tuple[str, ...], instance: str) -> None:
     """Install Mosquitto if missing, write its files and run it in the foreground."""
     from cloud.broker.config import BrokerLayout
     from cloud.broker.runner import BrokerError
     from cloud.broker.runner import run as run_broker
 
     try:
-        code = run_broker(BrokerLayout(data_dir.resolve()), host, port, hostnames)
+        code = run_broker(BrokerLayout(data_dir.resolve(), instance), host, port, hostnames)
     except BrokerError as exc:
         raise click.ClickException(str(exc)) from exc
     sys.exit(code)

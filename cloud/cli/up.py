@@ -13,17 +13,23 @@ def _table(stack):  # type: ignore[no-untyped-def]
     from rich.table import Table
 
     table = Table(title=f"AISynergy local stack — {stack.hub_url}  (Ctrl-C stops everything)")
-    for col in ("node", "name", "state", "last heartbeat", "cpu", "memory free", "agent"):
+    for col in ("kind", "id", "name", "state", "last heartbeat", "cpu", "memory free", "twin"):
         table.add_column(col)
+
+    def row(kind: str, item: dict, status: dict, twin: dict | None) -> None:  # type: ignore[type-arg]
+        res = status.get("resources") or {}
+        cpu = f"{res['cpu']['utilisation'] * 100:.0f}%" if res else "-"
+        mem = f"{res['memory']['available_bytes'] / 2**30:.1f} GiB" if res else "-"
+        colour = {"ONLINE": "green", "OFFLINE": "red", "UNHEALTHY": "yellow"}.get(status.get("state", ""), "white")
+        sync = "-" if twin is None else f"v{twin['reported_version']}/{twin['desired_version']}" + ("" if twin["in_sync"] else " …")
+        table.add_row(kind, item["id"], item.get("name") or "-", f"[{colour}]{status.get('state', '?')}[/]",
+                      (status.get("last_heartbeat_at") or "-")[11:19], cpu, mem, sync)  # fmt: skip
+
     with stack.api() as api:
         for node in api.get("/nodes", params={"limit": 50}).json().get("items", []):
-            st = api.get(f"/nodes/{node['id']}/status").json()
-            res = st.get("resources") or {}
-            cpu = f"{res['cpu']['utilisation'] * 100:.0f}%" if res else "-"
-            mem = f"{res['memory']['available_bytes'] / 2**30:.1f} GiB" if res else "-"
-            colour = {"ONLINE": "green", "OFFLINE": "red", "UNHEALTHY": "yellow"}.get(st["state"], "white")
-            table.add_row(node["id"], node["name"], f"[{colour}]{st['state']}[/]", (st.get("last_heartbeat_at") or "-")[:19],
-                          cpu, mem, st.get("agent_version") or "-")  # fmt: skip
+            row("edge", node, api.get(f"/nodes/{node['id']}/status").json(), api.get(f"/nodes/{node['id']}/twin").json())
+            for device in api.get(f"/nodes/{node['id']}/devices", params={"limit": 100}).json().get("items", []):
+                row("  device", device, api.get(f"/devices/{device['id']}/status").json(), api.get(f"/devices/{device['id']}/twin").json())
     return table
 
 
@@ -31,16 +37,18 @@ def _table(stack):  # type: ignore[no-untyped-def]
 @click.option("--data-dir", type=click.Path(path_type=Path), default=".data", show_default=True, envvar="AISYNERGY_DATA_DIR")
 @click.option("--hub-port", default=8000, show_default=True, type=int)
 @click.option("--broker-port", default=8883, show_default=True, type=int)
+@click.option("--enrol-port", default=8090, show_default=True, type=int, help="the edge's device enrolment endpoint")
+@click.option("--devices", default=2, show_default=True, type=click.IntRange(0, 100), help="devices under the edge")
 @click.option("--no-table", is_flag=True, help="print one line per change instead of the live table")
-def up(data_dir: Path, hub_port: int, broker_port: int, no_table: bool) -> None:
-    """Start broker, hub and one edge agent on this machine; Ctrl-C stops them all."""
+def up(data_dir: Path, hub_port: int, broker_port: int, enrol_port: int, devices: int, no_table: bool) -> None:
+    """Start broker, hub, one edge agent and N devices on this machine; Ctrl-C stops them all."""
     from rich.console import Console
     from rich.live import Live
 
     from cloud.stack import Stack, StackError
 
     console = Console()
-    stack = Stack(data_dir.resolve(), hub_port=hub_port, broker_port=broker_port)
+    stack = Stack(data_dir.resolve(), hub_port=hub_port, broker_port=broker_port, devices=devices, enrol_port=enrol_port)
     stopping = False
 
     def _on_signal(signum: int, _frame: object) -> None:
@@ -55,14 +63,17 @@ def up(data_dir: Path, hub_port: int, broker_port: int, no_table: bool) -> None:
         console.print(f"[bold]broker[/]  {stack.broker_url}  (mTLS, CA {stack.data_dir / 'pki' / 'ca.crt'})")
         console.print(f"[bold]admin token[/] {stack.admin_token}")
         console.print(f"[bold]edge node[/]   {stack.node_id}   logs in {stack.data_dir / 'logs'}")
+        console.print(f"[bold]devices[/]     {', '.join(stack.device_ids) or '-'}")
         if no_table or not console.is_terminal:
-            last = None
+            last: dict[str, str] = {}
             while not stopping and stack.failed() is None:
                 with stack.api() as api:
-                    state = api.get(f"/nodes/{stack.node_id}/status").json().get("state")
-                if state != last:
-                    console.print(f"edge node {stack.node_id}: {state}")
-                    last = state
+                    states = {stack.node_id: api.get(f"/nodes/{stack.node_id}/status").json().get("state")}
+                    states.update({d: api.get(f"/devices/{d}/status").json().get("state") for d in stack.device_ids})
+                for ident, state in states.items():
+                    if last.get(ident) != state:
+                        console.print(f"{'edge node' if ident == stack.node_id else 'device'} {ident}: {state}")
+                last = states
                 time.sleep(1)
         else:
             with Live(_table(stack), console=console, refresh_per_second=1) as live:

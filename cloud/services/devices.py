@@ -3,20 +3,22 @@
 from __future__ import annotations
 
 import logging
+from datetime import datetime, timedelta
 
-from sqlalchemy import select, update
+from sqlalchemy import select
 from sqlmodel import Session
 
-from cloud.errors import Conflict, NotFound
+from cloud.errors import NotFound
+from cloud.services import enrolment, twins
 from cloud.services.labels import apply_patch, clear_labels, selector_clause, set_labels
 from cloud.services.nodes import get as get_node
 from cloud.services.nodes import now
 from cloud.services.paging import page, parse_selector_or_400
-from cloud.tables import Device
-from interfaces.errors import ErrorCode
+from cloud.pki import CertificateAuthority
+from cloud.tables import Certificate, Device, DeviceEventRow
 from interfaces.ids import is_id, new_id
 from interfaces.lifecycle import NodeState
-from interfaces.nodes import DeviceCreate, DeviceUpdate, TwinUpdate
+from interfaces.nodes import CertificateRequest, DeviceCreate, DeviceUpdate, TwinUpdate
 
 log = logging.getLogger("aisynergy.hub.devices")
 
@@ -66,6 +68,7 @@ def delete(session: Session, device_id: str) -> None:
     device = get(session, device_id)
     device.state = NodeState.DELETED.value
     device.deleted_at = device.updated_at = now()
+    enrolment.revoke_all(session, device.id, device.deleted_at)
     clear_labels(session, device.id)
     session.add(device)
     session.commit()
@@ -73,25 +76,26 @@ def delete(session: Session, device_id: str) -> None:
 
 
 def put_twin(session: Session, device_id: str, body: TwinUpdate) -> Device:
-    """Replace the desired document and bump its version.
+    return twins.put_desired(session, Device, get, device_id, body)  # type: ignore[no-any-return]
 
-    The version check and the bump are one conditional UPDATE, so two writers holding the same
-    ``expected_version`` cannot both win; without ``expected_version`` the last writer wins.
-    """
-    for _attempt in range(5):
-        device = get(session, device_id)
-        expected = device.desired_version if body.expected_version is None else body.expected_version
-        result = session.execute(
-            update(Device)
-            .where(Device.id == device_id, Device.desired_version == expected)  # type: ignore[arg-type]
-            .values(desired=dict(body.desired), desired_version=expected + 1, updated_at=now())
-        )
-        if result.rowcount == 1:  # type: ignore[attr-defined]
-            session.commit()
-            session.refresh(device)
-            return device
-        session.rollback()
-        if body.expected_version is not None:
-            break
-    current = get(session, device_id).desired_version
-    raise Conflict(f"desired version is {current}, not {expected}", code=ErrorCode.CONFLICT, current_version=current)
+
+def reissue_bootstrap(session: Session, device_id: str, ttl_s: int) -> tuple[str, datetime]:
+    get(session, device_id)
+    token, expires = enrolment.issue_bootstrap(session, device_id, ttl_s)
+    session.commit()
+    return token, expires
+
+
+def enrol(session: Session, ca: CertificateAuthority, device_id: str, body: CertificateRequest, validity: timedelta) -> tuple[Device, Certificate, str]:
+    """Devices enrol like nodes (their edge forwards the request); deleting a node deletes its devices."""
+    return enrolment.enrol(session, ca, Device, device_id, body.csr_pem, body.bootstrap_token, validity)  # type: ignore[no-any-return]
+
+
+def events(session: Session, device_id: str, limit: int, after: int | None) -> tuple[list[DeviceEventRow], int | None]:
+    """A device's events in arrival order; ``after`` is the last id of the previous page."""
+    get(session, device_id)
+    query = select(DeviceEventRow).where(DeviceEventRow.device_id == device_id)
+    if after is not None:
+        query = query.where(DeviceEventRow.id > after)  # type: ignore[operator]
+    rows = list(session.exec(query.order_by(DeviceEventRow.id).limit(limit + 1)).scalars())  # type: ignore[call-overload,arg-type]
+    return rows[:limit], (rows[limit - 1].id if len(rows) > limit else None)

@@ -8,23 +8,21 @@ from __future__ import annotations
 import logging
 from datetime import UTC, datetime, timedelta
 
-from sqlalchemy import select, update
+from sqlalchemy import select
 from sqlmodel import Session
 
-from cloud.auth import hash_secret, new_secret
-from cloud.convert import utc
-from cloud.errors import BadRequest, Conflict, Forbidden, NotFound
-from cloud.pki import CertificateAuthority, CsrError
+from cloud.errors import Conflict, NotFound
+from cloud.pki import CertificateAuthority
+from cloud.services import enrolment, twins
 from cloud.services.labels import apply_patch, clear_labels, selector_clause, set_labels
 from cloud.services.paging import page, parse_selector_or_400
-from cloud.tables import BootstrapToken, Certificate, Device, Node, NodeTransitionRow
+from cloud.tables import Certificate, Device, Node, NodeTransitionRow
 from interfaces.errors import ErrorCode
 from interfaces.ids import is_id, new_id
 from interfaces.lifecycle import AdminState, IllegalTransition, NodeState, check_transition
-from interfaces.nodes import CertificateRequest, NodeCreate, NodeUpdate
+from interfaces.nodes import CertificateRequest, NodeCreate, NodeUpdate, TwinUpdate
 
 log = logging.getLogger("aisynergy.hub.nodes")
-BOOTSTRAP_PREFIX = "bst_"
 
 
 def now() -> datetime:
@@ -51,14 +49,6 @@ def transition(session: Session, node: Node, target: NodeState, reason: str) -> 
     node.updated_at = at
 
 
-def _issue_bootstrap(session: Session, node_id: str, ttl_s: int) -> tuple[str, datetime]:
-    secret = new_secret(BOOTSTRAP_PREFIX)
-    at = now()
-    expires = at + timedelta(seconds=ttl_s)
-    session.add(BootstrapToken(token_hash=hash_secret(secret), node_id=node_id, created_at=at, expires_at=expires))
-    return secret, expires
-
-
 def register(session: Session, body: NodeCreate) -> tuple[Node, str, datetime]:
     at = now()
     node = Node(
@@ -76,7 +66,7 @@ def register(session: Session, body: NodeCreate) -> tuple[Node, str, datetime]:
     session.add(node)
     set_labels(session, node.id, node.labels)
     record_transition(session, node.id, None, NodeState.REGISTERED, "registered", at)
-    token, expires = _issue_bootstrap(session, node.id, body.bootstrap_ttl_s)
+    token, expires = enrolment.issue_bootstrap(session, node.id, body.bootstrap_ttl_s)
     session.commit()
     log.info("registered node %s (%s)", node.id, node.name)
     return node, token, expires
@@ -101,6 +91,10 @@ def update_node(session: Session, node_id: str, body: NodeUpdate) -> Node:
     return apply_patch(session, get(session, node_id), body)  # type: ignore[no-any-return]
 
 
+def put_twin(session: Session, node_id: str, body: TwinUpdate) -> Node:
+    return twins.put_desired(session, Node, get, node_id, body)  # type: ignore[no-any-return]
+
+
 def set_admin_state(session: Session, node_id: str, admin_state: AdminState) -> Node:
     node = get(session, node_id)
     if node.admin_state != admin_state.value:
@@ -114,53 +108,14 @@ def set_admin_state(session: Session, node_id: str, admin_state: AdminState) -> 
 
 def reissue_bootstrap(session: Session, node_id: str, ttl_s: int) -> tuple[str, datetime]:
     get(session, node_id)
-    token, expires = _issue_bootstrap(session, node_id, ttl_s)
+    token, expires = enrolment.issue_bootstrap(session, node_id, ttl_s)
     session.commit()
     return token, expires
 
 
 def enrol(session: Session, ca: CertificateAuthority, node_id: str, body: CertificateRequest, validity: timedelta) -> tuple[Node, Certificate, str]:
     """Check the one-time bootstrap token, sign the CSR, revoke any certificate it supersedes."""
-    if not is_id(node_id):
-        raise NotFound(f"node {node_id} does not exist")
-    token = session.get(BootstrapToken, hash_secret(body.bootstrap_token), with_for_update=True)
-    if token is None or token.node_id != node_id:
-        raise Forbidden("bootstrap token is not valid for this node", code=ErrorCode.BOOTSTRAP_TOKEN_INVALID)
-    node = session.get(Node, node_id)
-    if node is None:
-        raise NotFound(f"node {node_id} does not exist")
-    if node.state == NodeState.DELETED:
-        raise Conflict(f"node {node_id} was deleted", code=ErrorCode.NODE_DELETED)
-    if token.used_at is not None:
-        raise Conflict("bootstrap token was already used", code=ErrorCode.BOOTSTRAP_TOKEN_USED)
-    if utc(token.expires_at) <= now():  # type: ignore[operator]
-        raise Forbidden("bootstrap token has expired", code=ErrorCode.BOOTSTRAP_TOKEN_EXPIRED)
-    try:
-        issued = ca.sign_csr(body.csr_pem, expected_cn=node_id, validity=validity)
-    except CsrError as exc:
-        raise BadRequest(str(exc), code=ErrorCode.CSR_INVALID, status=422) from exc
-    # Consume the token with a guarded UPDATE so that two concurrent enrolments cannot both win.
-    consumed = session.execute(
-        update(BootstrapToken)
-        .where(BootstrapToken.token_hash == token.token_hash, BootstrapToken.used_at.is_(None))  # type: ignore[union-attr]
-        .values(used_at=now())
-    )
-    if consumed.rowcount != 1:  # type: ignore[attr-defined]
-        session.rollback()
-        raise Conflict("bootstrap token was already used", code=ErrorCode.BOOTSTRAP_TOKEN_USED)
-    at = now()
-    superseded = session.execute(
-        update(Certificate).where(Certificate.identity == node_id, Certificate.revoked_at.is_(None)).values(revoked_at=at)  # type: ignore[union-attr]
-    ).rowcount  # type: ignore[attr-defined]
-    cert = Certificate(serial=issued.serial, identity=node_id, issued_at=at, not_after=issued.not_after)
-    session.add(cert)
-    node.certificate_serial = issued.serial
-    node.certificate_not_after = issued.not_after
-    node.updated_at = at
-    session.add(node)
-    session.commit()
-    log.info("issued certificate %s to node %s (superseded %d)", issued.serial, node_id, superseded)
-    return node, cert, issued.certificate_pem
+    return enrolment.enrol(session, ca, Node, node_id, body.csr_pem, body.bootstrap_token, validity)  # type: ignore[no-any-return]
 
 
 def delete(session: Session, node_id: str) -> Node:
@@ -169,12 +124,11 @@ def delete(session: Session, node_id: str) -> Node:
     transition(session, node, NodeState.DELETED, "deleted by integrator")
     at = now()
     node.deleted_at = at
-    session.execute(
-        update(Certificate).where(Certificate.identity == node_id, Certificate.revoked_at.is_(None)).values(revoked_at=at)  # type: ignore[union-attr]
-    )
+    enrolment.revoke_all(session, node_id, at)
     for device in session.exec(select(Device).where(Device.node_id == node_id, Device.state != NodeState.DELETED.value)).scalars():  # type: ignore[call-overload]
         device.state = NodeState.DELETED.value
         device.deleted_at = at
+        enrolment.revoke_all(session, device.id, at)
         clear_labels(session, device.id)
         session.add(device)
     clear_labels(session, node.id)

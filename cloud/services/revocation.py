@@ -1,7 +1,8 @@
-"""Publish revocations to the broker: the CA's CRL and the list of revoked identities.
+"""Publish the broker's access data: the CA's CRL, the revoked identities, and which devices each edge serves.
 
-The broker process (``aisynergy broker run``) watches both files, rewrites its ACL with a deny-all entry
-for each revoked identity and reloads, so a deleted node is cut off at once and cannot reconnect.
+The broker process (``aisynergy broker run``) watches these files, rewrites its ACL (a deny-all entry for
+each revoked identity, each edge's device subtrees) and reloads, so a deleted node is cut off at once
+and cannot reconnect, and an edge reaches exactly its own devices.
 """
 
 from __future__ import annotations
@@ -14,18 +15,36 @@ from sqlmodel import Session
 
 from cloud.convert import utc
 from cloud.pki import CertificateAuthority
-from cloud.tables import Certificate, Node
+from cloud.tables import Certificate, Device, Node
 from interfaces.lifecycle import NodeState
 
 REVOKED_FILE = "revoked.txt"
+DEVICES_FILE = "devices.txt"
 
 
 def publish(session: Session, ca: CertificateAuthority) -> None:
     revoked = session.execute(select(Certificate.serial, Certificate.revoked_at).where(Certificate.revoked_at.is_not(None))).all()  # type: ignore[union-attr]
     ca.write_crl([(serial, utc(at)) for serial, at in revoked])  # type: ignore[misc]
-    deleted = sorted(session.execute(select(Node.id).where(Node.state == NodeState.DELETED.value)).scalars())
-    path: Path = ca.directory / REVOKED_FILE
+    deleted = sorted(
+        [*session.execute(select(Node.id).where(Node.state == NodeState.DELETED.value)).scalars(),
+         *session.execute(select(Device.id).where(Device.state == NodeState.DELETED.value)).scalars()]
+    )  # fmt: skip
+    _write(ca.directory / REVOKED_FILE, "".join(f"{identity}\n" for identity in deleted))
+    publish_devices(session, ca)
+
+
+def publish_devices(session: Session, ca: CertificateAuthority) -> None:
+    """``devices.txt``: one ``<node id> <device id>`` line per live device."""
+    pairs = session.execute(
+        select(Device.node_id, Device.id).where(Device.state != NodeState.DELETED.value).order_by(Device.node_id, Device.id)
+    ).all()
+    _write(ca.directory / DEVICES_FILE, "".join(f"{node} {device}\n" for node, device in pairs))
+
+
+def _write(path: Path, text: str) -> None:
+    if path.exists() and path.read_text() == text:
+        return  # unchanged: the broker need not reload
     tmp = path.with_suffix(".tmp")
-    tmp.write_text("".join(f"{identity}\n" for identity in deleted))
+    tmp.write_text(text)
     os.chmod(tmp, 0o644)
     os.replace(tmp, path)

@@ -5,9 +5,7 @@ from __future__ import annotations
 import json
 import os
 import queue
-import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -20,29 +18,18 @@ from paho.mqtt.packettypes import PacketTypes
 from paho.mqtt.properties import Properties
 
 from edge.identity import IdentityStore
+from edge.store import EdgeStore, Scope
 from interfaces.ids import new_id
 from interfaces.messages import CommandBody, DesiredBody, envelope
 from interfaces.topics import NODE_CMD, NODE_CMD_REPLY, NODE_DESIRED, NODE_STATE, Tier, acl_pattern, own_subtree
+from tests.edge.support import MOSQUITTO, REPO, free_port, listening, needs_mosquitto
 
-MOSQUITTO = shutil.which("mosquitto") or ("/usr/sbin/mosquitto" if os.path.exists("/usr/sbin/mosquitto") else None)
-pytestmark = [pytest.mark.broker, pytest.mark.skipif(MOSQUITTO is None, reason="needs the mosquitto binary")]
-REPO = Path(__file__).resolve().parents[2]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def _listening(port: int) -> bool:
-    with socket.socket() as s:
-        return s.connect_ex(("127.0.0.1", port)) == 0
+pytestmark = [pytest.mark.broker, needs_mosquitto]
 
 
 @pytest.fixture
 def broker(tmp_path: Path, test_ca) -> Iterator[tuple[int, Path]]:  # type: ignore[no-untyped-def]
-    port, pki = _free_port(), tmp_path / "pki"
+    port, pki = free_port(), tmp_path / "pki"
     pki.mkdir()
     (pki / "ca.crt").write_text(test_ca.pem)
     crt, key = test_ca.write_identity(pki, "broker", server=True)
@@ -54,10 +41,10 @@ def broker(tmp_path: Path, test_ca) -> Iterator[tuple[int, Path]]:  # type: igno
         "require_certificate true\nuse_identity_as_username true\n" + ("user root\n" if os.geteuid() == 0 else "")
     )
     process = subprocess.Popen(
-        [MOSQUITTO, "-c", str(pki / "mosquitto.conf")], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+        [str(MOSQUITTO), "-c", str(pki / "mosquitto.conf")], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
     )
     deadline = time.monotonic() + 5
-    while not _listening(port):
+    while not listening(port):
         assert time.monotonic() < deadline and process.poll() is None, "mosquitto did not start"
         time.sleep(0.05)
     yield port, pki
@@ -139,7 +126,9 @@ def test_agent_session_over_mutual_tls(tmp_path: Path, broker: tuple[int, Path],
         desired = envelope("hub", DesiredBody(version=4, spec={"models": []})).model_dump_json().encode()
         hub.publish(NODE_DESIRED.topic(node_id=node_id), desired, NODE_DESIRED.qos, retain=NODE_DESIRED.retain)
         hub.expect("reported", version=4)
-        assert json.loads((store.data_dir / "desired.json").read_text())["body"]["version"] == 4
+        stored = EdgeStore(store.data_dir / "edge.db")
+        assert json.loads(stored.desired(Scope.NODE, node_id).payload)["body"]["version"] == 4  # type: ignore[union-attr]
+        stored.close()
 
         agent.send_signal(signal.SIGTERM)
         assert agent.wait(10) == 0

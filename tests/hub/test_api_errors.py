@@ -30,6 +30,10 @@ WRITE_REQUESTS: dict[tuple[str, str], dict[str, Any] | None] = {
     ("PATCH", "/devices/{device_id}"): {"model": "rpi-4"},
     ("DELETE", "/devices/{device_id}"): None,
     ("PUT", "/devices/{device_id}/twin"): {"desired": {"fps": 5}},
+    ("POST", "/devices/{device_id}/bootstrap-token"): {"ttl_s": 600},
+    ("PUT", "/nodes/{node_id}/twin"): {"desired": {"log_level": "debug"}},
+    ("POST", "/nodes/{node_id}/commands"): {"name": "ping"},
+    ("POST", "/devices/{device_id}/commands"): {"name": "ping"},
 }
 
 
@@ -75,7 +79,7 @@ def _authenticated_write_routes(hub: HubUnderTest) -> set[tuple[str, str]]:
 def test_enrol_with_expired_bootstrap_token(hub: HubUnderTest, seeded: dict[str, str]) -> None:
     # Prepare
     with Session(hub.engine) as session:
-        session.execute(update(BootstrapToken).where(BootstrapToken.node_id == seeded["node_id"]).values(expires_at=datetime.now(UTC) - timedelta(seconds=1)))
+        session.execute(update(BootstrapToken).where(BootstrapToken.owner_id == seeded["node_id"]).values(expires_at=datetime.now(UTC) - timedelta(seconds=1)))
         session.commit()
     before = hub.snapshot()
 

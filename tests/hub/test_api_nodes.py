@@ -367,9 +367,10 @@ def test_twin_versions_and_optimistic_concurrency(hub: HubUnderTest) -> None:
 
     # Execute + Assert: a fresh twin
     twin = hub.get(f"/devices/{device_id}/twin").json()
+    node_id = twin["node_id"]
     assert twin == {
-        "device_id": device_id, "desired": {}, "desired_version": 0, "reported": {}, "reported_version": 0,
-        "reported_at": None, "in_sync": True,
+        "device_id": device_id, "node_id": node_id, "desired": {}, "desired_version": 0, "reported": {}, "reported_version": 0,
+        "reported_at": None, "in_sync": True, "diff": {},
     }  # fmt: skip
 
     # every PUT replaces the desired document and bumps its version

@@ -210,7 +210,7 @@ def test_topic_table_is_consistent() -> None:
         for other in TOPICS:
             if other is not t:
                 assert other.parse(t.topic(**ids)) is None, (t.pattern, other.pattern)
-        node_tier = t.pattern.startswith("synergy/v1/nodes/")
+        node_tier = t.pattern.startswith(("synergy/v1/nodes/", "synergy/v1/hub/"))
         assert t.direction in ((Direction.EDGE_TO_HUB, Direction.HUB_TO_EDGE) if node_tier else (Direction.DEVICE_TO_EDGE, Direction.EDGE_TO_DEVICE))
     assert NODE_STATE.retain and NODE_HEARTBEAT.qos == 0
     assert own_subtree(Tier.NODE, "n-1") == "synergy/v1/nodes/n-1/#"

@@ -2,22 +2,37 @@
 
 from __future__ import annotations
 
-from fastapi import APIRouter, Response, status
+from datetime import timedelta
 
-from cloud.api.deps import DEFAULT_PAGE, Cursor, IdempotencyKey, Limit, Operator, Selector, SessionDep, Viewer
+from fastapi import APIRouter, Request, Response, status
+
+from cloud.api import commands
+from cloud.api.deps import (
+    DEFAULT_PAGE, CADep, Cursor, IdempotencyKey, Limit, Operator, Selector, SessionDep, SettingsDep, Viewer, poke_desired,
+)  # fmt: skip
 from cloud.api.problems import PROBLEM_RESPONSES
-from cloud.convert import device_to_wire, twin_to_wire
+from cloud.convert import device_event_to_wire, device_status_to_wire, device_to_wire, twin_to_wire
+from cloud.errors import BadRequest
 from cloud.services import devices as device_service
-from interfaces.nodes import DeviceCreate, DevicePublic, DeviceUpdate, Twin, TwinUpdate
-from interfaces.pagination import Page
+from cloud.services import revocation
+from interfaces.errors import ErrorCode
+from interfaces.nodes import (
+    BootstrapTokenReissue, CertificateRequest, CommandRequest, CommandResult, DeviceCertificateIssued, DeviceCreate,
+    DeviceEvent, DevicePublic, DeviceStatus, DeviceUpdate, Twin, TwinUpdate,
+)  # fmt: skip
+from interfaces.pagination import CursorError, Page, decode_cursor, encode_cursor
+from interfaces.topics import RELAY_CMD, RELAY_CMD_REPLY
 
 router = APIRouter(prefix="/devices", tags=["devices"], responses=PROBLEM_RESPONSES)
 
 
 @router.post("", status_code=status.HTTP_201_CREATED)
-def create_device(body: DeviceCreate, session: SessionDep, _: Operator, __: IdempotencyKey = None) -> DevicePublic:
-    """Register a device under an edge node."""
-    return device_to_wire(device_service.create(session, body))
+def create_device(body: DeviceCreate, request: Request, session: SessionDep, ca: CADep, _: Operator, __: IdempotencyKey = None) -> DevicePublic:
+    """Register a device under an edge node (its edge learns of it from the hub)."""
+    device = device_service.create(session, body)
+    revocation.publish_devices(session, ca)
+    poke_desired(request)
+    return device_to_wire(device)
 
 
 @router.get("")
@@ -40,9 +55,11 @@ def update_device(device_id: str, body: DeviceUpdate, session: SessionDep, _: Op
 
 
 @router.delete("/{device_id}", status_code=status.HTTP_204_NO_CONTENT)
-def delete_device(device_id: str, session: SessionDep, _: Operator, __: IdempotencyKey = None) -> Response:
-    """Delete a device."""
+def delete_device(device_id: str, request: Request, session: SessionDep, ca: CADep, _: Operator, __: IdempotencyKey = None) -> Response:
+    """Delete a device: revoke its certificate and cut it off at the broker."""
     device_service.delete(session, device_id)
+    revocation.publish(session, ca)
+    poke_desired(request)
     return Response(status_code=status.HTTP_204_NO_CONTENT)
 
 
@@ -53,6 +70,55 @@ def get_twin(device_id: str, session: SessionDep, _: Viewer) -> Twin:
 
 
 @router.put("/{device_id}/twin")
-def put_twin(device_id: str, body: TwinUpdate, session: SessionDep, _: Operator, __: IdempotencyKey = None) -> Twin:
-    """Replace the desired document (its version goes up by one)."""
-    return twin_to_wire(device_service.put_twin(session, device_id, body))
+def put_twin(device_id: str, body: TwinUpdate, request: Request, session: SessionDep, _: Operator, __: IdempotencyKey = None) -> Twin:
+    """Replace the desired document (its version goes up by one); its edge passes it on to the device."""
+    twin = twin_to_wire(device_service.put_twin(session, device_id, body))
+    poke_desired(request)
+    return twin
+
+
+@router.get("/{device_id}/status")
+def device_status(device_id: str, session: SessionDep, _: Viewer) -> DeviceStatus:
+    """Connection state, last heartbeat and resources, as relayed by the device's edge."""
+    return device_status_to_wire(device_service.get(session, device_id))
+
+
+@router.get("/{device_id}/events")
+def device_events(device_id: str, session: SessionDep, _: Viewer, limit: Limit = DEFAULT_PAGE, cursor: Cursor = None) -> Page[DeviceEvent]:
+    """The device's events in arrival order (each kept once, however often its edge resent it)."""
+    after = None
+    if cursor:
+        try:
+            after = int(decode_cursor(cursor))
+        except (CursorError, ValueError) as exc:
+            raise BadRequest("cursor is not one this server issued", code=ErrorCode.INVALID_CURSOR) from exc
+    rows, last = device_service.events(session, device_id, limit, after)
+    return Page[DeviceEvent](items=[device_event_to_wire(r) for r in rows], next_cursor=encode_cursor(str(last)) if last else None)
+
+
+@router.post("/{device_id}/bootstrap-token", status_code=status.HTTP_201_CREATED)
+def reissue_device_bootstrap_token(device_id: str, body: BootstrapTokenReissue, session: SessionDep, _: Operator, __: IdempotencyKey = None) -> dict[str, str]:
+    """Issue a one-time bootstrap token with which the device enrols (through its edge)."""
+    token, expires = device_service.reissue_bootstrap(session, device_id, body.ttl_s)
+    return {"bootstrap_token": token, "bootstrap_expires_at": expires.isoformat()}
+
+
+@router.post("/{device_id}/certificate", status_code=status.HTTP_201_CREATED, openapi_extra={"security": []})
+def enrol_device(device_id: str, body: CertificateRequest, session: SessionDep, ca: CADep, settings: SettingsDep, __: IdempotencyKey = None) -> DeviceCertificateIssued:
+    """Sign the device's CSR (CN = device id) in exchange for its bootstrap token; its edge forwards this."""
+    device, cert, pem = device_service.enrol(session, ca, device_id, body, timedelta(days=settings.certificate_validity_days))
+    revocation.publish(session, ca)
+    return DeviceCertificateIssued(
+        device_id=device.id, node_id=device.node_id, certificate_pem=pem, ca_pem=ca.ca_pem, serial=cert.serial,
+        not_after=cert.not_after, mqtt_url=settings.public_mqtt_url or settings.broker_url,
+        heartbeat_interval_s=settings.heartbeat_interval_s,
+    )  # fmt: skip
+
+
+@router.post("/{device_id}/commands", responses={504: PROBLEM_RESPONSES[409] | {"description": "No answer in time"}})
+def device_command(device_id: str, body: CommandRequest, request: Request, session: SessionDep, _: Operator, __: IdempotencyKey = None) -> CommandResult:
+    """Send a command to the device through its edge and return its answer (504 command_timeout if none in time)."""
+    device = device_service.get(session, device_id)
+    session.close()  # hold no database connection while waiting for the answer
+    ids = {"node_id": device.node_id, "device_id": device.id}
+    return commands.send(request, device.state, RELAY_CMD.topic(**ids), RELAY_CMD_REPLY.topic(**ids), body)

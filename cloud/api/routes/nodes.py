@@ -8,7 +8,9 @@ from fastapi import APIRouter, Request, Response, status
 
 from cloud.api.deps import DEFAULT_PAGE, Admin, CADep, Cursor, IdempotencyKey, Limit, Operator, Selector, SessionDep, SettingsDep, Viewer
 from cloud.api.problems import PROBLEM_RESPONSES
-from cloud.convert import device_to_wire, node_status_to_wire, node_to_wire, transition_to_wire
+from cloud.api import commands
+from cloud.api.deps import poke_desired
+from cloud.convert import device_to_wire, node_status_to_wire, node_to_wire, transition_to_wire, twin_to_wire
 from cloud.services import devices as device_service
 from cloud.services import nodes as node_service
 from cloud.services import revocation
@@ -18,6 +20,8 @@ from interfaces.nodes import (
     BootstrapTokenReissue,
     CertificateIssued,
     CertificateRequest,
+    CommandRequest,
+    CommandResult,
     DevicePublic,
     NodeCreate,
     NodePublic,
@@ -25,7 +29,10 @@ from interfaces.nodes import (
     NodeStatus,
     NodeTransition,
     NodeUpdate,
+    Twin,
+    TwinUpdate,
 )
+from interfaces.topics import NODE_CMD, NODE_CMD_REPLY
 from interfaces.pagination import Page
 
 router = APIRouter(prefix="/nodes", tags=["nodes"], responses=PROBLEM_RESPONSES)
@@ -107,6 +114,28 @@ def enrol_node(node_id: str, body: CertificateRequest, session: SessionDep, ca: 
         node_id=node.id, certificate_pem=pem, ca_pem=ca.ca_pem, serial=cert.serial, not_after=cert.not_after,
         mqtt_url=settings.public_mqtt_url or settings.broker_url, heartbeat_interval_s=settings.heartbeat_interval_s,
     )  # fmt: skip
+
+
+@router.get("/{node_id}/twin")
+def get_node_twin(node_id: str, session: SessionDep, _: Viewer) -> Twin:
+    """The node's desired and reported documents and their difference."""
+    return twin_to_wire(node_service.get(session, node_id))
+
+
+@router.put("/{node_id}/twin")
+def put_node_twin(node_id: str, body: TwinUpdate, request: Request, session: SessionDep, _: Operator, __: IdempotencyKey = None) -> Twin:
+    """Replace the node's desired document (its version goes up by one); the hub publishes it retained."""
+    twin = twin_to_wire(node_service.put_twin(session, node_id, body))
+    poke_desired(request)
+    return twin
+
+
+@router.post("/{node_id}/commands", responses={504: PROBLEM_RESPONSES[409] | {"description": "No answer in time"}})
+def node_command(node_id: str, body: CommandRequest, request: Request, session: SessionDep, _: Operator, __: IdempotencyKey = None) -> CommandResult:
+    """Send a command to the node's agent and return its answer (504 command_timeout if none in time)."""
+    node = node_service.get(session, node_id)
+    session.close()  # hold no database connection while waiting for the answer
+    return commands.send(request, node.state, NODE_CMD.topic(node_id=node_id), NODE_CMD_REPLY.topic(node_id=node_id), body)
 
 
 @router.get("/{node_id}/devices")

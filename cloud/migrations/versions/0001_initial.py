@@ -2,7 +2,7 @@
 
 Revision ID: 0001
 Revises: 
-Create Date: 2026-11-30 00:14:26.765848
+Create Date: 2026-11-30 00:47:24.381642
 """
 
 from alembic import op
@@ -29,14 +29,14 @@ def upgrade() -> None:
     )
     op.create_table('bootstrap_tokens',
     sa.Column('token_hash', sqlmodel.sql.sqltypes.AutoString(length=64), nullable=False),
-    sa.Column('node_id', sqlmodel.sql.sqltypes.AutoString(length=64), nullable=False),
+    sa.Column('owner_id', sqlmodel.sql.sqltypes.AutoString(length=64), nullable=False),
     sa.Column('created_at', sa.DateTime(timezone=True), nullable=False),
     sa.Column('expires_at', sa.DateTime(timezone=True), nullable=False),
     sa.Column('used_at', sa.DateTime(timezone=True), nullable=True),
     sa.PrimaryKeyConstraint('token_hash')
     )
     with op.batch_alter_table('bootstrap_tokens', schema=None) as batch_op:
-        batch_op.create_index(batch_op.f('ix_bootstrap_tokens_node_id'), ['node_id'], unique=False)
+        batch_op.create_index(batch_op.f('ix_bootstrap_tokens_owner_id'), ['owner_id'], unique=False)
 
     op.create_table('certificates',
     sa.Column('serial', sqlmodel.sql.sqltypes.AutoString(length=64), nullable=False),
@@ -48,6 +48,24 @@ def upgrade() -> None:
     )
     with op.batch_alter_table('certificates', schema=None) as batch_op:
         batch_op.create_index(batch_op.f('ix_certificates_identity'), ['identity'], unique=False)
+
+    op.create_table('device_events',
+    sa.Column('id', sa.Integer(), nullable=False),
+    sa.Column('message_id', sqlmodel.sql.sqltypes.AutoString(length=64), nullable=False),
+    sa.Column('node_id', sqlmodel.sql.sqltypes.AutoString(length=64), nullable=False),
+    sa.Column('device_id', sqlmodel.sql.sqltypes.AutoString(length=64), nullable=False),
+    sa.Column('seq', sa.Integer(), nullable=True),
+    sa.Column('type', sqlmodel.sql.sqltypes.AutoString(length=64), nullable=False),
+    sa.Column('severity', sqlmodel.sql.sqltypes.AutoString(length=16), nullable=False),
+    sa.Column('message', sa.Text(), nullable=True),
+    sa.Column('data', sa.JSON(), nullable=False),
+    sa.Column('ts', sa.DateTime(timezone=True), nullable=False),
+    sa.Column('received_at', sa.DateTime(timezone=True), nullable=False),
+    sa.PrimaryKeyConstraint('id'),
+    sa.UniqueConstraint('message_id')
+    )
+    with op.batch_alter_table('device_events', schema=None) as batch_op:
+        batch_op.create_index('ix_device_events_device', ['device_id', 'id'], unique=False)
 
     op.create_table('devices',
     sa.Column('id', sqlmodel.sql.sqltypes.AutoString(length=64), nullable=False),
@@ -62,9 +80,18 @@ def upgrade() -> None:
     sa.Column('deleted_at', sa.DateTime(timezone=True), nullable=True),
     sa.Column('desired', sa.JSON(), nullable=False),
     sa.Column('desired_version', sa.Integer(), nullable=False),
+    sa.Column('desired_published', sa.Integer(), nullable=False),
     sa.Column('reported', sa.JSON(), nullable=False),
     sa.Column('reported_version', sa.Integer(), nullable=False),
     sa.Column('reported_at', sa.DateTime(timezone=True), nullable=True),
+    sa.Column('certificate_serial', sqlmodel.sql.sqltypes.AutoString(length=64), nullable=True),
+    sa.Column('certificate_not_after', sa.DateTime(timezone=True), nullable=True),
+    sa.Column('last_heartbeat_at', sa.DateTime(timezone=True), nullable=True),
+    sa.Column('last_state_change_at', sa.DateTime(timezone=True), nullable=True),
+    sa.Column('health', sqlmodel.sql.sqltypes.AutoString(length=16), nullable=True),
+    sa.Column('agent_version', sqlmodel.sql.sqltypes.AutoString(length=64), nullable=True),
+    sa.Column('uptime_s', sa.Float(), nullable=True),
+    sa.Column('resources', sa.JSON(), nullable=True),
     sa.PrimaryKeyConstraint('id')
     )
     with op.batch_alter_table('devices', schema=None) as batch_op:
@@ -129,6 +156,12 @@ def upgrade() -> None:
     sa.Column('agent_version', sqlmodel.sql.sqltypes.AutoString(length=64), nullable=True),
     sa.Column('uptime_s', sa.Float(), nullable=True),
     sa.Column('resources', sa.JSON(), nullable=True),
+    sa.Column('desired', sa.JSON(), nullable=False),
+    sa.Column('desired_version', sa.Integer(), nullable=False),
+    sa.Column('desired_published', sa.Integer(), nullable=False),
+    sa.Column('reported', sa.JSON(), nullable=False),
+    sa.Column('reported_version', sa.Integer(), nullable=False),
+    sa.Column('reported_at', sa.DateTime(timezone=True), nullable=True),
     sa.PrimaryKeyConstraint('id')
     )
     with op.batch_alter_table('nodes', schema=None) as batch_op:
@@ -155,12 +188,16 @@ def downgrade() -> None:
         batch_op.drop_index(batch_op.f('ix_devices_node_id'))
 
     op.drop_table('devices')
+    with op.batch_alter_table('device_events', schema=None) as batch_op:
+        batch_op.drop_index('ix_device_events_device')
+
+    op.drop_table('device_events')
     with op.batch_alter_table('certificates', schema=None) as batch_op:
         batch_op.drop_index(batch_op.f('ix_certificates_identity'))
 
     op.drop_table('certificates')
     with op.batch_alter_table('bootstrap_tokens', schema=None) as batch_op:
-        batch_op.drop_index(batch_op.f('ix_bootstrap_tokens_node_id'))
+        batch_op.drop_index(batch_op.f('ix_bootstrap_tokens_owner_id'))
 
     op.drop_table('bootstrap_tokens')
     op.drop_table('api_tokens')

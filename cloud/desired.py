@@ -1,0 +1,72 @@
+"""Desired documents the broker must hold retained: one per node, one per device (relayed by its edge).
+
+The database is the truth; ``desired_published`` on each row says which version the broker holds.
+The bridge asks for what is pending, publishes it, and marks it published, so a change made while the
+broker was away is published when it comes back. A deleted device's document is cleared (empty
+retained payload) so that its edge forgets it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from sqlalchemy import and_, or_, select, update
+from sqlalchemy.engine import Engine
+from sqlmodel import Session
+
+from cloud.tables import Device, Node
+from interfaces.lifecycle import NodeState
+from interfaces.messages import DesiredBody, envelope
+from interfaces.topics import NODE_DESIRED, RELAY_DESIRED
+
+CLEARED = -2  # desired_published of a deleted device whose retained document was removed
+BATCH = 500
+
+
+@dataclass(frozen=True)
+class PendingDesired:
+    table: str
+    row_id: str
+    version: int
+    topic: str
+    payload: bytes
+
+
+class DesiredPublisher:
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+
+    def pending(self) -> list[PendingDesired]:
+        out: list[PendingDesired] = []
+        with Session(self.engine) as session:
+            nodes = session.execute(
+                select(Node.id, Node.desired, Node.desired_version).where(
+                    Node.state != NodeState.DELETED.value, Node.desired_version > 0, Node.desired_published != Node.desired_version
+                ).limit(BATCH)
+            ).all()
+            for node_id, desired, version in nodes:
+                body = envelope("hub", DesiredBody(version=version, spec=desired))
+                out.append(PendingDesired("node", node_id, version, NODE_DESIRED.topic(node_id=node_id), body.model_dump_json().encode()))
+            devices = session.execute(
+                select(Device.id, Device.node_id, Device.desired, Device.desired_version, Device.state).where(
+                    or_(
+                        and_(Device.state != NodeState.DELETED.value, Device.desired_published != Device.desired_version),
+                        and_(Device.state == NodeState.DELETED.value, Device.desired_published != CLEARED),
+                    )
+                ).limit(BATCH)
+            ).all()
+            for device_id, node_id, desired, version, state in devices:
+                topic = RELAY_DESIRED.topic(node_id=node_id, device_id=device_id)
+                if state == NodeState.DELETED.value:
+                    out.append(PendingDesired("device", device_id, CLEARED, topic, b""))
+                else:
+                    body = envelope("hub", DesiredBody(version=version, spec=desired))
+                    out.append(PendingDesired("device", device_id, version, topic, body.model_dump_json().encode()))
+        return out
+
+    def mark_published(self, batch: list[PendingDesired]) -> None:
+        with Session(self.engine) as session:
+            for item in batch:
+                table = Node if item.table == "node" else Device
+                session.execute(update(table).where(table.id == item.row_id).values(desired_published=item.version))
+            session.commit()

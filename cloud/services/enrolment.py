@@ -1,0 +1,86 @@
+"""Identities for nodes and devices alike: one-time bootstrap tokens and CSR signing."""
+
+from __future__ import annotations
+
+import logging
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+from sqlalchemy import update
+from sqlmodel import Session
+
+from cloud.auth import hash_secret, new_secret
+from cloud.convert import utc
+from cloud.errors import BadRequest, Conflict, Forbidden, NotFound
+from cloud.pki import CertificateAuthority, CsrError
+from cloud.tables import BootstrapToken, Certificate
+from interfaces.errors import ErrorCode
+from interfaces.ids import is_id
+from interfaces.lifecycle import NodeState
+
+log = logging.getLogger("aisynergy.hub.enrolment")
+BOOTSTRAP_PREFIX = "bst_"
+
+
+def issue_bootstrap(session: Session, owner_id: str, ttl_s: int) -> tuple[str, datetime]:
+    """Add a one-time bootstrap token for ``owner_id`` (not committed); returns it and its expiry."""
+    secret = new_secret(BOOTSTRAP_PREFIX)
+    at = datetime.now(UTC)
+    expires = at + timedelta(seconds=ttl_s)
+    session.add(BootstrapToken(token_hash=hash_secret(secret), owner_id=owner_id, created_at=at, expires_at=expires))
+    return secret, expires
+
+
+def revoke_all(session: Session, identity: str, at: datetime) -> int:
+    """Revoke every valid certificate of ``identity`` (not committed); returns how many."""
+    result = session.execute(
+        update(Certificate).where(Certificate.identity == identity, Certificate.revoked_at.is_(None)).values(revoked_at=at)  # type: ignore[union-attr]
+    )
+    return result.rowcount  # type: ignore[attr-defined,no-any-return]
+
+
+def enrol(session: Session, ca: CertificateAuthority, owner: type[Any], owner_id: str, csr_pem: str, token_secret: str,
+          validity: timedelta) -> tuple[Any, Certificate, str]:  # fmt: skip
+    """Check the one-time token, sign the CSR (CN = ``owner_id``), revoke certificates it supersedes.
+
+    ``owner`` is the table (Node or Device) whose row gets the new certificate's serial.
+    """
+    kind = owner.__name__.lower()
+    if not is_id(owner_id):
+        raise NotFound(f"{kind} {owner_id} does not exist")
+    token = session.get(BootstrapToken, hash_secret(token_secret), with_for_update=True)
+    if token is None or token.owner_id != owner_id:
+        raise Forbidden(f"bootstrap token is not valid for this {kind}", code=ErrorCode.BOOTSTRAP_TOKEN_INVALID)
+    row = session.get(owner, owner_id)
+    if row is None:
+        raise NotFound(f"{kind} {owner_id} does not exist")
+    if row.state == NodeState.DELETED:
+        raise Conflict(f"{kind} {owner_id} was deleted", code=ErrorCode.NODE_DELETED)
+    if token.used_at is not None:
+        raise Conflict("bootstrap token was already used", code=ErrorCode.BOOTSTRAP_TOKEN_USED)
+    if utc(token.expires_at) <= datetime.now(UTC):  # type: ignore[operator]
+        raise Forbidden("bootstrap token has expired", code=ErrorCode.BOOTSTRAP_TOKEN_EXPIRED)
+    try:
+        issued = ca.sign_csr(csr_pem, expected_cn=owner_id, validity=validity)
+    except CsrError as exc:
+        raise BadRequest(str(exc), code=ErrorCode.CSR_INVALID, status=422) from exc
+    # Consume the token with a guarded UPDATE so that two concurrent enrolments cannot both win.
+    consumed = session.execute(
+        update(BootstrapToken)
+        .where(BootstrapToken.token_hash == token.token_hash, BootstrapToken.used_at.is_(None))  # type: ignore[union-attr]
+        .values(used_at=datetime.now(UTC))
+    )
+    if consumed.rowcount != 1:  # type: ignore[attr-defined]
+        session.rollback()
+        raise Conflict("bootstrap token was already used", code=ErrorCode.BOOTSTRAP_TOKEN_USED)
+    at = datetime.now(UTC)
+    superseded = revoke_all(session, owner_id, at)
+    cert = Certificate(serial=issued.serial, identity=owner_id, issued_at=at, not_after=issued.not_after)
+    session.add(cert)
+    row.certificate_serial = issued.serial
+    row.certificate_not_after = issued.not_after
+    row.updated_at = at
+    session.add(row)
+    session.commit()
+    log.info("issued certificate %s to %s %s (superseded %d)", issued.serial, kind, owner_id, superseded)
+    return row, cert, issued.certificate_pem

@@ -1,0 +1,573 @@
+"""The device agent: one mutual-TLS MQTT 5 session to the device's broker (normally its edge's), kept up.
+
+Synchronous on purpose, so that a Raspberry Pi application embeds it without an event loop::
+
+    dev = Device("dv-01", "/var/lib/mydevice", enrol_url="https://edge:8000", bootstrap_token=token)
+
+    @dev.command("reboot")
+    def reboot(args: dict) -> dict | None: ...
+
+    @dev.on_desired
+    def apply(spec: dict) -> dict | None: ...     # the status to report; None: applied as desired
+
+    dev.run_forever()                              # or start() ... emit(...) ... stop()
+
+On connect the device subscribes to its own ``desired`` and ``cmd`` topics and publishes a retained
+``online`` state, then a heartbeat every ``heartbeat_interval_s``. If it vanishes, the broker publishes
+its retained ``offline`` last will; :meth:`Device.stop` publishes ``offline`` (reason shutdown) itself.
+Every topic comes from :mod:`interfaces.topics` (DESIGN §4.4).
+
+Threads: paho's network thread runs the callbacks and answers ``ping`` and unknown commands itself (so
+they are answered while a handler is busy); the application's command handlers run one at a time on the
+``commands`` worker, the desired handler on the ``desired`` worker (the newest document wins).
+QoS 1 messages published while disconnected wait in memory (``max_queued``) and leave in order after
+the reconnect; they do not survive a restart of the process.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import signal
+import sys
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from importlib.metadata import PackageNotFoundError, version
+from pathlib import Path
+from typing import Any, Literal, Self, TypeVar
+
+import paho.mqtt.client as mqtt
+import psutil
+from paho.mqtt.enums import CallbackAPIVersion, MQTTErrorCode
+from paho.mqtt.packettypes import PacketTypes
+from paho.mqtt.properties import Properties
+from paho.mqtt.reasoncodes import ReasonCode
+from pydantic import BaseModel
+
+from device.commands import Commands, failure
+from device.connection import PahoLog, parse_mqtt_url, reconnect_delay, tls_context
+from device.desired import DesiredStore
+from device.errors import ConfigError, IdentityError, NotRunning, OutboxFull
+from device.heartbeat import Heartbeats
+from device.identity import Enrolment, IdentityStore
+from device.resources import ResourceSampler
+from device.sequence import EventSequence
+from interfaces.messages import (
+    MAX_MESSAGE_BYTES,
+    CommandBody,
+    CommandError,
+    CommandResultBody,
+    ConnectionState,
+    Envelope,
+    EventBody,
+    HeartbeatBody,
+    ReportedBody,
+    StateBody,
+    envelope,
+)
+from interfaces.topics import (
+    DEVICE_CMD,
+    DEVICE_CMD_REPLY,
+    DEVICE_DESIRED,
+    DEVICE_EVENTS,
+    DEVICE_HEARTBEAT,
+    DEVICE_REPORTED,
+    DEVICE_STATE,
+    Topic,
+)
+
+log = logging.getLogger("aisynergy.device")
+
+try:
+    AGENT_VERSION = version("aisynergy")
+except PackageNotFoundError:  # pragma: no cover - running from a bare checkout
+    AGENT_VERSION = "0+unknown"
+
+MIN_HEARTBEAT_S = 0.1
+Severity = Literal["debug", "info", "warning", "error"]
+DesiredHandler = Callable[[dict[str, Any]], dict[str, Any] | None]
+H = TypeVar("H", bound=Callable[..., Any])
+M = TypeVar("M", bound=BaseModel)
+
+
+@dataclass(frozen=True)
+class DeviceStats:
+    connected: bool
+    messages_in: int
+    messages_out: int
+    dropped: int  # inbound messages rejected as malformed
+    reconnects: int
+    next_event_seq: int | None
+    rss_bytes: int
+
+
+class _Worker:
+    """One daemon thread running submitted calls in order (a hung handler never blocks process exit)."""
+
+    def __init__(self, name: str) -> None:
+        self._calls: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
+        threading.Thread(target=self._run, name=name, daemon=True).start()
+
+    def submit(self, call: Callable[[], None]) -> None:
+        self._calls.put(call)
+
+    def close(self) -> None:
+        self._calls.put(None)
+
+    def _run(self) -> None:
+        while (call := self._calls.get()) is not None:
+            try:
+                call()
+            except Exception:  # a bug in our own code must not end the worker
+                log.exception("internal error in %s", threading.current_thread().name)
+
+
+class Device:
+    """A device's MQTT session and its handlers; see the module docstring.
+
+    ``enrol_url`` and ``bootstrap_token`` are needed only on the first start; ``mqtt_url`` and
+    ``heartbeat_interval_s`` override what enrolment returned. Raises :class:`~device.errors.ConfigError`
+    for a bad device id, URL or interval.
+    """
+
+    def __init__(
+        self,
+        device_id: str,
+        data_dir: str | Path,
+        enrol_url: str | None = None,
+        bootstrap_token: str | None = None,
+        mqtt_url: str | None = None,
+        heartbeat_interval_s: float | None = None,
+        *,
+        keepalive_s: int = 30,
+        reconnect_cap_s: float = 60.0,
+        max_queued: int = 1000,
+        sampler: ResourceSampler | None = None,
+    ) -> None:
+        try:
+            DEVICE_STATE.topic(device_id=device_id)
+        except ValueError as exc:
+            raise ConfigError(f"invalid device id: {exc}") from None
+        if heartbeat_interval_s is not None and heartbeat_interval_s < MIN_HEARTBEAT_S:
+            raise ConfigError(f"heartbeat interval {heartbeat_interval_s} s is below {MIN_HEARTBEAT_S} s")
+        if mqtt_url is not None:
+            parse_mqtt_url(mqtt_url)
+        self.device_id = device_id
+        self.node_id: str | None = None  # the edge serving this device, known from enrolment
+        self.data_dir = Path(data_dir)
+        self.identity = IdentityStore(self.data_dir)
+        self._enrol_url, self._bootstrap_token = enrol_url, bootstrap_token
+        self._mqtt_url, self._heartbeat_interval_s = mqtt_url, heartbeat_interval_s
+        self._keepalive_s, self._reconnect_cap_s, self._max_queued = keepalive_s, reconnect_cap_s, max_queued
+        self._sampler = sampler
+        self._commands = Commands()
+        self._desired_handler: DesiredHandler | None = None
+
+        self._lifecycle = threading.Lock()
+        self._client: mqtt.Client | None = None
+        self._connected = threading.Event()
+        self._stopping = threading.Event()
+        self._event_lock = threading.Lock()  # held from taking a seq to handing the event to paho
+        self._accepting_events = False
+        self._sequence: EventSequence | None = None
+        self._stats_lock = threading.Lock()
+        self._messages_in = self._messages_out = self._dropped = self._reconnects = 0
+        self._attempt = 0
+        self._paho_log = logging.getLogger("aisynergy.device.mqtt")
+        self._paho_filter = PahoLog()
+
+    # ---- registration -------------------------------------------------------------------------------
+    def command(self, name: str) -> Callable[[H], H]:
+        """Decorator: ``handler(args) -> dict | None`` answers the command ``name``; raising answers
+        ``ok=false`` with ``error_code`` ``failed``."""
+
+        Commands.check_name(name)  # refuse a bad name at the decorator line, not at registration
+
+        def register(handler: H) -> H:
+            self._commands.register(name, handler)
+            return handler
+
+        return register
+
+    def on_desired(self, handler: H) -> H:
+        """Decorator: ``handler(spec) -> dict | None`` applies a new desired document and returns the
+        status to report (``None``: applied exactly as desired, so the spec itself is reported)."""
+        self._desired_handler = handler
+        return handler
+
+    # ---- lifecycle ----------------------------------------------------------------------------------
+    def start(self) -> None:
+        """Enrol if needed, then connect in the background and return. A second call does nothing.
+
+        Raises :class:`~device.errors.DeviceError` subclasses: ``ConfigError``, ``StoredStateError``
+        (``IdentityError``, ``IdentityMismatch``), ``EnrolmentError`` (``EnrolmentUnreachable``).
+        """
+        with self._lifecycle:
+            if self._client is not None:
+                return
+            if self._stopping.is_set():
+                raise NotRunning("a stopped Device cannot be started again; make a new one")
+            self.data_dir.mkdir(parents=True, exist_ok=True)
+            enrolment = self._enrolment()
+            self.node_id = enrolment.node_id
+            self._host, self._port = parse_mqtt_url(self._mqtt_url or enrolment.mqtt_url)
+            interval = self._heartbeat_interval_s or enrolment.heartbeat_interval_s
+            if interval < MIN_HEARTBEAT_S:
+                raise ConfigError(f"heartbeat interval {interval} s is below {MIN_HEARTBEAT_S} s")
+            try:
+                tls = tls_context(self.identity.ca_path, self.identity.cert_path, self.identity.key_path)
+            except OSError as exc:  # ssl.SSLError included: the key does not match the certificate
+                raise IdentityError(f"cannot load the device certificate and key: {exc}") from exc
+            self._desired = DesiredStore(self.data_dir / "desired.json")
+            self._sequence = EventSequence(self.data_dir / "event-seq")
+            sampler = self._sampler or ResourceSampler(self.data_dir)
+            self._heartbeats = Heartbeats(interval, sampler, AGENT_VERSION, self._send_heartbeat, self._connected)
+            self._command_worker, self._desired_worker = _Worker("aisynergy-commands"), _Worker("aisynergy-desired")
+            self._accepting_events = True
+            self._paho_log.addFilter(self._paho_filter)
+            self._client = self._make_client(tls)
+            log.info("connecting to mqtts://%s:%s as %s", self._host, self._port, self.device_id)
+            self._client.connect_async(self._host, self._port, keepalive=self._keepalive_s, clean_start=True)
+            self._client.loop_start()
+            self._heartbeats.start()
+
+    def stop(self, timeout_s: float = 5.0) -> None:
+        """Publish the retained ``offline`` state (reason shutdown) if connected, then disconnect."""
+        with self._lifecycle:
+            first = not self._stopping.is_set()
+            self._stopping.set()
+            client = self._client
+            if client is None or not first:
+                return
+        with self._event_lock:
+            self._accepting_events = False
+            assert self._sequence is not None
+            try:
+                self._sequence.close()
+            except OSError as exc:  # harmless: the reserved ceiling on disk still rules out a repeat
+                log.warning("cannot record the event sequence: %s", exc)
+        self._heartbeats.stop(timeout_s)
+        self._command_worker.close()
+        self._desired_worker.close()
+        if self._connected.is_set():
+            info = self._publish(DEVICE_STATE, self._state(ConnectionState.OFFLINE, "shutdown"))
+            try:
+                info.wait_for_publish(timeout_s)
+            except (RuntimeError, ValueError) as exc:
+                log.warning("could not publish offline: %s", exc)
+            if info.is_published():
+                log.info("published offline (shutdown); disconnecting")
+        client.disconnect()
+        client.loop_stop()
+        self._connected.clear()
+        self._paho_log.removeFilter(self._paho_filter)
+
+    def run_forever(self) -> None:
+        """:meth:`start`, block until SIGTERM or SIGINT, then :meth:`stop`. Call it from the main thread."""
+        self.start()
+        received = threading.Event()
+
+        def on_signal(signum: int, frame: object) -> None:
+            log.info("received %s; stopping", signal.Signals(signum).name)
+            received.set()
+
+        previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGTERM, signal.SIGINT)}
+        try:
+            while not received.wait(1.0):
+                pass
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+            self.stop()
+
+    def __enter__(self) -> Self:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    @property
+    def connected(self) -> bool:
+        return self._connected.is_set()
+
+    def stats(self) -> DeviceStats:
+        with self._stats_lock:
+            counts = (self._messages_in, self._messages_out, self._dropped, self._reconnects)
+        next_seq = self._sequence.peek if self._sequence else None
+        return DeviceStats(self.connected, *counts, next_seq, psutil.Process().memory_info().rss)
+
+    # ---- events -------------------------------------------------------------------------------------
+    def emit(
+        self, type: str, data: dict[str, Any] | None = None, *, severity: Severity = "info", message: str | None = None
+    ) -> int:
+        """Publish an event (QoS 1, in order) and return its ``seq``; queued while disconnected.
+
+        Raises ``ValueError`` for an invalid event, :class:`~device.errors.NotRunning` before
+        :meth:`start` or after :meth:`stop`, :class:`~device.errors.OutboxFull` when ``max_queued``
+        messages already wait for the broker.
+        """
+        return self._send_event(EventBody(type=type, severity=severity, message=message, data=data or {}))
+
+    def _send_event(self, body: EventBody) -> int:
+        with self._event_lock:
+            if not self._accepting_events or self._sequence is None:
+                raise NotRunning("the device is not running; call start() first")
+            seq = self._sequence.next()
+            info = self._publish(DEVICE_EVENTS, body.model_copy(update={"seq": seq}))
+        if info.rc == MQTTErrorCode.MQTT_ERR_QUEUE_SIZE:
+            raise OutboxFull(f"{self._max_queued} messages wait for the broker; event {body.type} (seq {seq}) dropped")
+        log.debug("event %s seq %s queued", body.type, seq)
+        return seq
+
+    def _report_error(self, type: str, message: str, **data: Any) -> None:
+        """An error event from the agent itself; never raises (it runs in callbacks and workers)."""
+        try:
+            self._send_event(EventBody(type=type, severity="error", message=message[:8192], data=data))
+        except (NotRunning, OutboxFull, ValueError, OSError) as exc:
+            log.warning("could not report %s: %s", type, exc)
+
+    # ---- enrolment and connection -------------------------------------------------------------------
+    def _enrolment(self) -> Enrolment:
+        self.identity.check_owner(self.device_id)
+        if self.identity.is_enrolled():
+            enrolment = self.identity.load_enrolment()
+            if self._enrol_url and self._enrol_url.rstrip("/") != enrolment.enrol_url.rstrip("/"):
+                log.warning(
+                    "enrolled with %s, not %s; keeping the stored identity", enrolment.enrol_url, self._enrol_url
+                )
+            log.info("using the stored identity of %s (serial %s)", self.device_id, enrolment.serial)
+        else:
+            if not self._enrol_url or not self._bootstrap_token:
+                raise ConfigError("a first start needs enrol_url and bootstrap_token")
+            from device.enrol import request_certificate  # httpx is loaded only when enrolling
+
+            csr = self.identity.make_csr(self.device_id)
+            issued = request_certificate(self._enrol_url, self.device_id, csr, self._bootstrap_token)
+            enrolment = self.identity.save(issued, self._enrol_url)
+        self.identity.check_complete()
+        return enrolment
+
+    def _make_client(self, tls: Any) -> mqtt.Client:
+        client = mqtt.Client(CallbackAPIVersion.VERSION2, client_id=self.device_id, protocol=mqtt.MQTTv5)
+        client.tls_set_context(tls)
+        client.enable_logger(self._paho_log)
+        client.max_queued_messages_set(self._max_queued)
+        client.on_connect = self._on_connect
+        client.on_connect_fail = self._on_connect_fail
+        client.on_disconnect = self._on_disconnect
+        client.on_subscribe = self._on_subscribe
+        client.on_message = self._on_message
+        self._set_will(client)
+        return client
+
+    def _set_will(self, client: mqtt.Client) -> None:
+        will = envelope(self.device_id, self._state(ConnectionState.OFFLINE, "will"))
+        client.will_set(
+            DEVICE_STATE.topic(device_id=self.device_id),
+            will.model_dump_json().encode(),
+            qos=DEVICE_STATE.qos,
+            retain=DEVICE_STATE.retain,
+        )
+
+    def _retry_later(self, client: mqtt.Client, reason: str) -> None:
+        """Runs in the callback paho makes just before it waits to reconnect: set that wait, jittered."""
+        if self._stopping.is_set():
+            return
+        self._attempt += 1
+        delay = reconnect_delay(self._attempt, self._reconnect_cap_s)
+        client.reconnect_delay_set(delay, delay)  # type: ignore[arg-type]  # seconds; paho takes a float
+        self._set_will(client)  # a fresh envelope for the next session's will
+        detail = self._paho_filter.take()
+        if detail:
+            reason = f"{detail} ({reason})"
+        where = f"{self._host}:{self._port}"
+        if any(word in reason for word in ("SSL", "certificate", "alert")):
+            log.error("TLS with %s failed: %s; retrying in %.1f s", where, reason, delay)
+        else:
+            log.warning("connection to %s failed or lost: %s; retrying in %.1f s", where, reason, delay)
+
+    def _on_connect(
+        self, client: mqtt.Client, userdata: object, flags: object, reason: ReasonCode, props: Properties | None
+    ) -> None:
+        if reason.is_failure:
+            log.error("broker %s:%s refused %s: %s", self._host, self._port, self.device_id, reason)
+            return
+        if self._stopping.is_set():  # stop() came while this connection was being made
+            client.disconnect()
+            return
+        log.info("connected to %s:%s as %s", self._host, self._port, self.device_id)
+        self._attempt = 0
+        self._connected.set()
+        client.subscribe([(t.topic(device_id=self.device_id), t.qos) for t in (DEVICE_DESIRED, DEVICE_CMD)])
+        self._publish(DEVICE_STATE, self._state(ConnectionState.ONLINE))
+        record = self._desired.record
+        if record.applied_version >= 0:  # say it again: a report queued when the process last ended never left
+            self._publish(DEVICE_REPORTED, ReportedBody(version=record.applied_version, status=record.status))
+        if record.pending:  # stored but not applied: a crash in between, or the handler failed
+            self._desired_worker.submit(self._apply_desired)
+        self._heartbeats.beat_now()
+
+    def _on_connect_fail(self, client: mqtt.Client, userdata: object) -> None:
+        exc = sys.exc_info()[1]  # paho calls this inside its ``except OSError`` without passing it on
+        self._retry_later(client, f"{type(exc).__name__}: {exc}" if exc else "connection failed")
+
+    def _on_disconnect(
+        self, client: mqtt.Client, userdata: object, flags: object, reason: ReasonCode, props: Properties | None
+    ) -> None:
+        self._connected.clear()
+        if self._stopping.is_set():
+            log.info("disconnected from %s:%s", self._host, self._port)
+            return
+        with self._stats_lock:
+            self._reconnects += 1
+        self._retry_later(client, f"disconnected: {reason}")
+
+    def _on_subscribe(
+        self, client: mqtt.Client, userdata: object, mid: int, reasons: list[ReasonCode], props: Properties | None
+    ) -> None:
+        refused = [str(r) for r in reasons if r.is_failure]
+        if refused:
+            log.error("broker refused a subscription of %s: %s", self.device_id, ", ".join(refused))
+
+    # ---- publishing ---------------------------------------------------------------------------------
+    def _state(self, state: ConnectionState, reason: str | None = None) -> StateBody:
+        return StateBody(state=state, agent_version=AGENT_VERSION, reason=reason)
+
+    def _publish(
+        self,
+        topic: Topic[Any],
+        body: BaseModel,
+        *,
+        to: str | None = None,
+        reply_to: str | None = None,
+        properties: Properties | None = None,
+    ) -> mqtt.MQTTMessageInfo:
+        """Publish ``body`` in an envelope with the topic's QoS and retain flag (``to``: a response topic)."""
+        assert self._client is not None
+        message = envelope(self.device_id, body, reply_to=reply_to)  # type: ignore[type-var]
+        if not isinstance(message, topic.payload):
+            raise TypeError(f"{type(body).__name__} does not travel on {topic.pattern}")
+        info = self._client.publish(
+            to or topic.topic(device_id=self.device_id),
+            message.model_dump_json().encode(),
+            qos=topic.qos,
+            retain=topic.retain,
+            properties=properties,
+        )
+        if info.rc == MQTTErrorCode.MQTT_ERR_SUCCESS or (info.rc == MQTTErrorCode.MQTT_ERR_NO_CONN and topic.qos):
+            with self._stats_lock:
+                self._messages_out += 1
+        return info
+
+    def _send_heartbeat(self, body: HeartbeatBody) -> None:
+        self._publish(DEVICE_HEARTBEAT, body)
+
+    # ---- incoming -----------------------------------------------------------------------------------
+    def _on_message(self, client: mqtt.Client, userdata: object, message: mqtt.MQTTMessage) -> None:
+        with self._stats_lock:
+            self._messages_in += 1
+        try:
+            if message.topic == DEVICE_DESIRED.topic(device_id=self.device_id):
+                self._on_desired(message)
+            elif message.topic == DEVICE_CMD.topic(device_id=self.device_id):
+                self._on_command(message)
+            else:
+                log.debug("ignoring a message on %s", message.topic)
+        except Exception:  # an exception here would end paho's network thread
+            log.exception("internal error handling a message on %s", message.topic)
+
+    def _parse(self, topic: Topic[M], message: mqtt.MQTTMessage) -> M:
+        if len(message.payload) > MAX_MESSAGE_BYTES:
+            raise ValueError(f"{len(message.payload)} bytes exceed the {MAX_MESSAGE_BYTES} byte limit")
+        return topic.payload.model_validate_json(message.payload)
+
+    def _reject(self, message: mqtt.MQTTMessage, exc: ValueError) -> None:
+        """Drop a malformed message, count it and say so on ``events`` (DESIGN §6)."""
+        with self._stats_lock:
+            self._dropped += 1
+            total = self._dropped
+        log.warning("rejected a malformed message on %s: %s", message.topic, str(exc).splitlines()[0])
+        log.debug("malformed payload: %r", message.payload[:1024])
+        self._report_error("message_rejected", str(exc), topic=message.topic, rejected_total=total)
+
+    def _on_desired(self, message: mqtt.MQTTMessage) -> None:
+        if not message.payload:
+            log.info("the desired document was cleared")
+            return
+        try:
+            request: Envelope[Any] = self._parse(DEVICE_DESIRED, message)
+        except ValueError as exc:
+            self._reject(message, exc)
+            return
+        desired = request.body
+        try:
+            fresh = self._desired.offer(desired, request.id)
+        except OSError as exc:
+            log.error("cannot store desired version %s: %s", desired.version, exc)
+            self._report_error("desired_not_stored", str(exc), version=desired.version)
+            return
+        if not fresh:
+            log.debug("desired version %s is not newer than what the device has; ignored", desired.version)
+            return
+        log.info("desired version %s received", desired.version)
+        self._desired_worker.submit(self._apply_desired)
+
+    def _apply_desired(self) -> None:
+        record = self._desired.record
+        if not record.pending or self._stopping.is_set():
+            return  # an earlier call already applied the newest document
+        try:
+            status = self._desired_handler(dict(record.spec)) if self._desired_handler else None
+            report = ReportedBody(version=record.version, status=record.spec if status is None else status)
+        except Exception as exc:  # the application's handler; retried on the next connect or start
+            log.exception("applying desired version %s failed", record.version)
+            self._report_error("desired_failed", f"{type(exc).__name__}: {exc}", version=record.version)
+            return
+        try:
+            self._desired.applied(record.version, report.status)
+        except OSError as exc:
+            log.error("cannot record desired version %s as applied: %s", record.version, exc)
+            self._report_error("desired_not_stored", str(exc), version=record.version)
+            return
+        self._publish(DEVICE_REPORTED, report, reply_to=record.message_id)
+        log.info("desired version %s applied and reported", record.version)
+
+    def _on_command(self, message: mqtt.MQTTMessage) -> None:
+        props = message.properties
+        reply_topic = getattr(props, "ResponseTopic", None) or DEVICE_CMD_REPLY.topic(device_id=self.device_id)
+        correlation = getattr(props, "CorrelationData", None)
+        try:
+            request: Envelope[CommandBody] = self._parse(DEVICE_CMD, message)
+        except ValueError as exc:
+            self._reject(message, exc)
+            self._answer(reply_topic, correlation, None, "?", failure(CommandError.VALIDATION_FAILED, str(exc)))
+            return
+
+        def answer() -> None:
+            result = self._commands.execute(request.body)
+            self._answer(reply_topic, correlation, request.id, request.body.name, result)
+
+        if self._commands.runs_a_handler(request.body):
+            self._command_worker.submit(answer)
+        else:
+            answer()
+
+    def _answer(
+        self, topic: str, correlation: bytes | None, request_id: str | None, name: str, result: CommandResultBody
+    ) -> None:
+        """Publish ``result`` on the command's response topic, echoing its correlation data."""
+        props = Properties(PacketTypes.PUBLISH)
+        if correlation is not None:
+            props.CorrelationData = correlation
+        try:
+            try:
+                self._publish(DEVICE_CMD_REPLY, result, to=topic, reply_to=request_id, properties=props)
+            except ValueError as exc:  # a handler result JSON cannot carry
+                result = failure(CommandError.FAILED, f"the result cannot be serialised: {exc}")
+                self._publish(DEVICE_CMD_REPLY, result, to=topic, reply_to=request_id, properties=props)
+        except ValueError as exc:  # the requester's response topic is not one a client may publish to
+            log.warning("cannot answer command %s (%s) on %r: %s", name, request_id, topic, exc)
+            return
+        log.info("command %s (%s) answered ok=%s", name, request_id, result.ok)

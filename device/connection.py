@@ -1,0 +1,65 @@
+"""How the device reaches its broker: the URL, mutual TLS and the reconnect delay."""
+
+from __future__ import annotations
+
+import logging
+import random
+import ssl
+from pathlib import Path
+from urllib.parse import urlsplit
+
+from device.errors import ConfigError
+
+MQTTS_DEFAULT_PORT = 8883
+
+
+def parse_mqtt_url(url: str) -> tuple[str, int]:
+    """``mqtts://host[:port]`` -> (host, port); a device only ever talks TLS."""
+    try:
+        parts = urlsplit(url)
+        port = parts.port
+    except ValueError as exc:  # a port that is not a number
+        raise ConfigError(f"{url!r} is not an mqtts://host[:port] URL: {exc}") from None
+    if parts.scheme not in ("mqtts", "ssl") or not parts.hostname:
+        raise ConfigError(f"{url!r} is not an mqtts://host[:port] URL")
+    return parts.hostname, port or MQTTS_DEFAULT_PORT
+
+
+def tls_context(ca_path: Path, cert_path: Path, key_path: Path) -> ssl.SSLContext:
+    """Trust only the CA from enrolment, verify the broker's host name, present the device certificate."""
+    context = ssl.create_default_context(ssl.Purpose.SERVER_AUTH, cafile=str(ca_path))
+    context.minimum_version = ssl.TLSVersion.TLSv1_2
+    context.load_cert_chain(str(cert_path), str(key_path))
+    return context
+
+
+def reconnect_delay(attempt: int, cap_s: float) -> float:
+    """Full-jitter exponential back-off, so that a fleet does not reconnect in lock step after an outage."""
+    return random.uniform(0, min(cap_s, 1.5 ** min(10, attempt)))
+
+
+class PahoLog(logging.Filter):
+    """Sits on paho's logger. Its error lines are kept and demoted to DEBUG: the agent logs the cause
+    itself, with what it does next, when paho reports the failure (a TLS alert after the handshake, from
+    a revoked or unknown certificate under TLS 1.3, reaches the callbacks only as a lost connection).
+    paho 2.2's "Client is not connected", logged on every pass of its loop without a socket, is normal
+    while waiting to reconnect and while stopping, and is not kept."""
+
+    NOISE = "Client is not connected"
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.message: str | None = None
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.levelno < logging.ERROR:
+            return True
+        message = record.getMessage()
+        if not message.startswith(self.NOISE):
+            self.message = message
+        record.levelno, record.levelname = logging.DEBUG, logging.getLevelName(logging.DEBUG)
+        return logging.getLogger(record.name).isEnabledFor(logging.DEBUG)
+
+    def take(self) -> str | None:
+        message, self.message = self.message, None
+        return message

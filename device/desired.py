@@ -1,0 +1,70 @@
+"""The device's copy of its desired-state document and of what it last applied (``desired.json``).
+
+The broker retains the desired document and redelivers it on every (re)connect; the version numbers
+decide what to do with it: a version at or below the applied one is old news, a newer one is stored
+before it is applied, so a crash between the two applies it on the next start.
+"""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel, Field, ValidationError
+
+from device.errors import StoredStateError
+from device.files import write_atomic
+from interfaces.messages import DesiredBody
+
+NONE = -1  # no version yet; real versions are >= 0
+
+
+class DesiredRecord(BaseModel):
+    version: int = NONE
+    spec: dict[str, Any] = Field(default_factory=dict)
+    message_id: str | None = Field(default=None, description="the envelope id of the desired document")
+    applied_version: int = NONE
+    status: dict[str, Any] = Field(default_factory=dict, description="the status reported for applied_version")
+
+    @property
+    def pending(self) -> bool:
+        """A stored desired document that has not been applied yet."""
+        return self.version > self.applied_version
+
+
+class DesiredStore:
+    def __init__(self, path: Path) -> None:
+        self.path = Path(path)
+        self._lock = threading.Lock()
+        self._record = self._read()
+
+    def _read(self) -> DesiredRecord:
+        try:
+            return DesiredRecord.model_validate_json(self.path.read_bytes())
+        except FileNotFoundError:
+            return DesiredRecord()
+        except (OSError, ValidationError) as exc:
+            raise StoredStateError(f"cannot read {self.path}: {exc}; remove it to take the broker's copy") from exc
+
+    @property
+    def record(self) -> DesiredRecord:
+        with self._lock:
+            return self._record.model_copy(deep=True)
+
+    def offer(self, desired: DesiredBody, message_id: str | None = None) -> bool:
+        """Store ``desired`` if it is newer than anything seen; ``False`` for a stale or repeated version."""
+        with self._lock:
+            if desired.version <= max(self._record.version, self._record.applied_version):
+                return False
+            update = {"version": desired.version, "spec": desired.spec, "message_id": message_id}
+            self._write(self._record.model_copy(update=update))
+            return True
+
+    def applied(self, version: int, status: dict[str, Any]) -> None:
+        with self._lock:
+            self._write(self._record.model_copy(update={"applied_version": version, "status": status}))
+
+    def _write(self, record: DesiredRecord) -> None:
+        write_atomic(self.path, record.model_dump_json().encode(), mode=0o600)
+        self._record = record

@@ -1,0 +1,207 @@
+"""The device enrolment proxy: devices enrol through their edge, which may be all they can reach.
+
+``POST /api/v1/devices/{device_id}/certificate`` (a ``CertificateRequest``, at most 64 KiB) is forwarded
+to the hub's route of the same path. The hub's answer must be a ``DeviceCertificateIssued`` for this
+node (403 ``forbidden`` otherwise); the device then joins the edge's registry and ``mqtt_url`` becomes
+the broker the edge's devices use. The hub's refusals pass through unchanged (status and body); an
+unreachable hub is 503 ``hub_unreachable``. Errors are RFC 9457 problem documents (DESIGN §4).
+
+Runs a stdlib ``ThreadingHTTPServer`` in a thread of its own; ``on_enrolled`` is called from it.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+import ssl
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from urllib.parse import urlsplit
+
+import httpx
+from pydantic import ValidationError
+
+from interfaces import API_PREFIX
+from interfaces.errors import ERROR_TYPE_PREFIX, PROBLEM_MEDIA_TYPE, ErrorCode
+from interfaces.ids import new_id
+from interfaces.nodes import DeviceCertificateIssued
+from interfaces.topics import DEVICE_STATE
+
+log = logging.getLogger("aisynergy.edge.enrol_proxy")
+
+MAX_BODY_BYTES = 64 * 1024
+HUB_UNREACHABLE = "hub_unreachable"  # not (yet) an ErrorCode: only an edge says it
+INVALID_RESPONSE = "invalid_response"  # the hub answered 2xx with something that is not a certificate
+_PATH = re.compile(rf"^{re.escape(API_PREFIX)}/devices/([^/]+)/certificate$")
+_FORWARDED_HEADERS = ("content-type", "accept", "idempotency-key")
+
+
+class ListenError(Exception):
+    """The proxy cannot listen where it was asked to."""
+
+
+@dataclass(frozen=True)
+class ProxyAnswer:
+    status: int
+    body: bytes
+    content_type: str
+
+
+def problem(status: int, code: str, title: str, detail: str | None = None) -> ProxyAnswer:
+    document = {"type": ERROR_TYPE_PREFIX + code, "title": title, "status": status, "code": code, "detail": detail}
+    return ProxyAnswer(status, json.dumps(document).encode(), PROBLEM_MEDIA_TYPE)
+
+
+def parse_listen(value: str) -> tuple[str, int] | None:
+    """``HOST:PORT`` -> (host, port); ``off`` -> ``None``."""
+    if value.strip().lower() == "off":
+        return None
+    host, sep, port = value.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 <= int(port) <= 65535:
+        raise ValueError(f"{value!r} is not HOST:PORT or off")
+    return host.strip("[]"), int(port)
+
+
+class EnrolmentProxy:
+    """Forwards device certificate requests to the hub; see the module docstring."""
+
+    def __init__(
+        self,
+        listen: tuple[str, int],
+        *,
+        hub_url: str,
+        node_id: str,
+        device_mqtt_url: str,
+        on_enrolled: Callable[[str], object],
+        verify: ssl.SSLContext | str | bool = True,
+        timeout_s: float = 15.0,
+    ) -> None:
+        self.hub_url = hub_url.rstrip("/")
+        self.node_id = node_id
+        self.device_mqtt_url = device_mqtt_url
+        self._on_enrolled = on_enrolled
+        self._verify = verify
+        self._timeout_s = timeout_s
+        try:
+            self._server = _Server(listen, _Handler)
+        except OSError as exc:
+            raise ListenError(f"cannot listen on {listen[0]}:{listen[1]}: {exc}") from exc
+        self._server.proxy = self
+        self._thread: threading.Thread | None = None
+
+    @property
+    def address(self) -> tuple[str, int]:
+        host, port = self._server.server_address[:2]
+        return str(host), int(port)
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._server.serve_forever, args=(0.1,), name="enrol-proxy", daemon=True)
+        self._thread.start()
+        log.info("device enrolment proxy on http://%s:%s forwards to %s", *self.address, self.hub_url)
+
+    def close(self) -> None:
+        if self._thread is not None:
+            self._server.shutdown()
+            self._thread.join(5)
+        self._server.server_close()
+
+    def enrol(self, device_id: str, body: bytes, headers: dict[str, str]) -> ProxyAnswer:
+        """Forward one certificate request to the hub and check, record and rewrite its answer."""
+        url = f"{self.hub_url}{API_PREFIX}/devices/{device_id}/certificate"
+        forwarded = {name: headers[name] for name in _FORWARDED_HEADERS if name in headers}
+        log.info("forwarding the certificate request of device %s to %s", device_id, url)
+        try:
+            with httpx.Client(verify=self._verify, timeout=self._timeout_s) as client:
+                response = client.post(url, content=body, headers=forwarded)
+        except httpx.TransportError as exc:
+            log.warning("the hub is unreachable for the enrolment of %s: %s", device_id, exc)
+            return problem(503, HUB_UNREACHABLE, "The hub cannot be reached", f"{type(exc).__name__}: {exc}")
+        if not response.is_success:
+            log.info("the hub refused the enrolment of %s: %s", device_id, response.status_code)
+            return ProxyAnswer(
+                response.status_code, response.content, response.headers.get("content-type", PROBLEM_MEDIA_TYPE)
+            )
+        try:
+            issued = DeviceCertificateIssued.model_validate_json(response.content)
+        except ValidationError as exc:
+            log.error("the hub's answer for %s is not a DeviceCertificateIssued: %s", device_id, exc.error_count())
+            return problem(502, INVALID_RESPONSE, "The hub answered something else than a certificate", str(exc)[:1024])
+        if issued.device_id != device_id:
+            return problem(502, INVALID_RESPONSE, "The hub issued a certificate for another device", issued.device_id)
+        if issued.node_id != self.node_id:
+            log.warning(
+                "refused the enrolment of %s: it belongs to node %s, not %s", device_id, issued.node_id, self.node_id
+            )
+            return problem(
+                403,
+                ErrorCode.FORBIDDEN.value,
+                "Not a device of this edge",
+                f"device {device_id!r} belongs to another node",
+            )
+        self._on_enrolled(device_id)
+        log.info("device %s enrolled through this edge (serial %s)", device_id, issued.serial)
+        rewritten = issued.model_copy(update={"mqtt_url": self.device_mqtt_url})
+        return ProxyAnswer(response.status_code, rewritten.model_dump_json().encode(), "application/json")
+
+
+class _Server(ThreadingHTTPServer):
+    daemon_threads = True
+    proxy: EnrolmentProxy
+
+
+class _Handler(BaseHTTPRequestHandler):
+    server: _Server
+    protocol_version = "HTTP/1.1"
+
+    def do_POST(self) -> None:
+        match = _PATH.match(urlsplit(self.path).path)
+        if match is None:
+            self._send(problem(404, ErrorCode.NOT_FOUND.value, "Not found", self.path), close=True)
+            return
+        device_id = match.group(1)
+        try:
+            DEVICE_STATE.topic(device_id=device_id)
+        except ValueError as exc:
+            self._send(problem(422, ErrorCode.VALIDATION_FAILED.value, "Invalid device id", str(exc)), close=True)
+            return
+        length = self.headers.get("content-length")
+        if length is None or not length.isdigit():
+            self._send(problem(411, ErrorCode.MALFORMED_REQUEST.value, "Content-Length required"), close=True)
+            return
+        if int(length) > MAX_BODY_BYTES:
+            detail = f"{length} bytes is more than {MAX_BODY_BYTES}"
+            self._send(problem(413, ErrorCode.PAYLOAD_TOO_LARGE.value, "Request body too large", detail), close=True)
+            return
+        body = self.rfile.read(int(length))
+        headers = {name.lower(): value for name, value in self.headers.items()}
+        try:
+            answer = self.server.proxy.enrol(device_id, body, headers)
+        except Exception:  # a bug here must still answer the device
+            incident = new_id("inc")
+            log.exception("enrolment of %s failed (%s)", device_id, incident)
+            answer = problem(500, ErrorCode.INTERNAL.value, "Internal error", incident)
+        self._send(answer)
+
+    def _not_allowed(self) -> None:
+        if _PATH.match(urlsplit(self.path).path):
+            self._send(problem(405, ErrorCode.METHOD_NOT_ALLOWED.value, "Method not allowed", self.command), close=True)
+        else:
+            self._send(problem(404, ErrorCode.NOT_FOUND.value, "Not found", self.path), close=True)
+
+    do_GET = do_PUT = do_PATCH = do_DELETE = _not_allowed
+
+    def _send(self, answer: ProxyAnswer, close: bool = False) -> None:
+        self.send_response(answer.status)
+        self.send_header("Content-Type", answer.content_type)
+        self.send_header("Content-Length", str(len(answer.body)))
+        if close:
+            self.send_header("Connection", "close")
+            self.close_connection = True
+        self.end_headers()
+        self.wfile.write(answer.body)
+
+    def log_message(self, format: str, *args: object) -> None:
+        log.debug("%s %s", self.address_string(), format % args)

@@ -1,0 +1,271 @@
+"""One mutual-TLS MQTT 5 session, kept up forever with jittered back-off, that routes what it receives.
+
+The edge has one link to the hub's broker (upstream) and one to its devices' broker (downstream); when
+both are the same broker it has ONE link serving both roles, because the broker takes the certificate's
+CN as the client id and a second connection with the same certificate would take the first one over.
+
+Services plug into a link: :meth:`Link.route` a topic to a handler, :meth:`Link.during_session` a loop
+that runs while connected, :meth:`Link.before_disconnect` what to say on a clean stop. Handlers run one
+at a time in arrival order, so per-sender order is kept; a handler must not wait long.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import random
+import ssl
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any
+from urllib.parse import urlsplit
+
+import aiomqtt
+from aiomqtt.exceptions import MqttConnectError
+from paho.mqtt.packettypes import PacketTypes
+from paho.mqtt.properties import Properties
+
+from edge.identity import IdentityStore
+from interfaces.topics import Topic
+
+log = logging.getLogger("aisynergy.edge")
+
+MQTTS_DEFAULT_PORT = 8883
+
+Handler = Callable[[aiomqtt.Client, aiomqtt.Message, dict[str, str]], Awaitable[None]]
+SessionTask = Callable[[aiomqtt.Client], Awaitable[None]]
+
+
+class NotConnected(aiomqtt.MqttError):
+    """The link has no session right now."""
+
+
+def parse_mqtt_url(url: str) -> tuple[str, int]:
+    """``mqtts://host[:port]`` -> (host, port); links are always TLS."""
+    parts = urlsplit(url)
+    if parts.scheme not in ("mqtts", "ssl") or not parts.hostname:
+        raise ValueError(f"{url!r} is not an mqtts://host[:port] URL")
+    return parts.hostname, parts.port or MQTTS_DEFAULT_PORT
+
+
+def tls_context(identity: IdentityStore) -> ssl.SSLContext:
+    """Trust only the hub CA, verify the broker's host name, present the node certificate."""
+    context = ssl.create_default_context(ssl.Purpose.SERVER_AUTH, cafile=str(identity.ca_path))
+    context.minimum_version = ssl.TLSVersion.TLSv1_2
+    context.load_cert_chain(str(identity.cert_path), str(identity.key_path))
+    return context
+
+
+def _is_tls_failure(exc: BaseException, reason: str) -> bool:
+    seen: BaseException | None = exc
+    while seen is not None:
+        if isinstance(seen, ssl.SSLError):
+            return True
+        seen = seen.__cause__ or seen.__context__
+    return any(word in reason for word in ("SSL", "certificate", "alert"))
+
+
+class _LastError(logging.Filter):
+    """Remembers paho's last error line: a TLS alert during connect (revoked or unknown certificate) is
+    only logged by paho, while aiomqtt just reports a timeout waiting for CONNACK."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.message: str | None = None
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.levelno >= logging.ERROR:
+            self.message = record.getMessage()
+        return True
+
+
+@dataclass(frozen=True)
+class LinkSettings:
+    keepalive_s: int = 30
+    connect_timeout_s: float = 10.0
+    reconnect_cap_s: float = 1.5**10
+    session_expiry_s: int = 0  # > 0: the broker keeps our subscriptions and queues QoS 1 while we are away
+
+
+@dataclass(frozen=True)
+class _Route:
+    topic: Topic[Any]
+    fixed: dict[str, str]
+    handler: Handler
+
+
+class Link:
+    """Keeps one MQTT session to ``url`` up until the stop event is set; see the module docstring."""
+
+    def __init__(self, name: str, url: str, client_id: str, tls: ssl.SSLContext, settings: LinkSettings) -> None:
+        self.name = name
+        self.host, self.port = parse_mqtt_url(url)
+        self.client_id = client_id
+        self.will: aiomqtt.Will | None = None
+        self.client: aiomqtt.Client | None = None
+        self.connected = asyncio.Event()
+        self._tls = tls
+        self._settings = settings
+        self._routes: list[_Route] = []
+        self._tasks: list[SessionTask] = []
+        self._farewells: list[SessionTask] = []
+        self._mqtt_log = logging.getLogger(f"aisynergy.edge.mqtt.{name}")
+        self._transport_error = _LastError()
+
+    @property
+    def address(self) -> tuple[str, int]:
+        return self.host, self.port
+
+    # ---- what services plug in ----------------------------------------------------------------------
+    def route(self, topic: Topic[Any], handler: Handler, **fixed: str) -> None:
+        """Subscribe to ``topic.filter(**fixed)`` on every connect and hand its messages to ``handler``
+        (with the client they came on and the ids in their topic)."""
+        topic.filter(**fixed)  # validates the fixed ids now rather than at connect time
+        self._routes.append(_Route(topic, fixed, handler))
+
+    def during_session(self, task: SessionTask) -> None:
+        """Run ``task(client)`` after each connect until the session ends (it may also return early)."""
+        self._tasks.append(task)
+
+    def before_disconnect(self, task: SessionTask) -> None:
+        """Run ``task(client)`` on a clean stop, before disconnecting."""
+        self._farewells.append(task)
+
+    async def publish(
+        self, topic: str, payload: bytes, *, qos: int, retain: bool = False, properties: Properties | None = None
+    ) -> None:
+        """Publish on the current session (QoS 1: return after the PUBACK); :class:`NotConnected` if none."""
+        client = self.client
+        if client is None:
+            raise NotConnected(f"the {self.name} link is down")
+        await client.publish(topic, payload, qos=qos, retain=retain, properties=properties)
+
+    # ---- the connection -----------------------------------------------------------------------------
+    async def run(self, stop: asyncio.Event) -> None:
+        """Connect, serve, and reconnect with jittered back-off until ``stop`` is set."""
+        self._mqtt_log.addFilter(self._transport_error)
+        try:
+            await self._run(stop)
+        finally:
+            self._mqtt_log.removeFilter(self._transport_error)
+
+    async def _run(self, stop: asyncio.Event) -> None:
+        attempt = 0
+        while not stop.is_set():
+            attempt += 1
+            self._transport_error.message = None
+            log.info(
+                "%s: connecting to mqtts://%s:%s as %s (attempt %s)",
+                self.name,
+                self.host,
+                self.port,
+                self.client_id,
+                attempt,
+            )
+            try:
+                async with contextlib.AsyncExitStack() as stack:
+                    client = await self._connect(stack, stop)
+                    if client is None:
+                        log.info("%s: stopped while connecting", self.name)
+                        return
+                    log.info("%s: connected to %s:%s", self.name, self.host, self.port)
+                    attempt = 0
+                    await self._session(client, stop)
+                    for farewell in self._farewells:
+                        await farewell(client)
+                    log.info("%s: disconnecting", self.name)
+                    return
+            except aiomqtt.MqttError as exc:
+                delay = random.uniform(0, min(self._settings.reconnect_cap_s, 1.5 ** min(10, attempt)))
+                self._log_failure(exc, delay)
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(stop.wait(), delay)
+
+    async def _connect(self, stack: contextlib.AsyncExitStack, stop: asyncio.Event) -> aiomqtt.Client | None:
+        """Enter a fresh client's context on ``stack``; ``None`` when stopped before the broker answered."""
+        connecting = asyncio.create_task(stack.enter_async_context(self._client()))
+        stopping = asyncio.create_task(stop.wait())
+        await asyncio.wait((connecting, stopping), return_when=asyncio.FIRST_COMPLETED)
+        stopping.cancel()
+        if not connecting.done():
+            connecting.cancel()
+            return None
+        return connecting.result()
+
+    def _client(self) -> aiomqtt.Client:
+        properties, clean_start = None, True
+        if self._settings.session_expiry_s > 0:
+            properties = Properties(PacketTypes.CONNECT)
+            properties.SessionExpiryInterval = self._settings.session_expiry_s
+            clean_start = False
+        return aiomqtt.Client(
+            self.host,
+            self.port,
+            identifier=self.client_id,
+            protocol=aiomqtt.ProtocolVersion.V5,
+            tls_context=self._tls,
+            will=self.will,
+            keepalive=self._settings.keepalive_s,
+            timeout=self._settings.connect_timeout_s,
+            clean_start=clean_start,
+            properties=properties,
+            logger=self._mqtt_log,
+        )
+
+    def _log_failure(self, exc: aiomqtt.MqttError, delay: float) -> None:
+        where = f"{self.host}:{self.port}"
+        reason = str(exc) or type(exc).__name__
+        if self._transport_error.message:  # the real cause, where aiomqtt only saw a timeout
+            reason = f"{self._transport_error.message} ({reason})"
+        if isinstance(exc, MqttConnectError):
+            log.error(
+                "%s: broker %s refused %s: %s; retrying in %.1f s", self.name, where, self.client_id, reason, delay
+            )
+        elif _is_tls_failure(exc, reason):
+            log.error("%s: TLS with %s failed: %s; retrying in %.1f s", self.name, where, reason, delay)
+        else:
+            log.warning("%s: connection to %s failed or lost: %s; retrying in %.1f s", self.name, where, reason, delay)
+
+    async def _session(self, client: aiomqtt.Client, stop: asyncio.Event) -> None:
+        """Serve one connection; return when stopped, raise :class:`aiomqtt.MqttError` when it breaks."""
+        for route in self._routes:
+            wanted = route.topic.filter(**route.fixed)
+            codes = await client.subscribe(wanted, qos=route.topic.qos)
+            if any(getattr(code, "is_failure", False) for code in codes):
+                log.error("%s: broker refused the subscription to %s: %s", self.name, wanted, codes)
+        self.client = client
+        self.connected.set()
+        try:
+            async with asyncio.TaskGroup() as group:
+                loops = [group.create_task(self._dispatch(client))]
+                loops += [group.create_task(task(client)) for task in self._tasks]
+                await stop.wait()
+                # cancel until they are gone: on Python 3.11 asyncio.wait_for (in aiomqtt's publish) swallows
+                # a cancellation that races with the publish completing, and the loop would go on for ever
+                while running := [loop for loop in loops if not loop.done()]:
+                    for loop in running:
+                        loop.cancel()
+                    await asyncio.wait(running, timeout=0.1)
+        except ExceptionGroup as errors:  # one loop failed: the connection broke
+            raise errors.exceptions[0] from None
+        finally:
+            self.client = None
+            self.connected.clear()
+
+    async def _dispatch(self, client: aiomqtt.Client) -> None:
+        async for message in client.messages:
+            topic = message.topic.value
+            for route in self._routes:
+                ids = route.topic.parse(topic)
+                if ids is not None and route.fixed.items() <= ids.items():
+                    break
+            else:
+                log.debug("%s: ignoring a message on %s", self.name, topic)
+                continue
+            try:
+                await route.handler(client, message, ids)
+            except aiomqtt.MqttError:
+                raise
+            except Exception:  # a bug in one handler must not take the session down
+                log.exception("%s: handling a message on %s failed", self.name, topic)

@@ -1,0 +1,209 @@
+"""The node's own channels to the hub: state, heartbeats, desired document and commands.
+
+On connect the node publishes a retained ``online`` state and then a heartbeat every
+``heartbeat_interval_s``. If it vanishes, the broker publishes its retained ``offline`` last will; a
+clean stop publishes ``offline`` (reason shutdown) itself. A desired document is kept in the local
+store and acknowledged on ``reported``; ``ping`` is the one command the node answers itself.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import sqlite3
+import time
+from datetime import UTC, datetime
+from importlib.metadata import PackageNotFoundError, version
+from typing import Any
+
+import aiomqtt
+import psutil
+from paho.mqtt.packettypes import PacketTypes
+from paho.mqtt.properties import Properties
+from pydantic import BaseModel, ValidationError
+
+from device.resources import ResourceSampler
+from edge.link import Link
+from edge.store import EdgeStore, Scope
+from interfaces.messages import (
+    CommandBody,
+    CommandError,
+    CommandResultBody,
+    ConnectionState,
+    EventBody,
+    Health,
+    HeartbeatBody,
+    ReportedBody,
+    StateBody,
+    envelope,
+)
+from interfaces.resources import Resources
+from interfaces.topics import (
+    NODE_CMD,
+    NODE_CMD_REPLY,
+    NODE_DESIRED,
+    NODE_EVENTS,
+    NODE_HEARTBEAT,
+    NODE_REPORTED,
+    NODE_STATE,
+    Topic,
+)
+
+log = logging.getLogger("aisynergy.edge")
+
+try:
+    AGENT_VERSION = version("aisynergy")
+except PackageNotFoundError:  # pragma: no cover - running from a bare checkout
+    AGENT_VERSION = "0+unknown"
+
+
+def state_body(state: ConnectionState, reason: str | None = None) -> StateBody:
+    return StateBody(state=state, agent_version=AGENT_VERSION, reason=reason)
+
+
+def rejection_event(topic: str, exc: ValidationError | str, rejected_total: int, **data: Any) -> EventBody:
+    """The ``message_rejected`` event that answers a dropped malformed message (DESIGN §6)."""
+    return EventBody(
+        type="message_rejected",
+        severity="error",
+        message=str(exc)[:8192],
+        data={"topic": topic, "rejected_total": rejected_total, **data},
+    )
+
+
+class NodeService:
+    """Serves the node's own subtree on the upstream link; see the module docstring."""
+
+    def __init__(self, node_id: str, store: EdgeStore, sampler: ResourceSampler, heartbeat_interval_s: float) -> None:
+        self.node_id = node_id
+        self.rejected = 0
+        self._store = store
+        self._sampler = sampler
+        self._interval = heartbeat_interval_s
+        self._last_resources: Resources | None = None
+        self._seq = 0
+        self._started = time.monotonic()
+
+    def attach(self, link: Link) -> None:
+        will = envelope(self.node_id, state_body(ConnectionState.OFFLINE, "will"))
+        link.will = aiomqtt.Will(
+            NODE_STATE.topic(node_id=self.node_id), will.model_dump_json(), NODE_STATE.qos, NODE_STATE.retain
+        )
+        link.route(NODE_DESIRED, self._on_desired, node_id=self.node_id)
+        link.route(NODE_CMD, self._on_command, node_id=self.node_id)
+        link.during_session(self._online)
+        link.before_disconnect(self._offline)
+
+    async def _online(self, client: aiomqtt.Client) -> None:
+        await self._publish(client, NODE_STATE, state_body(ConnectionState.ONLINE))
+        while True:
+            body = await self._heartbeat()
+            if body is not None:
+                await self._publish(client, NODE_HEARTBEAT, body)
+                log.debug("heartbeat %s sent", body.seq)
+            await asyncio.sleep(self._interval)
+
+    async def _offline(self, client: aiomqtt.Client) -> None:
+        await self._publish(client, NODE_STATE, state_body(ConnectionState.OFFLINE, "shutdown"))
+        log.info("published offline (shutdown)")
+
+    async def _publish(
+        self,
+        client: aiomqtt.Client,
+        topic: Topic[Any],
+        body: BaseModel,
+        *,
+        to: str | None = None,
+        reply_to: str | None = None,
+        properties: Properties | None = None,
+    ) -> None:
+        """Publish ``body`` in an envelope with the topic's QoS and retain flag (``to``: a response topic)."""
+        message = envelope(self.node_id, body, reply_to=reply_to)  # type: ignore[type-var]
+        if not isinstance(message, topic.payload):
+            raise TypeError(f"{type(body).__name__} does not travel on {topic.pattern}")
+        await client.publish(
+            to or topic.topic(node_id=self.node_id),
+            message.model_dump_json().encode(),
+            qos=topic.qos,
+            retain=topic.retain,
+            properties=properties,
+        )
+
+    async def _heartbeat(self) -> HeartbeatBody | None:
+        health, detail = Health.OK, None
+        try:
+            self._last_resources = await asyncio.to_thread(self._sampler.read)
+        except (OSError, psutil.Error) as exc:
+            log.warning("cannot read resources: %s", exc)
+            health, detail = Health.DEGRADED, f"resource readings failed: {exc}"[:512]
+        if self._last_resources is None:
+            return None
+        body = HeartbeatBody(
+            seq=self._seq,
+            health=health,
+            health_detail=detail,
+            agent_version=AGENT_VERSION,
+            uptime_s=time.monotonic() - self._started,
+            resources=self._last_resources,
+        )
+        self._seq += 1
+        return body
+
+    # ---- incoming -----------------------------------------------------------------------------------
+    async def _on_desired(self, client: aiomqtt.Client, message: aiomqtt.Message, ids: dict[str, str]) -> None:
+        if not message.payload:
+            log.info("the desired document was cleared")
+            return
+        try:
+            request = NODE_DESIRED.payload.model_validate_json(message.payload)  # type: ignore[arg-type]
+        except ValidationError as exc:
+            await self._reject(client, message, exc)
+            return
+        try:
+            self._store.put_desired(Scope.NODE, self.node_id, request.body.version, request.model_dump_json().encode())
+        except sqlite3.Error as exc:
+            log.error("cannot store desired version %s: %s", request.body.version, exc)
+            error = EventBody(
+                type="desired_not_stored", severity="error", message=str(exc), data={"version": request.body.version}
+            )
+            await self._publish(client, NODE_EVENTS, error)
+            return
+        log.info("desired version %s stored", request.body.version)
+        await self._publish(client, NODE_REPORTED, ReportedBody(version=request.body.version), reply_to=request.id)
+
+    async def _on_command(self, client: aiomqtt.Client, message: aiomqtt.Message, ids: dict[str, str]) -> None:
+        props = message.properties
+        response_topic = getattr(props, "ResponseTopic", None)
+        reply_props = Properties(PacketTypes.PUBLISH)
+        correlation = getattr(props, "CorrelationData", None)
+        if correlation is not None:
+            reply_props.CorrelationData = correlation
+        request_id = None
+        try:
+            request = NODE_CMD.payload.model_validate_json(message.payload)  # type: ignore[arg-type]
+        except ValidationError as exc:
+            self.rejected += 1
+            log.warning("rejected a malformed command: %s", exc.error_count())
+            log.debug("malformed command payload: %r", message.payload)
+            result = CommandResultBody(ok=False, error_code=CommandError.VALIDATION_FAILED.value, error=str(exc)[:2048])
+        else:
+            request_id = request.id
+            result = self._execute(request.body)
+            log.info("command %s (%s) answered ok=%s", request.body.name, request_id, result.ok)
+        await self._publish(
+            client, NODE_CMD_REPLY, result, to=response_topic, reply_to=request_id, properties=reply_props
+        )
+
+    def _execute(self, command: CommandBody) -> CommandResultBody:
+        if command.name == "ping":
+            return CommandResultBody(ok=True, result={"pong": True, "ts": datetime.now(UTC).isoformat()})
+        return CommandResultBody(
+            ok=False, error_code=CommandError.UNKNOWN_COMMAND.value, error=f"unknown command {command.name!r}"
+        )
+
+    async def _reject(self, client: aiomqtt.Client, message: aiomqtt.Message, exc: ValidationError) -> None:
+        """Drop a malformed message, count it and say so on ``events`` (DESIGN §6)."""
+        self.rejected += 1
+        log.warning("rejected a malformed message on %s: %s errors", message.topic.value, exc.error_count())
+        log.debug("malformed payload: %r", message.payload)
+        await self._publish(client, NODE_EVENTS, rejection_event(message.topic.value, exc, self.rejected))

@@ -1,0 +1,384 @@
+"""The relay between the hub and this edge's devices: an edge is to the hub what a device is to its edge.
+
+The hub never touches device topics; it talks to the edge under the edge's own subtree::
+
+    hub -> device  RELAY_DESIRED  stored, then republished retained on DEVICE_DESIRED (the hub's bytes)
+                   RELAY_CMD      forwarded on DEVICE_CMD with our response topic and a fresh correlation
+                                  id; the device's answer goes to the hub's response topic with the hub's
+                                  correlation data; unknown device or no answer in time: a failed result
+    device -> hub  state, reported, events  through the outbox: SQLite first, then published in order
+                                  with QoS 1, each row deleted after its PUBACK (the envelope id is the
+                                  hub's idempotency key, so a resend after a lost PUBACK is harmless)
+                   heartbeat      forwarded while the upstream is connected, dropped otherwise
+
+Device envelopes travel upstream unchanged. The downstream broker's ACL delivers only our devices.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import logging
+import math
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+import aiomqtt
+from paho.mqtt.packettypes import PacketTypes
+from paho.mqtt.properties import Properties
+from pydantic import ValidationError
+
+from edge.link import Link
+from edge.node import rejection_event
+from edge.store import EdgeStore, LearnedFrom, Scope
+from interfaces.messages import (
+    MAX_MESSAGE_BYTES,
+    CommandError,
+    CommandResultBody,
+    ConnectionState,
+    Envelope,
+    StateBody,
+    envelope,
+)
+from interfaces.topics import (
+    HUB_STATE,
+    DEVICE_CMD,
+    DEVICE_CMD_REPLY,
+    DEVICE_DESIRED,
+    DEVICE_EVENTS,
+    DEVICE_HEARTBEAT,
+    DEVICE_REPORTED,
+    DEVICE_STATE,
+    NODE_EVENTS,
+    RELAY_CMD,
+    RELAY_CMD_REPLY,
+    RELAY_DESIRED,
+    RELAY_EVENTS,
+    RELAY_HEARTBEAT,
+    RELAY_REPORTED,
+    RELAY_STATE,
+    Topic,
+)
+
+log = logging.getLogger("aisynergy.edge.relay")
+
+# ``error_code`` values of the edge's own failed results, next to those of CommandError
+UNKNOWN_DEVICE = "unknown_device"  # not a device of this edge (no desired document, no enrolment here)
+DOWNSTREAM_UNAVAILABLE = "downstream_unavailable"  # the devices' broker cannot be reached
+INVALID_REPLY = "invalid_reply"  # the device answered something that is not a command result
+
+QUEUED: dict[Topic[Any], Topic[Any]] = {
+    DEVICE_STATE: RELAY_STATE,
+    DEVICE_REPORTED: RELAY_REPORTED,
+    DEVICE_EVENTS: RELAY_EVENTS,
+}
+
+
+def _bytes(payload: object) -> bytes:
+    return bytes(payload) if isinstance(payload, (bytes, bytearray)) else str(payload or "").encode()
+
+
+@dataclass(frozen=True)
+class _Command:
+    """A hub command on its way to a device, and what its answer needs to find the way back."""
+
+    device_id: str
+    request_id: str
+    name: str
+    payload: bytes
+    deadline: float  # event loop time
+    response_topic: str
+    correlation: bytes | None
+
+
+@dataclass(frozen=True)
+class _Pending:
+    command: _Command
+    answer: asyncio.Future[bytes]
+
+
+class DeviceRelay:
+    """Relays between the upstream and the downstream link; see the module docstring."""
+
+    def __init__(
+        self,
+        node_id: str,
+        store: EdgeStore,
+        up: Link,
+        down: Link,
+        *,
+        outbox_window: int = 8,
+        outbox_limit: int = 100_000,
+    ) -> None:
+        """Plug into the links (the same one twice when devices use the hub's broker)."""
+        self.node_id = node_id
+        self.up, self.down = up, down
+        self.rejected = 0
+        self.dropped = 0  # messages for the hub refused because the outbox was full
+        self._store = store
+        self._window = outbox_window
+        self._limit = outbox_limit
+        self._outbox_ready = asyncio.Event()
+        self._hub_online = asyncio.Event()
+        self._pending: dict[bytes, _Pending] = {}
+        self._commands: set[asyncio.Task[None]] = set()
+        up.route(RELAY_DESIRED, self._on_relay_desired, node_id=node_id)
+        up.route(RELAY_CMD, self._on_relay_command, node_id=node_id)
+        up.route(HUB_STATE, self._on_hub_state)
+        up.during_session(self._pump_outbox)
+        for device_topic, relay_topic in QUEUED.items():
+            down.route(device_topic, functools.partial(self._on_device_message, device_topic, relay_topic))
+        down.route(DEVICE_HEARTBEAT, self._on_device_heartbeat)
+        down.route(DEVICE_CMD_REPLY, self._on_device_reply)
+        down.during_session(self._republish_desired)
+
+    async def close(self) -> None:
+        """Cancel the commands still waiting for a device."""
+        for task in list(self._commands):
+            task.cancel()
+        await asyncio.gather(*self._commands, return_exceptions=True)
+
+    # ---- hub -> device: desired documents -----------------------------------------------------------
+    async def _on_relay_desired(self, client: aiomqtt.Client, message: aiomqtt.Message, ids: dict[str, str]) -> None:
+        device_id, payload = ids["device_id"], _bytes(message.payload)
+        downstream = DEVICE_DESIRED.topic(device_id=device_id)
+        if not payload:  # the hub cleared it: the device is no longer ours
+            self._store.forget_desired(Scope.DEVICE, device_id)
+            self._store.forget_device(device_id)
+            log.info("the hub cleared the desired document of %s; device forgotten", device_id)
+            await self._publish_down(downstream, b"")
+            return
+        try:
+            request = RELAY_DESIRED.payload.model_validate_json(payload)
+        except ValidationError as exc:
+            self._reject(message.topic.value, exc, device_id=device_id)
+            return
+        self._store.add_device(device_id, LearnedFrom.DESIRED)
+        stored = self._store.desired(Scope.DEVICE, device_id)
+        if stored is not None and stored.payload == payload:
+            log.debug("desired version %s of %s already stored", stored.version, device_id)
+            return
+        self._store.put_desired(Scope.DEVICE, device_id, request.body.version, payload)
+        log.info("desired version %s of device %s stored; relaying it", request.body.version, device_id)
+        await self._publish_down(downstream, payload)
+
+    async def _publish_down(self, topic: str, payload: bytes) -> None:
+        try:
+            await self.down.publish(topic, payload, qos=DEVICE_DESIRED.qos, retain=DEVICE_DESIRED.retain)
+        except aiomqtt.MqttError as exc:
+            log.warning("cannot publish %s downstream (%s); it goes out when the downstream link is back", topic, exc)
+
+    async def _republish_desired(self, client: aiomqtt.Client) -> None:
+        """After each downstream connect: the devices' broker may have lost its retained documents."""
+        documents = self._store.all_desired(Scope.DEVICE)
+        for doc in documents:
+            await client.publish(
+                DEVICE_DESIRED.topic(device_id=doc.target_id),
+                doc.payload,
+                qos=DEVICE_DESIRED.qos,
+                retain=DEVICE_DESIRED.retain,
+            )
+        if documents:
+            log.info("republished %s stored desired documents downstream", len(documents))
+
+    # ---- hub -> device: commands --------------------------------------------------------------------
+    async def _on_relay_command(self, client: aiomqtt.Client, message: aiomqtt.Message, ids: dict[str, str]) -> None:
+        device_id, payload = ids["device_id"], _bytes(message.payload)
+        response_topic = getattr(message.properties, "ResponseTopic", None) or RELAY_CMD_REPLY.topic(
+            node_id=self.node_id, device_id=device_id
+        )
+        correlation = getattr(message.properties, "CorrelationData", None)
+        deadline = asyncio.get_running_loop().time()
+        try:
+            request = RELAY_CMD.payload.model_validate_json(payload)
+        except ValidationError as exc:
+            self.rejected += 1
+            log.warning("rejected a malformed command for %s: %s errors", device_id, exc.error_count())
+            failure = CommandResultBody(
+                ok=False, error_code=CommandError.VALIDATION_FAILED.value, error=str(exc)[:2048]
+            )
+            await self._answer(response_topic, correlation, self._result(failure, None))
+            return
+        if not self._store.has_device(device_id):
+            log.info("command %s (%s) for unknown device %s refused", request.body.name, request.id, device_id)
+            failure = CommandResultBody(
+                ok=False, error_code=UNKNOWN_DEVICE, error=f"{device_id!r} is not a device of {self.node_id!r}"
+            )
+            await self._answer(response_topic, correlation, self._result(failure, request.id))
+            return
+        deadline += request.body.timeout_s
+        command = _Command(device_id, request.id, request.body.name, payload, deadline, response_topic, correlation)
+        task = asyncio.create_task(self._relay_command(command))
+        self._commands.add(task)
+        task.add_done_callback(self._commands.discard)
+
+    async def _relay_command(self, command: _Command) -> None:
+        """Forward ``command`` with our correlation id, wait for the device, answer the hub in any case."""
+        loop = asyncio.get_running_loop()
+        ours = uuid.uuid4().bytes
+        pending = _Pending(command, loop.create_future())
+        self._pending[ours] = pending
+        props = Properties(PacketTypes.PUBLISH)
+        props.ResponseTopic = DEVICE_CMD_REPLY.topic(device_id=command.device_id)
+        props.CorrelationData = ours
+        props.MessageExpiryInterval = max(1, math.ceil(command.deadline - loop.time()))  # no stale command runs
+        what = f"command {command.name} ({command.request_id}) for {command.device_id}"
+        try:
+            try:
+                topic = DEVICE_CMD.topic(device_id=command.device_id)
+                await self.down.publish(topic, command.payload, qos=DEVICE_CMD.qos, properties=props)
+            except aiomqtt.MqttError as exc:
+                log.warning("%s not delivered: %s", what, exc)
+                error = f"the devices' broker cannot be reached: {exc}"[:2048]
+                await self._fail(command, CommandResultBody(ok=False, error_code=DOWNSTREAM_UNAVAILABLE, error=error))
+                return
+            log.info("%s forwarded", what)
+            try:
+                answer = await asyncio.wait_for(pending.answer, max(0.0, command.deadline - loop.time()))
+            except TimeoutError:
+                log.warning("%s: no answer in time", what)
+                error = f"{command.device_id!r} did not answer in time"
+                await self._fail(
+                    command, CommandResultBody(ok=False, error_code=CommandError.TIMEOUT.value, error=error)
+                )
+                return
+            await self._answer(command.response_topic, command.correlation, answer)
+        finally:
+            self._pending.pop(ours, None)
+
+    async def _fail(self, command: _Command, failure: CommandResultBody) -> None:
+        await self._answer(command.response_topic, command.correlation, self._result(failure, command.request_id))
+
+    async def _on_device_reply(self, client: aiomqtt.Client, message: aiomqtt.Message, ids: dict[str, str]) -> None:
+        device_id, payload = ids["device_id"], _bytes(message.payload)
+        correlation = getattr(message.properties, "CorrelationData", None)
+        pending = self._pending.get(bytes(correlation)) if correlation else None
+        if pending is None or pending.command.device_id != device_id or pending.answer.done():
+            log.info("dropping a late or unexpected command answer from %s", device_id)
+            return
+        try:
+            DEVICE_CMD_REPLY.payload.model_validate_json(payload)
+        except ValidationError as exc:
+            self.rejected += 1
+            log.warning(
+                "%s answered command %s with a malformed result: %s errors",
+                device_id,
+                pending.command.request_id,
+                exc.error_count(),
+            )
+            failure = CommandResultBody(ok=False, error_code=INVALID_REPLY, error=str(exc)[:2048])
+            payload = self._result(failure, pending.command.request_id)
+        pending.answer.set_result(payload)
+
+    def _result(self, body: CommandResultBody, request_id: str | None) -> bytes:
+        return envelope(self.node_id, body, reply_to=request_id).model_dump_json().encode()
+
+    async def _answer(self, topic: str, correlation: bytes | None, payload: bytes) -> None:
+        props = Properties(PacketTypes.PUBLISH)
+        if correlation is not None:
+            props.CorrelationData = correlation
+        try:
+            await self.up.publish(topic, payload, qos=RELAY_CMD_REPLY.qos, properties=props)
+        except aiomqtt.MqttError as exc:
+            log.warning("a command answer for %s is lost: %s", topic, exc)
+
+    # ---- device -> hub ------------------------------------------------------------------------------
+    async def _on_device_message(
+        self,
+        device_topic: Topic[Any],
+        relay_topic: Topic[Any],
+        client: aiomqtt.Client,
+        message: aiomqtt.Message,
+        ids: dict[str, str],
+    ) -> None:
+        device_id, payload = ids["device_id"], _bytes(message.payload)
+        if not payload:
+            log.debug("ignoring an empty message on %s", message.topic.value)
+            return
+        if self._valid(device_topic, message.topic.value, payload, device_id):
+            self._enqueue(relay_topic.topic(node_id=self.node_id, device_id=device_id), payload, relay_topic)
+
+    async def _on_device_heartbeat(self, client: aiomqtt.Client, message: aiomqtt.Message, ids: dict[str, str]) -> None:
+        device_id, payload = ids["device_id"], _bytes(message.payload)
+        if not self.up.connected.is_set():
+            log.debug("upstream down: heartbeat of %s dropped", device_id)
+            return
+        if not self._valid(DEVICE_HEARTBEAT, message.topic.value, payload, device_id):
+            return
+        topic = RELAY_HEARTBEAT.topic(node_id=self.node_id, device_id=device_id)
+        try:
+            await self.up.publish(topic, payload, qos=RELAY_HEARTBEAT.qos, retain=RELAY_HEARTBEAT.retain)
+        except aiomqtt.MqttError as exc:
+            log.debug("heartbeat of %s dropped: %s", device_id, exc)
+
+    def _valid(self, topic: Topic[Any], where: str, payload: bytes, device_id: str) -> bool:
+        if len(payload) > MAX_MESSAGE_BYTES:
+            self._reject(where, f"{len(payload)} bytes is more than {MAX_MESSAGE_BYTES}", device_id=device_id)
+            return False
+        try:
+            topic.payload.model_validate_json(payload)
+        except ValidationError as exc:
+            self._reject(where, exc, device_id=device_id)
+            return False
+        return True
+
+    def _reject(self, where: str, exc: ValidationError | str, **data: Any) -> None:
+        """Drop a malformed message, count it and tell the hub on the node's ``events`` (DESIGN §6)."""
+        self.rejected += 1
+        log.warning(
+            "rejected a malformed message on %s: %s",
+            where,
+            exc if isinstance(exc, str) else f"{exc.error_count()} errors",
+        )
+        event = envelope(self.node_id, rejection_event(where, exc, self.rejected, **data))
+        self._enqueue(NODE_EVENTS.topic(node_id=self.node_id), event.model_dump_json().encode(), NODE_EVENTS)
+
+    def _enqueue(self, topic: str, payload: bytes, kind: Topic[Any]) -> None:
+        if self._store.outbox_size() >= self._limit:
+            self.dropped += 1
+            if self.dropped == 1 or self.dropped % 1000 == 0:
+                log.error("the outbox holds %s messages; %s dropped so far", self._limit, self.dropped)
+            return
+        self._store.enqueue(topic, payload, kind.qos, kind.retain)
+        self._outbox_ready.set()
+
+    async def _on_hub_state(self, client: aiomqtt.Client, message: aiomqtt.Message, ids: dict[str, str]) -> None:
+        """The hub says whether it is subscribed; a broker acknowledgement only means delivered to the hub
+        while it is (a broker that restarted keeps no promise for the hub's session before it is back)."""
+        try:
+            online = Envelope[StateBody].model_validate_json(_bytes(message.payload)).body.state is ConnectionState.ONLINE
+        except ValidationError:
+            online = False
+        if online and not self._hub_online.is_set():
+            log.info("the hub is online: delivering the %s stored messages", self._store.outbox_size())
+            self._hub_online.set()
+        elif not online and self._hub_online.is_set():
+            log.info("the hub is offline: keeping messages for it in the outbox")
+            self._hub_online.clear()
+
+    async def _pump_outbox(self, client: aiomqtt.Client) -> None:
+        """Deliver the outbox in order while the upstream session lasts and the hub is online; a row goes
+        after its PUBACK."""
+        self._hub_online.clear()  # learn it afresh from this session's retained HUB_STATE
+        while True:
+            await self._hub_online.wait()
+            rows = self._store.outbox_head(self._window)
+            if not rows:
+                self._outbox_ready.clear()
+                await self._outbox_ready.wait()
+                continue
+            # publish() hands each message to paho as its task starts, in order; then waits for its PUBACK
+            results = await asyncio.gather(
+                *(client.publish(row.topic, row.payload, qos=row.qos, retain=row.retain) for row in rows),
+                return_exceptions=True,
+            )
+            delivered = []
+            for row, result in zip(rows, results, strict=True):
+                if isinstance(result, BaseException):
+                    break
+                delivered.append(row.id)
+            self._store.delete_outbox(delivered)
+            failure = next((r for r in results if isinstance(r, BaseException)), None)
+            if failure is not None:
+                raise failure

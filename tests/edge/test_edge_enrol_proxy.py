@@ -1,0 +1,260 @@
+"""Devices enrol through their edge: the proxy forwards to a (stand-in) hub, keeps its own devices only,
+tells them to use the devices' broker, and passes the hub's refusals through."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import threading
+from collections.abc import Callable, Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import httpx
+import pytest
+from cryptography import x509
+from cryptography.x509.oid import NameOID
+from paho.mqtt.packettypes import PacketTypes
+from paho.mqtt.properties import Properties
+
+from edge.enrol_proxy import EnrolmentProxy
+from edge.identity import IdentityStore
+from interfaces.messages import CommandBody, envelope
+from interfaces.nodes import CertificateRequest, DeviceCertificateIssued
+from interfaces.topics import DEVICE_CMD, NODE_STATE, RELAY_CMD, RELAY_CMD_REPLY, Tier, own_subtree
+from tests.edge.support import (
+    Mosquitto,
+    Peer,
+    Pki,
+    ThrowawayCA,
+    body,
+    edge_acl,
+    enrol_node,
+    free_port,
+    listening,
+    needs_mosquitto,
+    start_edge,
+    stop_edge,
+    wait_until,
+)
+from tests.edge.test_edge_relay import answer_commands
+
+NODE = "nd-edge3"
+TOKEN = "bst-device-token-0001"
+HUB_BROKER = "mqtts://hub-broker.example:8883"
+DEVICES_BROKER = "mqtts://gateway.local:8883"
+
+
+class HubStandIn:
+    """Just the hub's ``POST /api/v1/devices/{id}/certificate``, signing with the test CA."""
+
+    def __init__(self, ca: ThrowawayCA, owners: dict[str, str]) -> None:
+        self.ca, self.owners = ca, owners
+        self.requests: list[tuple[str, dict[str, str], bytes]] = []
+        stand_in = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_POST(self) -> None:
+                raw = self.rfile.read(int(self.headers["content-length"]))
+                stand_in.requests.append((self.path, {k.lower(): v for k, v in self.headers.items()}, raw))
+                status, document = stand_in.answer(self.path.split("/")[-2], raw)
+                payload = json.dumps(document).encode()
+                self.send_response(status)
+                self.send_header("Content-Type", "application/json" if status < 300 else "application/problem+json")
+                self.send_header("Content-Length", str(len(payload)))
+                self.end_headers()
+                self.wfile.write(payload)
+
+            def log_message(self, *args: object) -> None:
+                pass
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        threading.Thread(target=self.server.serve_forever, args=(0.1,), daemon=True).start()
+
+    def answer(self, device_id: str, raw: bytes) -> tuple[int, dict]:
+        request = CertificateRequest.model_validate_json(raw)
+        if request.bootstrap_token != TOKEN:
+            return 401, {
+                "type": "urn:aisynergy:error:bootstrap_token_invalid",
+                "title": "Bootstrap token invalid",
+                "status": 401,
+                "code": "bootstrap_token_invalid",
+            }
+        if device_id == "dev-garbled":
+            return 201, {"device_id": device_id}
+        issued = self.ca.issue_device(request.csr_pem, device_id, self.owners[device_id], HUB_BROKER)
+        return 201, issued.model_dump(mode="json")
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+@pytest.fixture
+def hub(test_ca: ThrowawayCA) -> Iterator[HubStandIn]:
+    stand_in = HubStandIn(test_ca, {"dev-c": NODE, "dev-x": "nd-other", "dev-garbled": NODE})
+    yield stand_in
+    stand_in.close()
+
+
+@pytest.fixture
+def proxy(hub: HubStandIn) -> Iterator[tuple[EnrolmentProxy, list[str]]]:
+    enrolled: list[str] = []
+    running = EnrolmentProxy(
+        ("127.0.0.1", 0), hub_url=hub.url, node_id=NODE, device_mqtt_url=DEVICES_BROKER, on_enrolled=enrolled.append
+    )
+    running.start()
+    yield running, enrolled
+    running.close()
+
+
+def csr(tmp_path: Path, device_id: str) -> str:
+    return IdentityStore(tmp_path / device_id).make_csr(device_id)
+
+
+def post(proxy: EnrolmentProxy, device_id: str, content: bytes, **headers: str) -> httpx.Response:
+    url = "http://{}:{}/api/v1/devices/{}/certificate".format(*proxy.address, device_id)
+    return httpx.post(url, content=content, headers={"content-type": "application/json", **headers}, timeout=10)
+
+
+def request_body(tmp_path: Path, device_id: str, token: str = TOKEN) -> bytes:
+    return CertificateRequest(csr_pem=csr(tmp_path, device_id), bootstrap_token=token).model_dump_json().encode()
+
+
+def test_a_device_of_this_edge_gets_a_certificate_for_the_devices_broker(
+    tmp_path: Path, hub: HubStandIn, proxy: tuple[EnrolmentProxy, list[str]], test_ca: ThrowawayCA
+) -> None:
+    running, enrolled = proxy
+    content = request_body(tmp_path, "dev-c")
+
+    response = post(running, "dev-c", content, **{"Idempotency-Key": "enrol-dev-c"})
+
+    assert response.status_code == 201, response.text
+    issued = DeviceCertificateIssued.model_validate_json(response.content)
+    assert (issued.device_id, issued.node_id, issued.mqtt_url) == ("dev-c", NODE, DEVICES_BROKER)
+    cert = x509.load_pem_x509_certificate(issued.certificate_pem.encode())
+    cert.verify_directly_issued_by(test_ca.cert)
+    assert cert.subject.get_attributes_for_oid(NameOID.COMMON_NAME)[0].value == "dev-c"
+    assert enrolled == ["dev-c"]
+    path, headers, forwarded = hub.requests[0]
+    assert (path, forwarded, headers["idempotency-key"]) == (
+        "/api/v1/devices/dev-c/certificate",
+        content,
+        "enrol-dev-c",
+    )
+
+
+def test_a_device_of_another_node_is_refused(
+    tmp_path: Path, hub: HubStandIn, proxy: tuple[EnrolmentProxy, list[str]]
+) -> None:
+    running, enrolled = proxy
+
+    response = post(running, "dev-x", request_body(tmp_path, "dev-x"))
+
+    assert response.status_code == 403
+    assert response.headers["content-type"] == "application/problem+json"
+    assert response.json()["code"] == "forbidden"
+    assert enrolled == []
+
+
+def test_the_hubs_refusal_passes_through_unchanged(
+    tmp_path: Path, hub: HubStandIn, proxy: tuple[EnrolmentProxy, list[str]]
+) -> None:
+    running, enrolled = proxy
+
+    response = post(running, "dev-c", request_body(tmp_path, "dev-c", token="bst-wrong-token-00000"))
+
+    assert response.status_code == 401
+    assert response.headers["content-type"] == "application/problem+json"
+    assert response.json()["code"] == "bootstrap_token_invalid"
+    assert enrolled == []
+
+
+@pytest.mark.parametrize(
+    ("device_id", "size", "status", "code"),
+    [
+        ("dev-c", 64 * 1024 + 1, 413, "payload_too_large"),
+        ("dev-garbled", 0, 502, "invalid_response"),
+        ("bad+id", 0, 422, "validation_failed"),
+    ],
+)
+def test_what_the_proxy_refuses_itself(
+    tmp_path: Path, proxy: tuple[EnrolmentProxy, list[str]], device_id: str, size: int, status: int, code: str
+) -> None:
+    running, enrolled = proxy
+    content = b"x" * size if size else request_body(tmp_path, "dev-garbled")
+
+    response = post(running, device_id, content)
+
+    assert (response.status_code, response.json()["code"]) == (status, code)
+    assert response.headers["content-type"] == "application/problem+json"
+    assert enrolled == []
+
+
+def test_other_paths_and_methods_are_refused(proxy: tuple[EnrolmentProxy, list[str]]) -> None:
+    running, _ = proxy
+    base = "http://{}:{}".format(*running.address)
+
+    assert httpx.get(f"{base}/api/v1/devices/dev-c/certificate").status_code == 405
+    assert httpx.post(f"{base}/api/v1/nodes/dev-c/certificate", content=b"{}").json()["code"] == "not_found"
+
+
+def test_an_unreachable_hub_is_503(tmp_path: Path) -> None:
+    running = EnrolmentProxy(
+        ("127.0.0.1", 0),
+        hub_url=f"http://127.0.0.1:{free_port()}",
+        node_id=NODE,
+        device_mqtt_url=DEVICES_BROKER,
+        on_enrolled=lambda d: None,
+    )
+    running.start()
+    try:
+        response = post(running, "dev-c", request_body(tmp_path, "dev-c"))
+    finally:
+        running.close()
+
+    assert (response.status_code, response.json()["code"]) == (503, "hub_unreachable")
+
+
+@needs_mosquitto
+@pytest.mark.broker
+def test_a_device_enrolled_through_the_running_edge_takes_commands(
+    tmp_path: Path, pki: Pki, hub: HubStandIn, cleanup: list[Callable[[], object]]
+) -> None:
+    # Prepare: no desired document announces dev-c; only its enrolment through the edge does
+    broker = Mosquitto(tmp_path / "broker", pki, edge_acl(NODE, ["dev-c"])).start()
+    cleanup.append(broker.stop)
+    hub_peer = Peer(broker, pki, "hub", [own_subtree(Tier.NODE, NODE)])
+    cleanup.append(hub_peer.close)
+    node_dir = enrol_node(tmp_path / "node", pki.ca, NODE, broker.url, hub_url=hub.url).data_dir
+    port = free_port()
+    edge = start_edge(node_dir, NODE, "--device-listen", f"127.0.0.1:{port}", "--device-mqtt-url", broker.url)
+    cleanup.append(lambda: stop_edge(edge))
+    hub_peer.expect(NODE_STATE.topic(node_id=NODE), where=lambda m: body(m)["state"] == "online")
+    wait_until(lambda: listening(port), what="the enrolment proxy")
+
+    # Execute: enrol through the edge, connect with the certificate it returned
+    device_store = IdentityStore(tmp_path / "dev-c")
+    content = CertificateRequest(csr_pem=device_store.make_csr("dev-c"), bootstrap_token=TOKEN).model_dump_json()
+    response = httpx.post(f"http://127.0.0.1:{port}/api/v1/devices/dev-c/certificate", content=content, timeout=10)
+    assert response.status_code == 201, response.text
+    issued = DeviceCertificateIssued.model_validate_json(response.content)
+    (pki.dir / "dev-c.crt").write_text(issued.certificate_pem)
+    shutil.copy(device_store.key_path, pki.dir / "dev-c.key")
+    device = Peer(broker, pki, "dev-c", [DEVICE_CMD.topic(device_id="dev-c")], on_message=answer_commands)
+    cleanup.append(device.close)
+    props = Properties(PacketTypes.PUBLISH)
+    props.ResponseTopic = RELAY_CMD_REPLY.topic(node_id=NODE, device_id="dev-c")
+    props.CorrelationData = b"c-9"
+    hub_peer.publish(
+        RELAY_CMD.topic(node_id=NODE, device_id="dev-c"),
+        envelope("hub", CommandBody(name="hello")).model_dump_json().encode(),
+        properties=props,
+    )
+
+    # Assert
+    assert issued.mqtt_url == broker.url
+    answer = hub_peer.expect(RELAY_CMD_REPLY.topic(node_id=NODE, device_id="dev-c"))
+    assert (answer.properties.CorrelationData, body(answer)["ok"]) == (b"c-9", True)  # type: ignore[union-attr]
+    assert stop_edge(edge) == 0
