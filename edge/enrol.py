@@ -21,8 +21,8 @@ from interfaces.nodes import CertificateIssued, CertificateRequest
 
 log = logging.getLogger("aisynergy.edge")
 
-HUB_UNREACHABLE = "hub_unreachable"
-INVALID_RESPONSE = "invalid_response"
+HUB_UNREACHABLE = ErrorCode.HUB_UNREACHABLE.value
+INVALID_RESPONSE = ErrorCode.INVALID_RESPONSE.value
 
 
 class EnrolmentError(Exception):

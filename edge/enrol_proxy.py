@@ -33,8 +33,8 @@ from interfaces.topics import DEVICE_STATE
 log = logging.getLogger("aisynergy.edge.enrol_proxy")
 
 MAX_BODY_BYTES = 64 * 1024
-HUB_UNREACHABLE = "hub_unreachable"  # not (yet) an ErrorCode: only an edge says it
-INVALID_RESPONSE = "invalid_response"  # the hub answered 2xx with something that is not a certificate
+HUB_UNREACHABLE = ErrorCode.HUB_UNREACHABLE.value
+INVALID_RESPONSE = ErrorCode.INVALID_RESPONSE.value
 _PATH = re.compile(rf"^{re.escape(API_PREFIX)}/devices/([^/]+)/certificate$")
 _FORWARDED_HEADERS = ("content-type", "accept", "idempotency-key")
 

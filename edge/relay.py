@@ -42,7 +42,6 @@ from interfaces.messages import (
     envelope,
 )
 from interfaces.topics import (
-    HUB_STATE,
     DEVICE_CMD,
     DEVICE_CMD_REPLY,
     DEVICE_DESIRED,
@@ -50,6 +49,7 @@ from interfaces.topics import (
     DEVICE_HEARTBEAT,
     DEVICE_REPORTED,
     DEVICE_STATE,
+    HUB_STATE,
     NODE_EVENTS,
     RELAY_CMD,
     RELAY_CMD_REPLY,
@@ -64,9 +64,6 @@ from interfaces.topics import (
 log = logging.getLogger("aisynergy.edge.relay")
 
 # ``error_code`` values of the edge's own failed results, next to those of CommandError
-UNKNOWN_DEVICE = "unknown_device"  # not a device of this edge (no desired document, no enrolment here)
-DOWNSTREAM_UNAVAILABLE = "downstream_unavailable"  # the devices' broker cannot be reached
-INVALID_REPLY = "invalid_reply"  # the device answered something that is not a command result
 
 QUEUED: dict[Topic[Any], Topic[Any]] = {
     DEVICE_STATE: RELAY_STATE,
@@ -203,7 +200,7 @@ class DeviceRelay:
         if not self._store.has_device(device_id):
             log.info("command %s (%s) for unknown device %s refused", request.body.name, request.id, device_id)
             failure = CommandResultBody(
-                ok=False, error_code=UNKNOWN_DEVICE, error=f"{device_id!r} is not a device of {self.node_id!r}"
+                ok=False, error_code=CommandError.UNKNOWN_DEVICE, error=f"{device_id!r} is not a device of {self.node_id!r}"
             )
             await self._answer(response_topic, correlation, self._result(failure, request.id))
             return
@@ -231,7 +228,7 @@ class DeviceRelay:
             except aiomqtt.MqttError as exc:
                 log.warning("%s not delivered: %s", what, exc)
                 error = f"the devices' broker cannot be reached: {exc}"[:2048]
-                await self._fail(command, CommandResultBody(ok=False, error_code=DOWNSTREAM_UNAVAILABLE, error=error))
+                await self._fail(command, CommandResultBody(ok=False, error_code=CommandError.DOWNSTREAM_UNAVAILABLE, error=error))
                 return
             log.info("%s forwarded", what)
             try:
@@ -267,7 +264,7 @@ class DeviceRelay:
                 pending.command.request_id,
                 exc.error_count(),
             )
-            failure = CommandResultBody(ok=False, error_code=INVALID_REPLY, error=str(exc)[:2048])
+            failure = CommandResultBody(ok=False, error_code=CommandError.INVALID_REPLY, error=str(exc)[:2048])
             payload = self._result(failure, pending.command.request_id)
         pending.answer.set_result(payload)
 

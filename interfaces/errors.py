@@ -35,6 +35,8 @@ class ErrorCode(StrEnum):
     TARGET_OFFLINE = "target_offline"  # a command for a node or device that is not connected
     COMMAND_TIMEOUT = "command_timeout"  # no answer within the command's timeout
     BROKER_UNAVAILABLE = "broker_unavailable"  # the hub is not connected to the broker
+    HUB_UNREACHABLE = "hub_unreachable"  # an edge forwarding a device's enrolment cannot reach the hub (503)
+    INVALID_RESPONSE = "invalid_response"  # an edge got an answer from the hub that is not what it asked for (502)
     INTERNAL = "internal_error"
 
 

@@ -84,6 +84,9 @@ class CommandError(StrEnum):
     VALIDATION_FAILED = "validation_failed"  # the request did not validate into CommandBody
     FAILED = "failed"  # the handler ran and failed
     TIMEOUT = "timeout"  # no answer within timeout_s
+    UNKNOWN_DEVICE = "unknown_device"  # an edge asked for a device that is not one of its own
+    DOWNSTREAM_UNAVAILABLE = "downstream_unavailable"  # the edge cannot reach its devices' broker
+    INVALID_REPLY = "invalid_reply"  # the device answered something that is not a command result
 
 
 class CommandResultBody(_Body):
