@@ -10,9 +10,11 @@ Layout of a PKI directory (created on first use, private keys 0600):
 
 from __future__ import annotations
 
+import contextlib
 import datetime as dt
 import ipaddress
 import os
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -42,19 +44,28 @@ def _now() -> dt.datetime:
     return dt.datetime.now(dt.UTC)
 
 
+def _write_atomic(path: Path, data: bytes, mode: int) -> None:
+    """Write through a uniquely named temporary file, so concurrent writers never share one."""
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+    try:
+        with os.fdopen(fd, "wb") as fh:
+            fh.write(data)
+        os.chmod(tmp, mode)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise
+
+
 def _write_private(path: Path, data: bytes) -> None:
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "wb") as fh:
-        fh.write(data)
-    os.replace(tmp, path)
+    _write_atomic(path, data, 0o600)
 
 
-def _write_public(path: Path, data: bytes) -> None:
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_bytes(data)
-    os.chmod(tmp, 0o644)
-    os.replace(tmp, path)
+def write_public(path: Path, data: bytes) -> None:
+    _write_atomic(path, data, 0o644)
+
+
 
 
 def _key_pem(key: ec.EllipticCurvePrivateKey) -> bytes:
@@ -112,7 +123,7 @@ class CertificateAuthority:
                 .sign(key, hashes.SHA256())
             )
             _write_private(ca_key_path, _key_pem(key))
-            _write_public(ca_crt_path, cert.public_bytes(serialization.Encoding.PEM))
+            write_public(ca_crt_path, cert.public_bytes(serialization.Encoding.PEM))
             ca = cls(directory, key, cert)
         if not (directory / "crl.pem").exists():
             ca.write_crl([])
@@ -165,9 +176,9 @@ class CertificateAuthority:
             .sign(self._key, hashes.SHA256())
         )
         # the broker may run as another user (mosquitto drops root): its key must be readable by it
-        _write_public(key_path, _key_pem(key))
+        write_public(key_path, _key_pem(key))
         os.chmod(key_path, 0o640 if os.geteuid() != 0 else 0o644)
-        _write_public(crt, cert.public_bytes(serialization.Encoding.PEM))
+        write_public(crt, cert.public_bytes(serialization.Encoding.PEM))
 
     def ensure_client_identity(self, common_name: str) -> tuple[Path, Path]:
         crt, key_path = self.directory / f"{common_name}.crt", self.directory / f"{common_name}.key"
@@ -175,7 +186,7 @@ class CertificateAuthority:
             key = new_private_key()
             cert = self._client_cert(common_name, key.public_key(), LEAF_VALIDITY)
             _write_private(key_path, _key_pem(key))
-            _write_public(crt, cert.public_bytes(serialization.Encoding.PEM))
+            write_public(crt, cert.public_bytes(serialization.Encoding.PEM))
         return crt, key_path
 
     def _client_cert(self, common_name: str, public_key: object, validity: dt.timedelta) -> x509.Certificate:
@@ -219,6 +230,14 @@ class CertificateAuthority:
             not_after=cert.not_valid_after_utc,
         )
 
+    def revoked_serials(self) -> frozenset[str]:
+        """The (hex) serials in the current ``crl.pem``."""
+        path = self.directory / "crl.pem"
+        if not path.exists():
+            return frozenset()
+        crl = x509.load_pem_x509_crl(path.read_bytes())
+        return frozenset(format(entry.serial_number, "x") for entry in crl)
+
     def write_crl(self, revoked: list[tuple[str, dt.datetime]]) -> Path:
         """Rewrite ``crl.pem`` with the given (hex serial, revoked at) pairs."""
         now = _now()
@@ -234,5 +253,5 @@ class CertificateAuthority:
             )
         crl = builder.sign(self._key, hashes.SHA256())
         path = self.directory / "crl.pem"
-        _write_public(path, crl.public_bytes(serialization.Encoding.PEM))
+        write_public(path, crl.public_bytes(serialization.Encoding.PEM))
         return path

@@ -7,14 +7,14 @@ and cannot reconnect, and an edge reaches exactly its own devices.
 
 from __future__ import annotations
 
-import os
+import threading
 from pathlib import Path
 
 from sqlalchemy import select
 from sqlmodel import Session
 
 from cloud.convert import utc
-from cloud.pki import CertificateAuthority
+from cloud.pki import CertificateAuthority, write_public
 from cloud.tables import Certificate, Device, Node
 from interfaces.lifecycle import NodeState
 
@@ -22,9 +22,20 @@ REVOKED_FILE = "revoked.txt"
 DEVICES_FILE = "devices.txt"
 
 
+_lock = threading.Lock()
+_published_serials: dict[Path, frozenset[str]] = {}
+
+
 def publish(session: Session, ca: CertificateAuthority) -> None:
+    """Rewrite what changed (the broker reloads on every change, so an unchanged file stays untouched)."""
     revoked = session.execute(select(Certificate.serial, Certificate.revoked_at).where(Certificate.revoked_at.is_not(None))).all()  # type: ignore[union-attr]
-    ca.write_crl([(serial, utc(at)) for serial, at in revoked])  # type: ignore[misc]
+    serials = frozenset(serial for serial, _at in revoked)
+    with _lock:
+        if ca.directory not in _published_serials:
+            _published_serials[ca.directory] = ca.revoked_serials()
+        if _published_serials[ca.directory] != serials:
+            ca.write_crl([(serial, utc(at)) for serial, at in revoked])  # type: ignore[misc]
+            _published_serials[ca.directory] = serials
     deleted = sorted(
         [*session.execute(select(Node.id).where(Node.state == NodeState.DELETED.value)).scalars(),
          *session.execute(select(Device.id).where(Device.state == NodeState.DELETED.value)).scalars()]
@@ -42,9 +53,7 @@ def publish_devices(session: Session, ca: CertificateAuthority) -> None:
 
 
 def _write(path: Path, text: str) -> None:
-    if path.exists() and path.read_text() == text:
-        return  # unchanged: the broker need not reload
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(text)
-    os.chmod(tmp, 0o644)
-    os.replace(tmp, path)
+    with _lock:
+        if path.exists() and path.read_text() == text:
+            return  # unchanged: the broker need not reload
+        write_public(path, text.encode())
