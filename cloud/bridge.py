@@ -14,6 +14,7 @@ import asyncio
 import contextlib
 import logging
 import random
+import socket
 import ssl
 import uuid
 from collections import defaultdict
@@ -132,7 +133,7 @@ class MqttBridge:
                 async with aiomqtt.Client(
                     self.host, self.port, identifier=self.identity, protocol=aiomqtt.ProtocolVersion.V5,
                     tls_context=ctx, keepalive=30, clean_start=False, properties=connect_props, will=will,
-                    max_queued_incoming_messages=200_000,
+                    max_queued_incoming_messages=200_000, socket_options=((socket.IPPROTO_TCP, socket.TCP_NODELAY, 1),),
                 ) as client:  # fmt: skip
                     self._client = client
                     for topic, _model, _handler, shared in self._routes:

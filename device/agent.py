@@ -29,6 +29,7 @@ from __future__ import annotations
 import logging
 import queue
 import signal
+import socket
 import sys
 import threading
 from collections.abc import Callable
@@ -397,6 +398,9 @@ class Device:
         if self._stopping.is_set():  # stop() came while this connection was being made
             client.disconnect()
             return
+        sock = client.socket()
+        if sock is not None:  # small request/response packets must not wait for delayed ACKs (~40 ms a hop)
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         log.info("connected to %s:%s as %s", self._host, self._port, self.device_id)
         self._attempt = 0
         self._connected.set()

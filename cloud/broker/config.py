@@ -85,6 +85,7 @@ def render_config(layout: BrokerLayout, host: str, port: int, max_packet_bytes: 
             f"max_packet_size {max_packet_bytes}",
             "max_queued_messages 200000",  # per offline persistent session (the hub's, during a restart)
             "per_listener_settings false",
+            "set_tcp_nodelay true",  # no ~40 ms delayed-ACK stall per hop for small request/response packets
             "allow_anonymous false",
             f"acl_file {layout.acl_file}",
             "",
