@@ -556,7 +556,7 @@ class Sampler(threading.Thread):
         self.interval = interval
         self.samples: dict[str, list[tuple[float, float, int]]] = {k: [] for k in procs}  # (t, cpu s, rss)
         self.system: list[tuple[float, float]] = []  # (t, busy cpu-seconds of the whole machine)
-        self._stop = threading.Event()
+        self._halt = threading.Event()
 
     def read(self, name: str) -> tuple[float, int]:
         cpu, rss = 0.0, 0
@@ -572,17 +572,17 @@ class Sampler(threading.Thread):
     def run(self) -> None:
         import psutil
 
-        while not self._stop.is_set():
+        while not self._halt.is_set():
             now = time.time()
             for name in self.procs:
                 cpu, rss = self.read(name)
                 self.samples[name].append((now, cpu, rss))
             t = psutil.cpu_times()
             self.system.append((now, t.user + t.system + getattr(t, "irq", 0) + getattr(t, "softirq", 0) + getattr(t, "nice", 0)))
-            self._stop.wait(self.interval)
+            self._halt.wait(self.interval)
 
     def stop(self) -> None:
-        self._stop.set()
+        self._halt.set()
 
     def window(self, name: str, t0: float, t1: float) -> dict[str, Any]:
         s = [x for x in self.samples[name] if t0 - 1.01 <= x[0] <= t1 + 1.01]
@@ -665,7 +665,7 @@ def code_version() -> dict[str, Any]:
         return subprocess.run(["git", "-C", str(ROOT), *a], capture_output=True, text=True, timeout=10).stdout.strip()
 
     try:
-        dirty = [line[3:] for line in git("status", "--porcelain", "--", "cloud", "interfaces", "edge", "device").splitlines()]
+        dirty = [line.split(maxsplit=1)[1] for line in git("status", "--porcelain", "--", "cloud", "interfaces", "edge", "device").splitlines() if line.strip()]
         return {"root": str(ROOT), "commit": git("rev-parse", "HEAD"), "subject": git("log", "-1", "--format=%s"), "uncommitted": dirty}
     except (OSError, subprocess.SubprocessError):
         return {"root": str(ROOT)}
