@@ -46,13 +46,14 @@ def _mark(engine: Engine, table: Any, timeout_s: float, missed: int) -> list[str
                 .where(and_(table.id == node_id, table.state == state, stale))
                 .values(state=NodeState.OFFLINE.value, last_state_change_at=now)
             )
-            if result.rowcount == 1 and table is Node:  # type: ignore[attr-defined]
+            if result.rowcount != 1:  # type: ignore[attr-defined]
+                continue  # a heartbeat got there first
+            changed.append(node_id)
+            if table is Node:
                 session.execute(insert(NodeTransitionRow).values(
                     node_id=node_id, from_state=state, to_state=NodeState.OFFLINE.value, at=now,
                     reason=f"missed {missed} heartbeats ({timeout_s:g} s without contact)",
                 ))  # fmt: skip
-            if result.rowcount == 1:  # type: ignore[attr-defined]
-                changed.append(node_id)
         session.commit()
     if changed and table is Node:
         log.info("%d node(s) missed their heartbeats and are OFFLINE: %s", len(changed), ", ".join(changed[:10]))

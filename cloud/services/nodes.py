@@ -138,8 +138,8 @@ def delete(session: Session, node_id: str) -> Node:
     return node
 
 
-def history(session: Session, node_id: str, limit: int, cursor: str | None) -> tuple[list[NodeTransitionRow], str | None]:
+def history(session: Session, node_id: str, limit: int) -> list[NodeTransitionRow]:
+    """The node's first ``limit`` lifecycle transitions, oldest first."""
     get(session, node_id)
     query = select(NodeTransitionRow).where(NodeTransitionRow.node_id == node_id)
-    rows = list(session.exec(query.order_by(NodeTransitionRow.id).limit(limit)).scalars())  # type: ignore[call-overload]
-    return rows, None
+    return list(session.exec(query.order_by(NodeTransitionRow.id).limit(limit)).scalars())  # type: ignore[call-overload]

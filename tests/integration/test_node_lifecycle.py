@@ -53,10 +53,7 @@ def test_register_enrol_online_kill_offline_restart(hub: Hub, tmp_path: Path) ->
         wait_for(lambda: _state(hub, node_id) == "ONLINE", 2.0, what="ONLINE within 2 s of enrolment")
         assert time.monotonic() - enrolled_at <= 2.0
         with hub.client("viewer") as api:
-            status = api.get(f"/nodes/{node_id}/status").json()
-        wait_for(lambda: hub.client("viewer").get(f"/nodes/{node_id}/status").json()["resources"], 5, what="resources")
-        with hub.client("viewer") as api:
-            status = api.get(f"/nodes/{node_id}/status").json()
+            status = wait_for(lambda: (s := api.get(f"/nodes/{node_id}/status").json())["resources"] and s, 5, what="resources")
         assert status["connected"] is True
         assert status["resources"]["cpu"]["cores"] >= 1
         assert status["resources"]["memory"]["total_bytes"] > 0

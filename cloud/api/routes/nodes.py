@@ -93,8 +93,7 @@ def node_status(node_id: str, session: SessionDep, _: Viewer) -> NodeStatus:
 @router.get("/{node_id}/history")
 def node_history(node_id: str, session: SessionDep, _: Viewer, limit: Limit = 100) -> list[NodeTransition]:
     """The node's lifecycle transitions, oldest first."""
-    rows, _next = node_service.history(session, node_id, limit, None)
-    return [transition_to_wire(r) for r in rows]
+    return [transition_to_wire(r) for r in node_service.history(session, node_id, limit)]
 
 
 @router.post("/{node_id}/bootstrap-token", status_code=status.HTTP_201_CREATED)
