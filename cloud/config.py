@@ -26,6 +26,7 @@ class Settings(BaseSettings):
     liveness_check_interval_s: float = Field(default=1.0, gt=0, le=60)
     max_body_bytes: int = Field(default=1024 * 1024, ge=1024)
     idempotency_ttl_s: int = Field(default=24 * 3600, ge=60)
+    token_cache_ttl_s: float = Field(default=10.0, ge=0, le=300)
     certificate_validity_days: int = Field(default=365, ge=1, le=3650)
     enable_mqtt: bool = Field(default=True, description="off only for tests of the REST layer alone")
 

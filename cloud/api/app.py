@@ -20,6 +20,7 @@ from cloud import lease
 from cloud.api import problems
 from cloud.api.guards import RequestGuard, purge_idempotency
 from cloud.api.routes import devices, nodes
+from cloud.auth import TokenCache
 from cloud.bridge import MqttBridge
 from cloud.config import Settings
 from cloud.db import make_engine, upgrade
@@ -62,6 +63,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         await asyncio.to_thread(upgrade, settings.database_url)
         engine = make_engine(settings.database_url)
         app.state.engine = engine
+        app.state.token_cache = TokenCache(settings.token_cache_ttl_s)
         app.state.ca = await asyncio.to_thread(CertificateAuthority.load_or_create, settings.pki_dir)
         ingest = StatusIngest(engine)
         app.state.ingest = ingest

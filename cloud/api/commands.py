@@ -1,4 +1,4 @@
-"""Commands to nodes and devices over MQTT, for the REST routes (sync, in a worker thread)."""
+"""Commands to nodes and devices over MQTT, for the REST routes (on the event loop, beside the bridge)."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from interfaces.messages import CommandBody, CommandError
 from interfaces.nodes import CommandRequest, CommandResult
 
 
-def send(request: Request, state: str, topic: str, reply_topic: str, body: CommandRequest) -> CommandResult:
+async def send(request: Request, state: str, topic: str, reply_topic: str, body: CommandRequest) -> CommandResult:
     if NodeState(state) not in CONNECTED_STATES:
         raise Conflict(f"the target is {state}, not connected", code=ErrorCode.TARGET_OFFLINE, current_state=state)
     bridge: MqttBridge | None = getattr(request.app.state, "bridge", None)
@@ -23,10 +23,10 @@ def send(request: Request, state: str, topic: str, reply_topic: str, body: Comma
     command = CommandBody(name=body.name, args=body.args, timeout_s=body.timeout_s)
     started = time.monotonic()
     try:
-        answer = bridge.call(bridge.request(topic, reply_topic, command), timeout=body.timeout_s + 5)
+        answer = await bridge.request(topic, reply_topic, command)
     except BrokerUnavailable as exc:
         raise ApiError(str(exc), code=ErrorCode.BROKER_UNAVAILABLE, status=503) from exc
-    except (CommandTimeout, TimeoutError) as exc:
+    except CommandTimeout as exc:
         raise ApiError(f"no answer within {body.timeout_s:g} s", code=ErrorCode.COMMAND_TIMEOUT, status=504) from exc
     if not answer.ok and answer.error_code == CommandError.TIMEOUT:
         # the edge is there but its device did not answer in time: the same timeout for the integrator

@@ -2,18 +2,18 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
-from typing import Annotated
+from collections.abc import Awaitable, Callable, Iterator
+from typing import Annotated, TypeVar
 
 from fastapi import Depends, Header, Query, Request
+from fastapi.concurrency import run_in_threadpool
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from sqlmodel import Session
 
-from cloud.auth import lookup_api_token
+from cloud.auth import TokenCache, TokenIdentity
 from cloud.config import Settings
 from cloud.errors import Forbidden, Unauthenticated
 from cloud.pki import CertificateAuthority
-from cloud.tables import ApiToken
 from interfaces.auth import Role
 from interfaces.pagination import DEFAULT_LIMIT, MAX_LIMIT
 
@@ -31,6 +31,8 @@ def get_ca(request: Request) -> CertificateAuthority:
     return request.app.state.ca  # type: ignore[no-any-return]
 
 
+T = TypeVar("T")
+
 SessionDep = Annotated[Session, Depends(get_db)]
 SettingsDep = Annotated[Settings, Depends(get_settings)]
 CADep = Annotated[CertificateAuthority, Depends(get_ca)]
@@ -38,11 +40,16 @@ CADep = Annotated[CertificateAuthority, Depends(get_ca)]
 _bearer = HTTPBearer(auto_error=False, description="An integrator token (`aisynergy hub token create --role R`)")
 
 
-def require(role: Role) -> Callable[..., ApiToken]:
-    def dependency(session: SessionDep, credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)]) -> ApiToken:
+def require(role: Role) -> Callable[..., Awaitable[TokenIdentity]]:
+    async def dependency(request: Request, credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)]) -> TokenIdentity:
         if credentials is None or credentials.scheme.lower() != "bearer":
             raise Unauthenticated("a bearer token is required")
-        token = lookup_api_token(session, credentials.credentials)
+        cache: TokenCache = request.app.state.token_cache
+        # a cached token costs no thread hop; a miss reads the database in a worker thread
+        token = cache.cached(credentials.credentials)
+        if token is None:
+            engine = request.app.state.engine
+            token = await run_in_threadpool(cache.lookup, lambda: Session(engine), credentials.credentials)
         if token is None:
             raise Unauthenticated("the bearer token is not valid")
         if not Role(token.role).allows(role):
@@ -52,9 +59,9 @@ def require(role: Role) -> Callable[..., ApiToken]:
     return dependency
 
 
-Viewer = Annotated[ApiToken, Depends(require(Role.VIEWER))]
-Operator = Annotated[ApiToken, Depends(require(Role.OPERATOR))]
-Admin = Annotated[ApiToken, Depends(require(Role.ADMIN))]
+Viewer = Annotated[TokenIdentity, Depends(require(Role.VIEWER))]
+Operator = Annotated[TokenIdentity, Depends(require(Role.OPERATOR))]
+Admin = Annotated[TokenIdentity, Depends(require(Role.ADMIN))]
 
 # Documents the header; RequestGuard does the work.
 IdempotencyKey = Annotated[
@@ -65,6 +72,12 @@ Limit = Annotated[int, Query(ge=1, le=MAX_LIMIT, description="page size")]
 Cursor = Annotated[str | None, Query(max_length=128, description="next_cursor of the previous page")]
 Selector = Annotated[str | None, Query(max_length=4096, description="label selector, e.g. zone=a,tier!=x,gpu,!legacy")]
 DEFAULT_PAGE = DEFAULT_LIMIT
+
+
+def read_one(request: Request, getter: Callable[[Session, str], T], key: str) -> T:
+    """Run ``getter(session, key)`` with a session of its own (for async routes, in a worker thread)."""
+    with Session(request.app.state.engine, expire_on_commit=False) as session:
+        return getter(session, key)
 
 
 def poke_desired(request: Request) -> None:

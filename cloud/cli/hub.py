@@ -3,10 +3,14 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import click
 
 from interfaces.auth import Role
+
+if TYPE_CHECKING:
+    from sqlalchemy import Engine
 
 _data_dir = click.option("--data-dir", type=click.Path(path_type=Path), envvar="AISYNERGY_DATA_DIR", default=".data", show_default=True, help="PKI, default SQLite database")
 _db = click.option("--database-url", envvar="AISYNERGY_DATABASE_URL", default=None, help="default: sqlite:///<data-dir>/hub.db; postgresql://... for PostgreSQL")
@@ -76,14 +80,55 @@ def token_create(role: str, name: str, database_url: str | None, data_dir: Path)
     from sqlmodel import Session
 
     from cloud.auth import create_api_token
+
+    engine = _engine(data_dir, database_url)
+    with Session(engine) as session:
+        _row, secret = create_api_token(session, Role(role), name)
+    engine.dispose()
+    click.echo(secret)
+
+
+@token.command("list")
+@_db
+@_data_dir
+def token_list(database_url: str | None, data_dir: Path) -> None:
+    """List tokens (id, role, name, created, revoked); secrets are never stored, so never shown."""
+    from sqlmodel import Session, select
+
+    from cloud.tables import ApiToken
+
+    engine = _engine(data_dir, database_url)
+    with Session(engine) as session:
+        for row in session.exec(select(ApiToken).order_by(ApiToken.created_at)):  # type: ignore[arg-type]
+            revoked = row.revoked_at.isoformat() if row.revoked_at else "-"
+            click.echo(f"{row.id}\t{row.role}\t{row.name or '-'}\t{row.created_at.isoformat()}\trevoked={revoked}")
+    engine.dispose()
+
+
+@token.command("revoke")
+@click.argument("token_id")
+@_db
+@_data_dir
+def token_revoke(token_id: str, database_url: str | None, data_dir: Path) -> None:
+    """Revoke a token by id; running hubs refuse it within their token cache TTL (AISYNERGY_TOKEN_CACHE_TTL_S)."""
+    from sqlmodel import Session
+
+    from cloud.auth import revoke_api_token
+
+    engine = _engine(data_dir, database_url)
+    with Session(engine) as session:
+        row = revoke_api_token(session, token_id)
+    engine.dispose()
+    if row is None:
+        raise click.ClickException(f"no token {token_id}")
+    click.echo(f"revoked {token_id}")
+
+
+def _engine(data_dir: Path, database_url: str | None) -> Engine:
     from cloud.config import Settings
     from cloud.db import make_engine, upgrade
 
     settings = Settings(data_dir=data_dir, database_url=database_url)
     assert settings.database_url
     upgrade(settings.database_url)
-    engine = make_engine(settings.database_url)
-    with Session(engine) as session:
-        _row, secret = create_api_token(session, Role(role), name)
-    engine.dispose()
-    click.echo(secret)
+    return make_engine(settings.database_url)

@@ -5,19 +5,22 @@ Every test compares a snapshot of all rows of all tables before and after the re
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta
+from pathlib import Path
 from typing import Any
 
 import pytest
 from sqlalchemy import update
-from sqlmodel import Session
+from sqlmodel import Session, select
 
 from cloud.api.guards import WRITE_METHODS
+from cloud.auth import hash_secret, revoke_api_token
 from cloud.tables import ApiToken, BootstrapToken
 from interfaces import API_PREFIX
 from interfaces.auth import Role
-from tests.hub.conftest import HubUnderTest, assert_problem
+from tests.hub.conftest import HubUnderTest, assert_problem, hub_settings, running_hub
 
 # One valid request per authenticated write route, so that only the role can be the reason for a refusal.
 WRITE_REQUESTS: dict[tuple[str, str], dict[str, Any] | None] = {
@@ -223,19 +226,65 @@ def test_unknown_or_malformed_token_is_401(hub: HubUnderTest, seeded: dict[str, 
     assert_problem(read, 401, "unauthenticated")
 
 
-def test_revoked_token_is_401(hub: HubUnderTest, seeded: dict[str, str]) -> None:
+def test_revoked_token_is_401(database_url: str, tmp_path: Path) -> None:
+    """With the token cache off, a token revoked in the database is refused on the next request."""
     # Prepare
+    for hub in running_hub(hub_settings(tmp_path, database_url, token_cache_ttl_s=0)):
+        node = hub.register("gw")
+        with Session(hub.engine) as session:
+            session.execute(update(ApiToken).where(ApiToken.role == Role.ADMIN.value).values(revoked_at=datetime.now(UTC)))
+            session.commit()
+        before = hub.snapshot()
+
+        # Execute
+        r = hub.request("DELETE", f"/nodes/{node['node']['id']}", Role.ADMIN)
+
+        # Assert
+        assert_problem(r, 401, "unauthenticated")
+        assert hub.snapshot() == before
+
+
+def test_revoked_token_is_refused_within_the_cache_ttl(database_url: str, tmp_path: Path) -> None:
+    """A token revoked by another process (the CLI) works at most ``token_cache_ttl_s`` longer."""
+    # Prepare
+    ttl = 1.0
+    for hub in running_hub(hub_settings(tmp_path, database_url, token_cache_ttl_s=ttl)):
+        assert hub.get("/nodes", Role.ADMIN).status_code == 200  # verified once: now cached
+        with Session(hub.engine) as session:
+            token_id = session.exec(select(ApiToken.id).where(ApiToken.role == Role.ADMIN.value)).one()
+            assert revoke_api_token(session, token_id) is not None
+        revoked_at = time.monotonic()
+
+        # Execute
+        statuses = []
+        while time.monotonic() - revoked_at < ttl + 1.0:
+            statuses.append((time.monotonic() - revoked_at, hub.get("/nodes", Role.ADMIN).status_code))
+            time.sleep(0.05)
+
+        # Assert: 200s, then only 401s, and the switch came no later than the TTL
+        codes = [code for _, code in statuses]
+        assert set(codes) <= {200, 401}
+        assert codes[-1] == 401
+        first_401 = codes.index(401)
+        assert all(code == 401 for code in codes[first_401:])
+        assert statuses[first_401][0] <= ttl + 0.2
+        assert hub.get("/nodes", Role.VIEWER).status_code == 200  # other tokens unaffected
+
+
+def test_unknown_token_is_not_cached(hub: HubUnderTest) -> None:
+    """A token created after a failed attempt works at once (failures are not remembered)."""
+    # Prepare
+    r = hub.client.get(API_PREFIX + "/nodes", headers={"Authorization": "Bearer asy_not-yet"})
+    assert_problem(r, 401, "unauthenticated")
     with Session(hub.engine) as session:
-        session.execute(update(ApiToken).where(ApiToken.role == Role.ADMIN.value).values(revoked_at=datetime.now(UTC)))
+        session.add(ApiToken(id="tok-later", token_hash=hash_secret("asy_not-yet"), role=Role.VIEWER.value, created_at=datetime.now(UTC)))
         session.commit()
-    before = hub.snapshot()
 
     # Execute
-    r = hub.request("DELETE", f"/nodes/{seeded['node_id']}", Role.ADMIN)
+    r = hub.client.get(API_PREFIX + "/nodes", headers={"Authorization": "Bearer asy_not-yet"})
 
     # Assert
-    assert_problem(r, 401, "unauthenticated")
-    assert hub.snapshot() == before
+    assert r.status_code == 200, r.text
 
 
 @pytest.mark.parametrize(("method", "path"), sorted(WRITE_REQUESTS))

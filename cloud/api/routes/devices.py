@@ -5,10 +5,11 @@ from __future__ import annotations
 from datetime import timedelta
 
 from fastapi import APIRouter, Request, Response, status
+from fastapi.concurrency import run_in_threadpool
 
 from cloud.api import commands
 from cloud.api.deps import (
-    DEFAULT_PAGE, CADep, Cursor, IdempotencyKey, Limit, Operator, Selector, SessionDep, SettingsDep, Viewer, poke_desired,
+    DEFAULT_PAGE, CADep, Cursor, IdempotencyKey, Limit, Operator, Selector, SessionDep, SettingsDep, Viewer, poke_desired, read_one,
 )  # fmt: skip
 from cloud.api.problems import PROBLEM_RESPONSES
 from cloud.convert import device_event_to_wire, device_status_to_wire, device_to_wire, twin_to_wire
@@ -116,9 +117,9 @@ def enrol_device(device_id: str, body: CertificateRequest, session: SessionDep, 
 
 
 @router.post("/{device_id}/commands", responses={504: PROBLEM_RESPONSES[409] | {"description": "No answer in time"}})
-def device_command(device_id: str, body: CommandRequest, request: Request, session: SessionDep, _: Operator, __: IdempotencyKey = None) -> CommandResult:
+async def device_command(device_id: str, body: CommandRequest, request: Request, _: Operator, __: IdempotencyKey = None) -> CommandResult:
     """Send a command to the device through its edge and return its answer (504 command_timeout if none in time)."""
-    device = device_service.get(session, device_id)
-    session.close()  # hold no database connection while waiting for the answer
+    # read in a worker thread with a short-lived session: none is held while waiting for the answer
+    device = await run_in_threadpool(read_one, request, device_service.get, device_id)
     ids = {"node_id": device.node_id, "device_id": device.id}
-    return commands.send(request, device.state, RELAY_CMD.topic(**ids), RELAY_CMD_REPLY.topic(**ids), body)
+    return await commands.send(request, device.state, RELAY_CMD.topic(**ids), RELAY_CMD_REPLY.topic(**ids), body)

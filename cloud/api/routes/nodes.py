@@ -5,11 +5,12 @@ from __future__ import annotations
 from datetime import timedelta
 
 from fastapi import APIRouter, Request, Response, status
+from fastapi.concurrency import run_in_threadpool
 
 from cloud.api.deps import DEFAULT_PAGE, Admin, CADep, Cursor, IdempotencyKey, Limit, Operator, Selector, SessionDep, SettingsDep, Viewer
 from cloud.api.problems import PROBLEM_RESPONSES
 from cloud.api import commands
-from cloud.api.deps import poke_desired
+from cloud.api.deps import poke_desired, read_one
 from cloud.convert import device_to_wire, node_status_to_wire, node_to_wire, transition_to_wire, twin_to_wire
 from cloud.services import devices as device_service
 from cloud.services import nodes as node_service
@@ -130,11 +131,11 @@ def put_node_twin(node_id: str, body: TwinUpdate, request: Request, session: Ses
 
 
 @router.post("/{node_id}/commands", responses={504: PROBLEM_RESPONSES[409] | {"description": "No answer in time"}})
-def node_command(node_id: str, body: CommandRequest, request: Request, session: SessionDep, _: Operator, __: IdempotencyKey = None) -> CommandResult:
+async def node_command(node_id: str, body: CommandRequest, request: Request, _: Operator, __: IdempotencyKey = None) -> CommandResult:
     """Send a command to the node's agent and return its answer (504 command_timeout if none in time)."""
-    node = node_service.get(session, node_id)
-    session.close()  # hold no database connection while waiting for the answer
-    return commands.send(request, node.state, NODE_CMD.topic(node_id=node_id), NODE_CMD_REPLY.topic(node_id=node_id), body)
+    # read in a worker thread with a short-lived session: none is held while waiting for the answer
+    node = await run_in_threadpool(read_one, request, node_service.get, node_id)
+    return await commands.send(request, node.state, NODE_CMD.topic(node_id=node_id), NODE_CMD_REPLY.topic(node_id=node_id), body)
 
 
 @router.get("/{node_id}/devices")
