@@ -5,7 +5,7 @@ from __future__ import annotations
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import JSON, Column, DateTime, Index, Text, UniqueConstraint
+from sqlalchemy import JSON, BigInteger, Column, DateTime, Index, Text, UniqueConstraint
 from sqlmodel import Field, SQLModel
 
 
@@ -42,6 +42,9 @@ class Node(SQLModel, table=True):
     reported: dict[str, Any] = Field(default_factory=dict, sa_column=Column(JSON, nullable=False))
     reported_version: int = 0
     reported_at: datetime | None = _ts(nullable=True)
+    orders: list[dict[str, Any]] = Field(default_factory=list, sa_column=Column(JSON, nullable=False, server_default="[]"))
+    orders_version: int = Field(default=0, sa_column_kwargs={"server_default": "0"})
+    orders_published: int = Field(default=0, sa_column_kwargs={"server_default": "0"})
 
 
 class NodeTransitionRow(SQLModel, table=True):
@@ -114,6 +117,9 @@ class Device(SQLModel, table=True):
     agent_version: str | None = Field(default=None, max_length=64)
     uptime_s: float | None = None
     resources: dict[str, Any] | None = Field(default=None, sa_column=Column(JSON, nullable=True))
+    orders: list[dict[str, Any]] = Field(default_factory=list, sa_column=Column(JSON, nullable=False, server_default="[]"))
+    orders_version: int = Field(default=0, sa_column_kwargs={"server_default": "0"})
+    orders_published: int = Field(default=0, sa_column_kwargs={"server_default": "0"})
 
 
 class DeviceEventRow(SQLModel, table=True):
@@ -168,3 +174,98 @@ class Lease(SQLModel, table=True):
     name: str = Field(primary_key=True, max_length=64)
     holder: str = Field(max_length=128)
     expires_at: datetime = _ts(nullable=False)
+
+
+# --- deployment and update (DESIGN §4.2) ------------------------------------------------------------
+
+
+class Artifact(SQLModel, table=True):
+    """An uploaded artefact; its bytes live in the blob store under ``sha256``; ``signature`` signs the manifest."""
+
+    __tablename__ = "artifacts"
+    __table_args__ = (UniqueConstraint("kind", "name", "version", name="uq_artifacts_kind_name_version"),)
+
+    id: str = Field(primary_key=True, max_length=64)
+    kind: str = Field(max_length=16)
+    name: str = Field(max_length=128)
+    version: str = Field(max_length=64)
+    format: str = Field(max_length=16)
+    sha256: str = Field(index=True, max_length=64)
+    size: int = Field(sa_column=Column(BigInteger, nullable=False))
+    created_at: datetime = _ts(nullable=False)
+    signature: str = Field(max_length=256)
+    key_id: str = Field(max_length=64)
+
+
+class ArtifactDelta(SQLModel, table=True):
+    """A bsdiff4 patch from one stored artefact's bytes to another's, kept in the blob store."""
+
+    __tablename__ = "artifact_deltas"
+    __table_args__ = (UniqueConstraint("base_sha256", "target_sha256", name="uq_artifact_deltas_pair"),)
+
+    id: int | None = Field(default=None, primary_key=True)
+    base_sha256: str = Field(max_length=64)
+    target_sha256: str = Field(max_length=64)
+    sha256: str = Field(max_length=64)
+    size: int = Field(sa_column=Column(BigInteger, nullable=False))
+    created_at: datetime = _ts(nullable=False)
+
+
+class Deployment(SQLModel, table=True):
+    __tablename__ = "deployments"
+    __table_args__ = (Index("ix_deployments_state", "state"),)
+
+    id: str = Field(primary_key=True, max_length=64)
+    name: str = Field(default="", max_length=128)
+    artifact_id: str = Field(index=True, max_length=64)
+    kind: str = Field(max_length=16, description="the artefact's kind: a newer deployment of the same kind supersedes")
+    target: dict[str, Any] = Field(sa_column=Column(JSON, nullable=False))
+    strategy: dict[str, Any] = Field(sa_column=Column(JSON, nullable=False))
+    max_failure_percent: float
+    failure_policy: str = Field(max_length=16)
+    timeout_s: int
+    allow_downgrade: bool = False
+    state: str = Field(max_length=16)
+    reason: str = Field(default="", sa_column=Column(Text, nullable=False, default=""))
+    superseded_by: str | None = Field(default=None, max_length=64)
+    batches: int = 1
+    current_batch: int = 0
+    created_at: datetime = _ts(nullable=False)
+    updated_at: datetime = _ts(nullable=False)
+
+
+class Execution(SQLModel, table=True):
+    """One target of a deployment, following the execution state machine of DESIGN §4.2."""
+
+    __tablename__ = "executions"
+    __table_args__ = (
+        Index("ix_executions_deployment", "deployment_id", "batch"),
+        Index("ix_executions_target", "target_id", "state"),
+        Index("ix_executions_state", "state"),
+    )
+
+    id: str = Field(primary_key=True, max_length=64)
+    deployment_id: str = Field(max_length=64)
+    target_kind: str = Field(max_length=16)
+    target_id: str = Field(max_length=64)
+    batch: int = 0
+    state: str = Field(max_length=16)
+    released_at: datetime | None = _ts(nullable=True)
+    deadline_at: datetime | None = _ts(nullable=True)
+    rollback_requested: bool = False
+    previous: dict[str, Any] | None = Field(default=None, sa_column=Column(JSON, nullable=True))
+    delta: bool = False
+    detail: str = Field(default="", sa_column=Column(Text, nullable=False, default=""))
+    updated_at: datetime = _ts(nullable=False)
+
+
+class ExecutionTransitionRow(SQLModel, table=True):
+    __tablename__ = "execution_transitions"
+    __table_args__ = (Index("ix_execution_transitions_execution", "execution_id", "id"),)
+
+    id: int | None = Field(default=None, primary_key=True)
+    execution_id: str = Field(max_length=64)
+    from_state: str | None = Field(default=None, max_length=16)
+    to_state: str = Field(max_length=16)
+    at: datetime = _ts(nullable=False)
+    reason: str = Field(default="", sa_column=Column(Text, nullable=False, default=""))

@@ -37,6 +37,11 @@ class ErrorCode(StrEnum):
     BROKER_UNAVAILABLE = "broker_unavailable"  # the hub is not connected to the broker
     HUB_UNREACHABLE = "hub_unreachable"  # an edge forwarding a device's enrolment cannot reach the hub (503)
     INVALID_RESPONSE = "invalid_response"  # an edge got an answer from the hub that is not what it asked for (502)
+    TARGET_LOCKED = "target_locked"  # a deployment names a target whose node is admin-state LOCKED (409)
+    ARTIFACT_EXISTS = "artifact_exists"  # an artefact of this kind, name and version is stored already (409; artifact_id)
+    ARTIFACT_IN_USE = "artifact_in_use"  # a deployment, execution or rollback target still needs it (409; reason)
+    RANGE_NOT_SATISFIABLE = "range_not_satisfiable"  # a Range outside the content (416)
+    INVALID_DOWNLOAD_TOKEN = "invalid_download_token"  # forged, expired or for another artefact (401)
     INTERNAL = "internal_error"
 
 

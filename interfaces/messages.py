@@ -13,6 +13,7 @@ from typing import Any, ClassVar, Generic, Literal, TypeVar
 from pydantic import BaseModel, ConfigDict, Field
 
 from interfaces import PROTOCOL_VERSION
+from interfaces.deployments import DeploymentOrder
 from interfaces.ids import new_id
 from interfaces.resources import Resources
 from interfaces.text import NoNul
@@ -60,6 +61,8 @@ class DesiredBody(_Body):
     KIND: ClassVar[str] = "desired"
     version: int = Field(ge=0)
     spec: dict[str, Any] = Field(default_factory=dict)
+    deployments: list[DeploymentOrder] = Field(default_factory=list, max_length=8, description="the rollout controller's orders, at most one per artefact kind (DESIGN §4.2)")
+    deployments_version: int = Field(default=0, ge=0, description="goes up whenever the orders change")
 
 
 class ReportedBody(_Body):

@@ -88,6 +88,7 @@ class CertificateIssued(BaseModel):
     not_after: datetime
     mqtt_url: str = Field(description="where the agent connects, e.g. mqtts://broker:8883")
     heartbeat_interval_s: float = Field(gt=0)
+    signing_key_pem: str | None = Field(default=None, description="the hub's Ed25519 artefact-signing public key, to pin")
 
 
 class NodeStatus(BaseModel):
@@ -172,6 +173,7 @@ class DeviceCertificateIssued(BaseModel):
     not_after: datetime
     mqtt_url: str
     heartbeat_interval_s: float = Field(gt=0)
+    signing_key_pem: str | None = Field(default=None, description="the hub's Ed25519 artefact-signing public key, to pin")
 
 
 class DeviceStatus(BaseModel):
