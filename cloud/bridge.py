@@ -6,6 +6,11 @@ publishes retained desired documents (and keeps them published: a change made wh
 away goes out on reconnect); sends commands with an MQTT 5 response topic and correlation data and
 waits for the answer. The hub serves REST whether or not the broker is reachable: this loop connects,
 and reconnects with jittered back-off, in the background.
+
+Acknowledged only once stored: a QoS 1 report that goes to :class:`StatusIngest` is acknowledged
+(``PUBACK``) after the ingest transaction that holds it commits, not on receipt, so a hub killed
+between the two loses nothing: the broker keeps the message in the hub's persistent session and
+redelivers it (events are kept once by their id). Anything else is acknowledged on receipt.
 """
 
 from __future__ import annotations
@@ -45,6 +50,7 @@ from interfaces.messages import (
 from interfaces.topics import (
     HUB_STATE,
     NODE_CMD_REPLY,
+    NODE_EVENTS,
     NODE_HEARTBEAT,
     NODE_REPORTED,
     NODE_STATE,
@@ -59,6 +65,8 @@ from interfaces.topics import (
 log = logging.getLogger("aisynergy.hub.mqtt")
 HUB_SRC = "hub"
 REPLY_GRACE_S = 1.0
+RECEIVE_MAXIMUM = 65535  # the MQTT 5 maximum
+Ack = tuple[int, int, int]  # (connection generation, packet id, QoS)
 
 
 def _hub_state(state: ConnectionState, reason: str | None = None) -> str:
@@ -104,11 +112,13 @@ class MqttBridge:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._replies: dict[bytes, asyncio.Future[CommandResultBody]] = {}
         self._desired_wakeup = asyncio.Event()
-        # topic -> (payload model, handler(ids, envelope)); shared ones split across hub replicas
+        # topic -> (payload model, handler(ids, envelope), ingested); the ingested reports are shared across hub
+        # replicas and acknowledged after the ingest commits them
         self._routes: list[tuple[Topic, type[BaseModel], Callable[[dict[str, str], Any], None], bool]] = [
             (NODE_STATE, Envelope[StateBody], lambda ids, m: ingest.offer(ids["node_id"], m.body), True),
             (NODE_HEARTBEAT, Envelope[HeartbeatBody], lambda ids, m: ingest.offer(ids["node_id"], m.body), True),
             (NODE_REPORTED, Envelope[ReportedBody], lambda ids, m: ingest.offer(ids["node_id"], m.body), True),
+            (NODE_EVENTS, Envelope[EventBody], lambda ids, m: ingest.offer_node_event(ids["node_id"], m), True),
             (RELAY_STATE, Envelope[StateBody], lambda ids, m: ingest.offer(ids["device_id"], m.body, kind=DEVICE, via=ids["node_id"]), True),
             (RELAY_HEARTBEAT, Envelope[HeartbeatBody], lambda ids, m: ingest.offer(ids["device_id"], m.body, kind=DEVICE, via=ids["node_id"]), True),
             (RELAY_REPORTED, Envelope[ReportedBody], lambda ids, m: ingest.offer(ids["device_id"], m.body, kind=DEVICE, via=ids["node_id"]), True),
@@ -117,6 +127,8 @@ class MqttBridge:
             (RELAY_CMD_REPLY, Envelope[CommandResultBody], self._on_reply, False),
         ]
         self._correlation: bytes | None = None
+        self._generation = 0  # one per connection: an acknowledgement is only sent on the connection it came on
+        ingest.on_persisted = self._acknowledge_from_thread
 
     async def run(self) -> None:
         """Connect and consume forever; returns only when cancelled."""
@@ -129,12 +141,18 @@ class MqttBridge:
                 # and queues what edges deliver, so a store-and-forward flush never lands in the void.
                 connect_props = Properties(PacketTypes.CONNECT)
                 connect_props.SessionExpiryInterval = self.session_expiry_s
+                # reports wait for their ingest commit before their PUBACK: let the broker keep many in flight
+                connect_props.ReceiveMaximum = RECEIVE_MAXIMUM
                 will = aiomqtt.Will(HUB_STATE.topic(), _hub_state(ConnectionState.OFFLINE, "will"), qos=HUB_STATE.qos, retain=True)
-                async with aiomqtt.Client(
+                client = aiomqtt.Client(
                     self.host, self.port, identifier=self.identity, protocol=aiomqtt.ProtocolVersion.V5,
                     tls_context=ctx, keepalive=30, clean_start=False, properties=connect_props, will=will,
                     max_queued_incoming_messages=200_000, socket_options=((socket.IPPROTO_TCP, socket.TCP_NODELAY, 1),),
-                ) as client:  # fmt: skip
+                )  # fmt: skip
+                # aiomqtt has no option for it; its paho client does (acknowledge after the ingest commit)
+                client._client.manual_ack_set(True)  # noqa: SLF001
+                async with client:
+                    self._generation += 1
                     self._client = client
                     for topic, _model, _handler, shared in self._routes:
                         await client.subscribe(topic.shared_filter() if shared else topic.filter(), qos=topic.qos)
@@ -168,8 +186,10 @@ class MqttBridge:
             await asyncio.sleep(random.uniform(0, min(self.max_backoff_s, 1.5 ** min(10, attempt))))
 
     async def _consume(self, client: aiomqtt.Client) -> None:
+        generation = self._generation
         async for message in client.messages:
-            self.dispatch(str(message.topic), message.payload, message.properties)  # type: ignore[arg-type]
+            ack = (generation, message.mid, message.qos) if message.qos > 0 else None
+            self.dispatch(str(message.topic), message.payload, message.properties, ack)  # type: ignore[arg-type]
 
     async def _publish_desired(self, client: aiomqtt.Client) -> None:
         """Publish every desired document the broker does not hold yet; wake on changes, or every 5 s."""
@@ -198,33 +218,64 @@ class MqttBridge:
         if self._loop is not None:
             self._loop.call_soon_threadsafe(self._desired_wakeup.set)
 
-    def dispatch(self, topic: str, payload: bytes, properties: Properties | None = None) -> None:
-        """Validate one message and route it; anything malformed is dropped and counted."""
+    def dispatch(self, topic: str, payload: bytes, properties: Properties | None = None, ack: Ack | None = None) -> None:
+        """Validate one message and route it; anything malformed is dropped and counted.
+
+        ``ack`` (QoS 1 messages from the broker) is sent at once, or, for a report the ingest stores,
+        after the transaction that stores it commits.
+        """
+        persisted = self._route(topic, payload, properties)
+        if ack is None:
+            return
+        if persisted:
+            self.ingest.hold_ack(ack)
+        else:
+            self._acknowledge([ack])
+
+    def _route(self, topic: str, payload: bytes, properties: Properties | None) -> bool:
+        """True when the message went to the ingest (its acknowledgement waits for the commit)."""
         self.counters["messages_received"] += 1
         if not isinstance(payload, bytes | bytearray) or len(payload) > MAX_MESSAGE_BYTES:
             self.counters["dropped_invalid"] += 1
-            return
-        for pattern, model, handler, _shared in self._routes:
+            return False
+        for pattern, model, handler, ingested in self._routes:
             ids = pattern.parse(topic)
             if ids is None:
                 continue
             if not payload:  # a cleared retained message
-                return
+                return False
             try:
                 message = model.model_validate_json(payload)
             except ValidationError as exc:
                 self.counters["dropped_invalid"] += 1
                 log.debug("dropping invalid message on %s: %s", topic, exc)
-                return
+                return False
             # on relayed topics the sender is the device, or its edge answering for it (unknown device, timeout)
             senders = {ids["node_id"], ids.get("device_id", ids["node_id"])}
             if message.src not in senders:  # type: ignore[attr-defined]
                 self.counters["dropped_src_mismatch"] += 1
-                return
+                return False
             self._correlation = getattr(properties, "CorrelationData", None)
             handler(ids, message)
-            return
+            return ingested
         self.counters["dropped_unknown_topic"] += 1
+        return False
+
+    def _acknowledge_from_thread(self, acks: list[Ack]) -> None:
+        """The ingest committed these messages (called from its worker thread)."""
+        loop = self._loop
+        if loop is not None and acks:
+            loop.call_soon_threadsafe(self._acknowledge, acks)
+
+    def _acknowledge(self, acks: list[Ack]) -> None:
+        client = self._client
+        for generation, mid, qos in acks:
+            if client is None or generation != self._generation:
+                # the connection it came on is gone: the broker redelivers it, and that copy is acknowledged
+                self.counters["acks_dropped_reconnected"] += 1
+                continue
+            client._client.ack(mid, qos)  # noqa: SLF001
+            self.counters["acks_sent"] += 1
 
     def _on_reply(self, _ids: dict[str, str], message: Envelope[CommandResultBody]) -> None:
         future = self._replies.get(self._correlation or b"")

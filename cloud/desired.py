@@ -1,6 +1,8 @@
 """Desired documents the broker must hold retained: one per node, one per device (relayed by its edge).
 
-The database is the truth; ``desired_published`` on each row says which version the broker holds.
+The database is the truth; ``desired_published`` on each row says which version the broker holds, and
+``orders_published`` which version of the rollout controller's orders (``DesiredBody.deployments``, the
+row's ``orders`` at ``orders_version``). A row is pending when either differs.
 The bridge asks for what is pending, publishes it, and marks it published, so a change made while the
 broker was away is published when it comes back. A deleted device's document is cleared (empty
 retained payload) so that its edge forgets it.
@@ -9,12 +11,14 @@ retained payload) so that its edge forgets it.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from sqlalchemy import and_, or_, select, update
 from sqlalchemy.engine import Engine
 from sqlmodel import Session
 
 from cloud.tables import Device, Node
+from interfaces.deployments import DeploymentOrder
 from interfaces.lifecycle import NodeState
 from interfaces.messages import DesiredBody, envelope
 from interfaces.topics import NODE_DESIRED, RELAY_DESIRED
@@ -30,6 +34,7 @@ class PendingDesired:
     version: int
     topic: str
     payload: bytes
+    orders_version: int | None = None  # None: leave orders_published as it is (a cleared document)
 
 
 class DesiredPublisher:
@@ -40,33 +45,42 @@ class DesiredPublisher:
         out: list[PendingDesired] = []
         with Session(self.engine) as session:
             nodes = session.execute(
-                select(Node.id, Node.desired, Node.desired_version).where(
-                    Node.state != NodeState.DELETED.value, Node.desired_version > 0, Node.desired_published != Node.desired_version
+                select(Node.id, Node.desired, Node.desired_version, Node.orders, Node.orders_version).where(
+                    Node.state != NodeState.DELETED.value,
+                    or_(and_(Node.desired_version > 0, Node.desired_published != Node.desired_version), Node.orders_published != Node.orders_version),
                 ).limit(BATCH)
             ).all()
-            for node_id, desired, version in nodes:
-                body = envelope("hub", DesiredBody(version=version, spec=desired))
-                out.append(PendingDesired("node", node_id, version, NODE_DESIRED.topic(node_id=node_id), body.model_dump_json().encode()))
+            for node_id, desired, version, orders, orders_version in nodes:
+                payload = _payload(version, desired, orders, orders_version)
+                out.append(PendingDesired("node", node_id, version, NODE_DESIRED.topic(node_id=node_id), payload, orders_version))
             devices = session.execute(
-                select(Device.id, Device.node_id, Device.desired, Device.desired_version, Device.state).where(
+                select(Device.id, Device.node_id, Device.desired, Device.desired_version, Device.state, Device.orders, Device.orders_version).where(
                     or_(
-                        and_(Device.state != NodeState.DELETED.value, Device.desired_published != Device.desired_version),
+                        and_(Device.state != NodeState.DELETED.value,
+                             or_(Device.desired_published != Device.desired_version, Device.orders_published != Device.orders_version)),
                         and_(Device.state == NodeState.DELETED.value, Device.desired_published != CLEARED),
                     )
                 ).limit(BATCH)
-            ).all()
-            for device_id, node_id, desired, version, state in devices:
+            ).all()  # fmt: skip
+            for device_id, node_id, desired, version, state, orders, orders_version in devices:
                 topic = RELAY_DESIRED.topic(node_id=node_id, device_id=device_id)
                 if state == NodeState.DELETED.value:
                     out.append(PendingDesired("device", device_id, CLEARED, topic, b""))
                 else:
-                    body = envelope("hub", DesiredBody(version=version, spec=desired))
-                    out.append(PendingDesired("device", device_id, version, topic, body.model_dump_json().encode()))
+                    out.append(PendingDesired("device", device_id, version, topic, _payload(version, desired, orders, orders_version), orders_version))
         return out
 
     def mark_published(self, batch: list[PendingDesired]) -> None:
         with Session(self.engine) as session:
             for item in batch:
                 table = Node if item.table == "node" else Device
-                session.execute(update(table).where(table.id == item.row_id).values(desired_published=item.version))
+                values = {"desired_published": item.version}
+                if item.orders_version is not None:
+                    values["orders_published"] = item.orders_version
+                session.execute(update(table).where(table.id == item.row_id).values(**values))
             session.commit()
+
+
+def _payload(version: int, spec: dict[str, Any], orders: list[dict[str, Any]], orders_version: int) -> bytes:
+    body = DesiredBody(version=version, spec=spec, deployments=[DeploymentOrder.model_validate(o) for o in orders or []], deployments_version=orders_version)
+    return envelope("hub", body).model_dump_json().encode()

@@ -51,3 +51,19 @@ class Forbidden(ApiError):
 
 class BadRequest(ApiError):
     status, code, title = 400, ErrorCode.VALIDATION_FAILED, "Bad request"
+
+
+class ValidationFailed(ApiError):
+    status, code, title = 422, ErrorCode.VALIDATION_FAILED, "Validation failed"
+
+
+class PayloadTooLarge(ApiError):
+    status, code, title = 413, ErrorCode.PAYLOAD_TOO_LARGE, "Payload too large"
+
+
+class UnsupportedMediaType(ApiError):
+    status, code, title = 415, ErrorCode.UNSUPPORTED_MEDIA_TYPE, "Unsupported media type"
+
+
+class MalformedRequest(ApiError):
+    status, code, title = 400, ErrorCode.MALFORMED_REQUEST, "Malformed request"

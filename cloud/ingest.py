@@ -5,6 +5,11 @@ and written every ``flush_interval`` in one transaction: per 500 rows one SELECT
 one bulk UPDATE, one bulk INSERT of lifecycle transitions, and one INSERT of events that skips ids
 already stored (an edge may resend after a lost acknowledgement: each event is kept once). At 10,000
 nodes heartbeating every 10 s this is 5 transactions a second instead of 1,000.
+
+Execution progress (events of type ``EXECUTION_EVENT`` from a device, relayed by its edge, or from an
+edge node itself) is applied to the deployment executions in the same transaction
+(``cloud.services.deployments.apply_progress``); a malformed or refused report is logged and counted
+(``execution_reports_<outcome>``), never fatal.
 """
 
 from __future__ import annotations
@@ -12,16 +17,20 @@ from __future__ import annotations
 import logging
 import threading
 from collections import defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
+from pydantic import ValidationError
 from sqlalchemy import insert, select, update
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.engine import Engine
 from sqlmodel import Session
 
+from cloud.services.deployments import APPLIED, apply_progress
 from cloud.tables import Device, DeviceEventRow, Node, NodeTransitionRow
+from interfaces.deployments import EXECUTION_EVENT, ExecutionProgress
 from interfaces.lifecycle import CONNECTED_STATES, NodeState, path_to, state_after_report
 from interfaces.messages import ConnectionState, Envelope, EventBody, Health, HeartbeatBody, ReportedBody, StateBody
 
@@ -42,8 +51,12 @@ class StatusIngest:
         self.engine = engine
         self._pending: dict[tuple[str, str, str], list[_Op]] = {}
         self._events: list[tuple[str, str, Envelope[EventBody], datetime]] = []
+        self._node_events: list[tuple[str, Envelope[EventBody], datetime]] = []
+        self._acks: list[Any] = []
         self._lock = threading.Lock()
         self.counters: dict[str, int] = defaultdict(int)
+        self.on_persisted: Callable[[list[Any]], None] | None = None
+        """Called (from the flushing thread) with the ``hold_ack`` tokens whose messages are now committed."""
 
     def offer(self, node_id: str, body: HeartbeatBody | StateBody | ReportedBody, at: datetime | None = None,
               kind: str = NODE, via: str | None = None) -> None:  # fmt: skip
@@ -57,20 +70,36 @@ class StatusIngest:
             else:
                 ops.append(op)
 
+    def hold_ack(self, token: Any) -> None:
+        """Keep a message's acknowledgement until what was offered with it is committed (``on_persisted``)."""
+        with self._lock:
+            self._acks.append(token)
+
     def offer_event(self, node_id: str, device_id: str, message: Envelope[EventBody]) -> None:
         with self._lock:
             self._events.append((node_id, device_id, message, datetime.now(UTC)))
 
+    def offer_node_event(self, node_id: str, message: Envelope[EventBody]) -> None:
+        """Queue an edge node's own event (only execution progress is acted on; there is no node event table)."""
+        if message.body.type != EXECUTION_EVENT:
+            self.counters["node_events_ignored"] += 1
+            return
+        with self._lock:
+            self._node_events.append((node_id, message, datetime.now(UTC)))
+
     @property
     def backlog(self) -> int:
-        return len(self._pending) + len(self._events)
+        return len(self._pending) + len(self._events) + len(self._node_events)
 
     def flush(self) -> int:
         """Write everything queued; returns the number of rows updated or inserted."""
         with self._lock:
             pending, self._pending = self._pending, {}
             events, self._events = self._events, []
-        if not pending and not events:
+            node_events, self._node_events = self._node_events, []
+            acks, self._acks = self._acks, []
+        if not pending and not events and not node_events:
+            self._persisted(acks)
             return 0
         written = 0
         with Session(self.engine) as session:
@@ -81,10 +110,21 @@ class StatusIngest:
                     written += self._flush_chunk(session, kind, chunk)
             if events:
                 written += self._insert_events(session, events)
+            if node_events:
+                live_nodes = set(session.execute(
+                    select(Node.id).where(Node.id.in_({n for n, _, _ in node_events}), Node.state != NodeState.DELETED.value)  # type: ignore[attr-defined]
+                ).scalars())  # fmt: skip
+                self.counters["dropped_unknown_node"] += sum(1 for n, _, _ in node_events if n not in live_nodes)
+                written += self._apply_progress(session, [(NODE, n, m, at) for n, m, at in node_events if n in live_nodes])
             session.commit()
+        self._persisted(acks)
         self.counters["flushes"] += 1
         self.counters["rows_written"] += written
         return written
+
+    def _persisted(self, acks: list[Any]) -> None:
+        if acks and self.on_persisted is not None:
+            self.on_persisted(acks)
 
     def _flush_chunk(self, session: Session, kind: str, ops: dict[tuple[str, str], list[_Op]]) -> int:
         """``ops`` is keyed by (id, edge id): a device's reports count only from the edge it is under."""
@@ -155,10 +195,32 @@ class StatusIngest:
             for n, d, m, at in events if (d, n) in live
         ]  # fmt: skip
         self.counters["dropped_unknown_device"] += len(events) - len(rows)
+        progress = self._apply_progress(session, [(DEVICE, d, m, at) for n, d, m, at in events if (d, n) in live and m.body.type == EXECUTION_EVENT])
         if not rows:
-            return 0
+            return progress
         dialect = session.get_bind().dialect.name
         stmt = (postgresql.insert if dialect == "postgresql" else sqlite.insert)(DeviceEventRow).on_conflict_do_nothing(index_elements=["message_id"])
         inserted = session.connection().execute(stmt, rows).rowcount
         self.counters["events_stored"] += max(inserted, 0)
         return len(rows)
+
+    def _apply_progress(self, session: Session, reports: list[tuple[str, str, Envelope[EventBody], datetime]]) -> int:
+        """Apply execution progress reports (kind, target id, event); ordered by execution, each in arrival order."""
+        parsed: list[tuple[str, str, ExecutionProgress, datetime]] = []
+        for kind, target_id, message, at in reports:
+            try:
+                parsed.append((kind, target_id, ExecutionProgress.model_validate(message.body.data), at))
+            except ValidationError as exc:
+                self.counters["execution_reports_malformed"] += 1
+                log.warning("malformed execution report %s from %s: %s", message.id, target_id, exc.errors()[:1])
+        parsed.sort(key=lambda r: r[2].execution_id)  # a stable order of row locks across writers
+        applied = 0
+        for kind, target_id, progress, at in parsed:
+            try:
+                outcome = apply_progress(session, kind, target_id, progress, at)
+            except Exception:  # noqa: BLE001 - one bad report must not lose the batch
+                log.exception("execution report from %s for %s failed", target_id, progress.execution_id)
+                outcome = "failed"
+            self.counters[f"execution_reports_{outcome}"] += 1
+            applied += outcome == APPLIED
+        return applied

@@ -19,7 +19,8 @@ from sqlalchemy.engine import Engine
 from cloud import lease
 from cloud.api import problems
 from cloud.api.guards import RequestGuard, purge_idempotency
-from cloud.api.routes import devices, nodes
+from cloud.api.routes import artifacts, deployments, devices, nodes
+from cloud.artifacts import FileBlobStore
 from cloud.auth import TokenCache
 from cloud.bridge import MqttBridge
 from cloud.config import Settings
@@ -28,6 +29,8 @@ from cloud.desired import DesiredPublisher
 from cloud.ingest import StatusIngest
 from cloud.liveness import mark_silent_nodes_offline
 from cloud.pki import CertificateAuthority
+from cloud.rollout import RolloutController
+from cloud.signing import SigningKey
 from interfaces import API_PREFIX
 
 log = logging.getLogger("aisynergy.hub")
@@ -49,8 +52,19 @@ def _liveness_tick(engine: Engine, settings: Settings, holder: str) -> None:
         mark_silent_nodes_offline(engine, settings.offline_timeout_s, settings.offline_after_missed)
 
 
+def _rollout_tick(engine: Engine, settings: Settings, holder: str, controller: RolloutController) -> None:
+    if lease.acquire(engine, "rollout", holder, ttl_s=max(5.0, 5 * settings.rollout_interval_s)):
+        controller.tick()
+
+
 def _housekeeping_tick(engine: Engine, settings: Settings) -> None:
     purge_idempotency(engine, settings.idempotency_ttl_s)
+
+
+def _poke(app: FastAPI) -> None:
+    bridge = getattr(app.state, "bridge", None)
+    if bridge is not None:
+        bridge.poke_desired()
 
 
 def create_app(settings: Settings | None = None) -> FastAPI:
@@ -65,6 +79,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         app.state.engine = engine
         app.state.token_cache = TokenCache(settings.token_cache_ttl_s)
         app.state.ca = await asyncio.to_thread(CertificateAuthority.load_or_create, settings.pki_dir)
+        app.state.signing = await asyncio.to_thread(SigningKey.load_or_create, settings.pki_dir)
+        app.state.blobs = await asyncio.to_thread(FileBlobStore, settings.data_dir / "artifacts")
         ingest = StatusIngest(engine)
         app.state.ingest = ingest
         tasks = [
@@ -72,6 +88,9 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             asyncio.create_task(_every(settings.liveness_check_interval_s, _liveness_tick, engine, settings, holder), name="liveness"),
             asyncio.create_task(_every(3600, _housekeeping_tick, engine, settings), name="housekeeping"),
         ]
+        rollout = RolloutController(engine, app.state.signing, app.state.blobs, on_change=lambda: _poke(app))
+        app.state.rollout = rollout
+        tasks.append(asyncio.create_task(_every(settings.rollout_interval_s, _rollout_tick, engine, settings, holder, rollout), name="rollout"))
         if settings.enable_mqtt:
             bridge = MqttBridge(settings.broker_url, settings.pki_dir, settings.mqtt_client_id, ingest, DesiredPublisher(engine))
             app.state.bridge = bridge
@@ -96,11 +115,15 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     )
     app.state.settings = settings
     problems.install(app)
-    app.add_middleware(RequestGuard, engine=lambda: app.state.engine, max_body_bytes=settings.max_body_bytes)
+    app.add_middleware(
+        RequestGuard, engine=lambda: app.state.engine, max_body_bytes=settings.max_body_bytes, streamed_uploads={API_PREFIX + "/artifacts"},
+    )  # fmt: skip
 
     api = APIRouter(prefix=API_PREFIX)
     api.include_router(nodes.router)
     api.include_router(devices.router)
+    api.include_router(artifacts.router)
+    api.include_router(deployments.router)
 
     @api.get("/ca.crt", response_class=PlainTextResponse, tags=["pki"], openapi_extra={"security": []})
     def ca_certificate(request: Request) -> PlainTextResponse:

@@ -4,13 +4,17 @@ A write (POST, PUT, PATCH, DELETE) that carries ``Idempotency-Key`` is run once 
 a retry with the same request gets the stored response (``Idempotent-Replayed: true``); the same key
 with a different request is refused (422 ``idempotency_key_reused``); a retry while the first is
 still running gets 409 ``idempotency_in_progress``. Server errors are not stored, so they can be retried.
+
+Multipart uploads to a ``streamed_uploads`` path (POST /artifacts) pass through unbuffered: the route streams
+them to disk under its own size limit. They are not replayed by ``Idempotency-Key`` (their bodies are never
+held to compare); the route answers a repeated upload with 409 ``artifact_exists`` instead.
 """
 
 from __future__ import annotations
 
 import hashlib
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from datetime import UTC, datetime
 
 import anyio
@@ -36,6 +40,10 @@ def _header(scope: Scope, name: bytes) -> str | None:
         if key == name:
             return value.decode("latin-1")
     return None
+
+
+def _media_type(scope: Scope) -> str:
+    return (_header(scope, b"content-type") or "").split(";")[0].strip().lower()
 
 
 async def _read_body(receive: Receive, limit: int) -> bytes | None:
@@ -69,13 +77,17 @@ def _replay(body: bytes) -> Receive:
 
 
 class RequestGuard:
-    def __init__(self, app: ASGIApp, engine: Callable[[], Engine], max_body_bytes: int) -> None:
+    def __init__(self, app: ASGIApp, engine: Callable[[], Engine], max_body_bytes: int, streamed_uploads: Collection[str] = ()) -> None:
         self.app = app
         self.engine = engine
         self.max_body_bytes = max_body_bytes
+        self.streamed_uploads = frozenset(streamed_uploads)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or scope["method"] not in WRITE_METHODS:
+            await self.app(scope, receive, send)
+            return
+        if scope["method"] == "POST" and scope["path"] in self.streamed_uploads and _media_type(scope) in FORM_TYPES:
             await self.app(scope, receive, send)
             return
         length = _header(scope, b"content-length")

@@ -6,6 +6,8 @@ per role; ``snapshot`` reads every row of every table so a test can prove a refu
 
 from __future__ import annotations
 
+import time
+
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -100,7 +102,9 @@ class HubUnderTest:
 
 
 def hub_settings(data_dir: Path, database_url: str, **overrides: Any) -> Settings:
-    # Liveness at its slowest: its first tick runs at start-up, the next one after any test here is over.
+    # Liveness and rollout at their slowest: their first tick runs at start-up, the next one after any test
+    # here is over (tests of the rollout controller tick it themselves).
+    overrides.setdefault("rollout_interval_s", 3600)
     return Settings(data_dir=data_dir, database_url=database_url, enable_mqtt=False, liveness_check_interval_s=60, **overrides)
 
 
@@ -108,6 +112,10 @@ def running_hub(settings: Settings) -> Iterator[HubUnderTest]:
     app = create_app(settings)
     with TestClient(app, raise_server_exceptions=False) as client:
         hub = HubUnderTest(app, client)
+        rollout, deadline = app.state.rollout, time.monotonic() + 30
+        while rollout.counters["ticks"] < 1:  # the rollout loop's start-up tick is over before a test writes
+            assert time.monotonic() < deadline, "the rollout loop never ticked"
+            time.sleep(0.01)
         with Session(app.state.engine) as session:
             for role in Role:
                 _, hub.tokens[role] = create_api_token(session, role, name=f"test-{role.value}")

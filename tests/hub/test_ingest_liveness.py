@@ -346,3 +346,72 @@ def test_leases_are_independent_by_name(engine: Engine) -> None:
     # Assert
     assert a and b
     assert (_lease(engine, "liveness").holder, _lease(engine, "rollout").holder) == ("replica-a", "replica-b")
+
+
+class _PahoStub:
+    """Records what the bridge acknowledges (the paho client inside aiomqtt)."""
+
+    def __init__(self) -> None:
+        self.acked: list[tuple[int, int]] = []
+
+    def ack(self, mid: int, qos: int) -> None:
+        self.acked.append((mid, qos))
+
+
+class _ClientStub:
+    def __init__(self) -> None:
+        self._client = _PahoStub()
+
+
+def test_a_stored_report_is_acknowledged_only_after_its_commit(engine: Engine, ingest: StatusIngest, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """A hub killed between receiving a QoS 1 report and committing it has not acknowledged it: the broker redelivers."""
+    from cloud.bridge import MqttBridge
+    from interfaces.messages import envelope
+    from interfaces.topics import NODE_CMD_REPLY, NODE_STATE
+
+    # Prepare
+    node_id = _register(engine)
+    bridge = MqttBridge("mqtt://127.0.0.1:1", tmp_path, "hub-test", ingest)
+    client = _ClientStub()
+    bridge._client, bridge._generation = client, 1  # type: ignore[assignment]
+    state = envelope(node_id, StateBody(state=ConnectionState.ONLINE, agent_version="1")).model_dump_json().encode()
+
+    # Execute: a report (stored by the ingest) and a message the ingest does not keep
+    bridge.dispatch(NODE_STATE.topic(node_id=node_id), state, None, (1, 17, 1))
+    bridge.dispatch(NODE_CMD_REPLY.topic(node_id=node_id), b"not json", None, (1, 18, 1))
+    acked_before_flush = list(client._client.acked)
+    bridge._acknowledge(_flushed(ingest))
+
+    # Assert
+    assert acked_before_flush == [(18, 1)]  # only the dropped one, at once
+    assert client._client.acked == [(18, 1), (17, 1)]
+    assert _node(engine, node_id).state == "ONLINE"
+
+
+def test_an_acknowledgement_from_an_earlier_connection_is_not_sent(engine: Engine, ingest: StatusIngest, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    from cloud.bridge import MqttBridge
+    from interfaces.messages import envelope
+    from interfaces.topics import NODE_STATE
+
+    # Prepare
+    node_id = _register(engine)
+    bridge = MqttBridge("mqtt://127.0.0.1:1", tmp_path, "hub-test", ingest)
+    client = _ClientStub()
+    bridge._client, bridge._generation = client, 1  # type: ignore[assignment]
+    state = envelope(node_id, StateBody(state=ConnectionState.ONLINE, agent_version="1")).model_dump_json().encode()
+    bridge.dispatch(NODE_STATE.topic(node_id=node_id), state, None, (1, 5, 1))
+
+    # Execute: the connection was replaced before the commit
+    bridge._generation = 2
+    bridge._acknowledge(_flushed(ingest))
+
+    # Assert: the broker will redeliver it on the new connection; that copy is acknowledged then
+    assert client._client.acked == []
+    assert bridge.counters["acks_dropped_reconnected"] == 1
+
+
+def _flushed(ingest: StatusIngest) -> list[tuple[int, int, int]]:
+    persisted: list[tuple[int, int, int]] = []
+    ingest.on_persisted = persisted.extend
+    ingest.flush()
+    return persisted

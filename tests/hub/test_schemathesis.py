@@ -85,11 +85,24 @@ def _send(client: httpx.Client, kwargs: dict[str, Any], auth: dict[str, str], se
     elif data is not None:
         body["data"] = data
     if kwargs.get("files"):
-        body["files"] = kwargs["files"]
-    return client.request(
+        body["files"] = [_file_part(part) for part in kwargs["files"]]
+    response = client.request(
         kwargs["method"], kwargs["url"], headers=headers, params=kwargs.get("params") or None,
         cookies=kwargs.get("cookies") or None, **body,
     )  # fmt: skip
+    response.request.read()  # a multipart body is a stream: buffer it so that a failure can be reported with it
+    return response
+
+
+def _file_part(part: tuple[str, Any]) -> tuple[str, Any]:
+    """A generated multipart part as httpx sends it: a non-text value (3515, None, ...) goes as its JSON text."""
+    name, value = part
+    if isinstance(value, tuple):
+        filename, content, *rest = value
+        if not isinstance(content, (bytes, str)):
+            content = json.dumps(content)
+        return name, (filename, content, *rest)
+    return name, value if isinstance(value, (bytes, str)) else json.dumps(value)
 
 
 def _seed(hub: HubUnderTest) -> dict[str, list[str]]:

@@ -105,14 +105,14 @@ def reissue_device_bootstrap_token(device_id: str, body: BootstrapTokenReissue, 
 
 
 @router.post("/{device_id}/certificate", status_code=status.HTTP_201_CREATED, openapi_extra={"security": []})
-def enrol_device(device_id: str, body: CertificateRequest, session: SessionDep, ca: CADep, settings: SettingsDep, __: IdempotencyKey = None) -> DeviceCertificateIssued:
+def enrol_device(device_id: str, body: CertificateRequest, request: Request, session: SessionDep, ca: CADep, settings: SettingsDep, __: IdempotencyKey = None) -> DeviceCertificateIssued:
     """Sign the device's CSR (CN = device id) in exchange for its bootstrap token; its edge forwards this."""
     device, cert, pem = device_service.enrol(session, ca, device_id, body, timedelta(days=settings.certificate_validity_days))
     revocation.publish(session, ca)
     return DeviceCertificateIssued(
         device_id=device.id, node_id=device.node_id, certificate_pem=pem, ca_pem=ca.ca_pem, serial=cert.serial,
         not_after=cert.not_after, mqtt_url=settings.public_mqtt_url or settings.broker_url,
-        heartbeat_interval_s=settings.heartbeat_interval_s,
+        heartbeat_interval_s=settings.heartbeat_interval_s, signing_key_pem=request.app.state.signing.public_pem,
     )  # fmt: skip
 
 

@@ -105,7 +105,7 @@ def reissue_bootstrap_token(node_id: str, body: BootstrapTokenReissue, session: 
 
 
 @router.post("/{node_id}/certificate", status_code=status.HTTP_201_CREATED, openapi_extra={"security": []})
-def enrol_node(node_id: str, body: CertificateRequest, session: SessionDep, ca: CADep, settings: SettingsDep, __: IdempotencyKey = None) -> CertificateIssued:
+def enrol_node(node_id: str, body: CertificateRequest, request: Request, session: SessionDep, ca: CADep, settings: SettingsDep, __: IdempotencyKey = None) -> CertificateIssued:
     """Sign the node's CSR (CN = node id) in exchange for its one-time bootstrap token."""
     validity = timedelta(days=settings.certificate_validity_days)
     node, cert, pem = node_service.enrol(session, ca, node_id, body, validity)
@@ -113,6 +113,7 @@ def enrol_node(node_id: str, body: CertificateRequest, session: SessionDep, ca: 
     return CertificateIssued(
         node_id=node.id, certificate_pem=pem, ca_pem=ca.ca_pem, serial=cert.serial, not_after=cert.not_after,
         mqtt_url=settings.public_mqtt_url or settings.broker_url, heartbeat_interval_s=settings.heartbeat_interval_s,
+        signing_key_pem=request.app.state.signing.public_pem,
     )  # fmt: skip
 
 
