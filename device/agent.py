@@ -11,11 +11,17 @@ Synchronous on purpose, so that a Raspberry Pi application embeds it without an 
     def apply(spec: dict) -> dict | None: ...     # the status to report; None: applied as desired
 
     dev.run_forever()                              # or start() ... emit(...) ... stop()
+    dev.models.infer({"x": batch})                 # the installed model, swapped atomically on update
 
 On connect the device subscribes to its own ``desired`` and ``cmd`` topics and publishes a retained
 ``online`` state, then a heartbeat every ``heartbeat_interval_s``. If it vanishes, the broker publishes
 its retained ``offline`` last will; :meth:`Device.stop` publishes ``offline`` (reason shutdown) itself.
 Every topic comes from :mod:`interfaces.topics` (DESIGN §4.4).
+
+Over-the-air updates (DESIGN §4.2): the desired document's ``deployments`` go to the
+:class:`~device.ota.updater.Updater` on the ``desired`` worker; its progress leaves as ``events`` of type
+``deployment.execution``, and the reported status carries what is installed (``installed``, by kind). The
+built-in commands ``infer`` (``{"inputs": {name: nested list}}``) and ``models`` use :attr:`Device.models`.
 
 Threads: paho's network thread runs the callbacks and answers ``ping`` and unknown commands itself (so
 they are answered while a handler is busy); the application's command handlers run one at a time on the
@@ -36,7 +42,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
-from typing import Any, Literal, Self, TypeVar
+from typing import TYPE_CHECKING, Any, Literal, Self, TypeVar
 
 import paho.mqtt.client as mqtt
 import psutil
@@ -52,8 +58,11 @@ from device.desired import DesiredStore
 from device.errors import ConfigError, IdentityError, NotRunning, OutboxFull
 from device.heartbeat import Heartbeats
 from device.identity import Enrolment, IdentityStore
+from device.ota.models import ModelHost
 from device.resources import ResourceSampler
 from device.sequence import EventSequence
+from interfaces import API_PREFIX
+from interfaces.deployments import EXECUTION_EVENT, EXECUTION_FAILURES, INSTALLED_KEY, ExecutionProgress
 from interfaces.messages import (
     MAX_MESSAGE_BYTES,
     CommandBody,
@@ -77,6 +86,10 @@ from interfaces.topics import (
     DEVICE_STATE,
     Topic,
 )
+
+if TYPE_CHECKING:
+    from device.ota.firmware import BootResult
+    from device.ota.updater import Updater
 
 log = logging.getLogger("aisynergy.device")
 
@@ -145,6 +158,8 @@ class Device:
         reconnect_cap_s: float = 60.0,
         max_queued: int = 1000,
         sampler: ResourceSampler | None = None,
+        reboot: Callable[[], None] | None = None,
+        firmware_boot: BootResult | None = None,
     ) -> None:
         try:
             DEVICE_STATE.topic(device_id=device_id)
@@ -162,8 +177,14 @@ class Device:
         self._mqtt_url, self._heartbeat_interval_s = mqtt_url, heartbeat_interval_s
         self._keepalive_s, self._reconnect_cap_s, self._max_queued = keepalive_s, reconnect_cap_s, max_queued
         self._sampler = sampler
+        self._reboot = reboot
+        self.firmware_boot = firmware_boot  # what FirmwareSlots.boot() decided at this start; None without firmware slots
         self._commands = Commands()
         self._desired_handler: DesiredHandler | None = None
+        self.models = ModelHost(self.data_dir / "ota" / "models")
+        self._updater: Updater | None = None
+        self._commands.register_builtin("infer", self._infer)
+        self._commands.register_builtin("models", lambda args: {"models": self.models.models()})
 
         self._lifecycle = threading.Lock()
         self._client: mqtt.Client | None = None
@@ -228,6 +249,7 @@ class Device:
             self._accepting_events = True
             self._paho_log.addFilter(self._paho_filter)
             self._client = self._make_client(tls)
+            self._updater = self._make_updater(enrolment)
             log.info("connecting to mqtts://%s:%s as %s", self._host, self._port, self.device_id)
             self._client.connect_async(self._host, self._port, keepalive=self._keepalive_s, clean_start=True)
             self._client.loop_start()
@@ -249,6 +271,8 @@ class Device:
             except OSError as exc:  # harmless: the reserved ceiling on disk still rules out a repeat
                 log.warning("cannot record the event sequence: %s", exc)
         self._heartbeats.stop(timeout_s)
+        if self._updater is not None:
+            self._updater.canceled.set()  # a download in progress stops; it resumes on the next start
         self._command_worker.close()
         self._desired_worker.close()
         if self._connected.is_set():
@@ -263,6 +287,17 @@ class Device:
         client.loop_stop()
         self._connected.clear()
         self._paho_log.removeFilter(self._paho_filter)
+
+    def reboot(self) -> bool:
+        """:meth:`stop` (``offline`` published), then the ``reboot`` hook, which restarts the agent so that a
+        firmware slot just installed boots (``aisynergy device run``: the process re-executes itself).
+        False, and nothing stopped, without a hook: the embedding application restarts on its own terms."""
+        if self._reboot is None:
+            return False
+        log.info("rebooting")
+        self.stop()
+        self._reboot()
+        return True
 
     def run_forever(self) -> None:
         """:meth:`start`, block until SIGTERM or SIGINT, then :meth:`stop`. Call it from the main thread."""
@@ -350,6 +385,49 @@ class Device:
         self.identity.check_complete()
         return enrolment
 
+    def _make_updater(self, enrolment: Enrolment) -> Updater:
+        """The OTA updater; at start it ends the firmware execution this boot decided and loads the installed model."""
+        from device.ota.updater import Updater
+
+        firmware = None
+        if self.firmware_boot is not None or self._reboot is not None:  # otherwise cryptography stays unloaded
+            from device.ota.firmware import FirmwareSlots
+
+            firmware = FirmwareSlots(self.data_dir / "firmware")
+        updater = Updater(
+            self.data_dir,
+            self.identity.signing_key_pem(),
+            f"{enrolment.enrol_url.rstrip('/')}{API_PREFIX}",
+            self._send_progress,
+            firmware,
+            self.reboot if self._reboot is not None else None,
+            models=self.models,
+        )
+        if self.firmware_boot is not None:
+            updater.report_boot(self.firmware_boot)
+        updater.restore()
+        return updater
+
+    def _send_progress(self, progress: ExecutionProgress) -> None:
+        severity: Severity = "error" if progress.state in EXECUTION_FAILURES else "info"
+        try:
+            self.emit(EXECUTION_EVENT, progress.model_dump(mode="json", exclude_none=True), severity=severity)
+        except (NotRunning, OutboxFull) as exc:  # the order is delivered again; a finished one is reported again
+            log.warning("could not report execution %s %s: %s", progress.execution_id, progress.state, exc)
+
+    def _infer(self, args: dict[str, Any]) -> dict[str, Any]:
+        inputs = args.get("inputs")
+        if not isinstance(inputs, dict):
+            raise TypeError('give {"inputs": {input name: nested list}}')
+        result = self.models.infer(inputs, args.get("model"))
+        return {"outputs": {k: v.tolist() for k, v in result.outputs.items()}, "model": {"name": result.name, "version": result.version}}
+
+    def _with_installed(self, status: dict[str, Any]) -> dict[str, Any]:
+        installed = self._updater.installed() if self._updater is not None else {}
+        if not installed:
+            return status
+        return {**status, INSTALLED_KEY: {kind: a.model_dump(mode="json") for kind, a in installed.items()}}
+
     def _make_client(self, tls: Any) -> mqtt.Client:
         client = mqtt.Client(CallbackAPIVersion.VERSION2, client_id=self.device_id, protocol=mqtt.MQTTv5)
         client.tls_set_context(tls)
@@ -408,7 +486,7 @@ class Device:
         self._publish(DEVICE_STATE, self._state(ConnectionState.ONLINE))
         record = self._desired.record
         if record.applied_version >= 0:  # say it again: a report queued when the process last ended never left
-            self._publish(DEVICE_REPORTED, ReportedBody(version=record.applied_version, status=record.status))
+            self._publish(DEVICE_REPORTED, ReportedBody(version=record.applied_version, status=self._with_installed(record.status)))
         if record.pending:  # stored but not applied: a crash in between, or the handler failed
             self._desired_worker.submit(self._apply_desired)
         self._heartbeats.beat_now()
@@ -522,15 +600,23 @@ class Device:
         record = self._desired.record
         if not record.pending or self._stopping.is_set():
             return  # an earlier call already applied the newest document
+        if record.orders_pending and self._updater is not None:
+            self._updater.apply(record.deployments)  # reports each execution's progress itself
+            if self._stopping.is_set():
+                return  # interrupted: the orders are applied again on the next start
         try:
-            status = self._desired_handler(dict(record.spec)) if self._desired_handler else None
-            report = ReportedBody(version=record.version, status=record.spec if status is None else status)
+            if record.version > record.applied_version:
+                status = self._desired_handler(dict(record.spec)) if self._desired_handler else None
+                status = record.spec if status is None else status
+            else:  # only the orders changed
+                status = {k: v for k, v in record.status.items() if k != INSTALLED_KEY}
+            report = ReportedBody(version=record.version, status=self._with_installed(status))
         except Exception as exc:  # the application's handler; retried on the next connect or start
             log.exception("applying desired version %s failed", record.version)
             self._report_error("desired_failed", f"{type(exc).__name__}: {exc}", version=record.version)
             return
         try:
-            self._desired.applied(record.version, report.status)
+            self._desired.applied(record.version, report.status, record.deployments_version)
         except OSError as exc:
             log.error("cannot record desired version %s as applied: %s", record.version, exc)
             self._report_error("desired_not_stored", str(exc), version=record.version)

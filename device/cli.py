@@ -6,6 +6,12 @@ and then keeps the device's MQTT session up until SIGTERM or SIGINT. A restart w
 certificate needs neither the token nor the enrolment endpoint. ``--emit-every S`` makes it a demo or
 load device that emits an event (``--emit-type``, data ``{"count": n}``) every S seconds.
 
+Firmware (:mod:`device.ota.firmware`): every start first boots the firmware slots in DIR/firmware (a
+pending slot runs its health check and is committed or rolled back) and hands the result to the Device;
+``Device.reboot()`` disconnects cleanly and re-executes this process, which boots the slot just installed.
+``--firmware IMAGE --firmware-manifest M --firmware-public-key P`` provisions a factory image into slot a
+when no firmware is installed yet (ignored afterwards).
+
 Exit codes:
     0   stopped cleanly (SIGTERM / SIGINT; ``offline`` published)
     1   unexpected error
@@ -13,11 +19,13 @@ Exit codes:
     3   enrolment refused (bootstrap token invalid, expired or used; device deleted; ...)
     4   the stored identity belongs to another device id, or the data directory holds unusable files
     5   the enrolment endpoint could not be reached
+    6   the factory firmware image (--firmware) was rejected: bad signature, or not what its manifest says
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import sys
 import threading
 import time
@@ -28,10 +36,15 @@ import click
 
 from device.agent import Device
 from device.errors import ConfigError, EnrolmentError, EnrolmentUnreachable, NotRunning, OutboxFull, StoredStateError
+from device.ota.firmware import BootResult, FirmwareError, FirmwareSlots
+from device.ota.verify import VerificationError, load_public_key, verify_manifest
+from interfaces.deployments import SignedManifest
 
 log = logging.getLogger("aisynergy.device")
 
-EXIT_OK, EXIT_USAGE, EXIT_REFUSED, EXIT_STORED_STATE, EXIT_UNREACHABLE = 0, 2, 3, 4, 5
+EXIT_OK, EXIT_USAGE, EXIT_REFUSED, EXIT_STORED_STATE, EXIT_UNREACHABLE, EXIT_FIRMWARE_REJECTED = 0, 2, 3, 4, 5, 6
+FIRMWARE_DIR = "firmware"
+EXISTING_FILE = click.Path(exists=True, dir_okay=False, path_type=Path)
 
 
 def _fail(code: int, message: str) -> NoReturn:
@@ -59,6 +72,9 @@ def device() -> None:
 @click.option("--heartbeat-interval", type=click.FloatRange(min=0.1), help="seconds; overrides enrolment's value")
 @click.option("--emit-every", type=click.FloatRange(min=0.001), help="demo/load: emit an event every S seconds")
 @click.option("--emit-type", default="demo", show_default=True, help="the type of the --emit-every events")
+@click.option("--firmware", "firmware_image", type=EXISTING_FILE, help="factory firmware image, provisioned when none is installed")
+@click.option("--firmware-manifest", type=EXISTING_FILE, help="the signed manifest of --firmware")
+@click.option("--firmware-public-key", type=EXISTING_FILE, help="the Ed25519 public key (PEM) that signed --firmware-manifest")
 def run(
     device_id: str,
     data_dir: Path,
@@ -68,10 +84,19 @@ def run(
     heartbeat_interval: float | None,
     emit_every: float | None,
     emit_type: str,
+    firmware_image: Path | None,
+    firmware_manifest: Path | None,
+    firmware_public_key: Path | None,
 ) -> None:
     """Enrol if needed, then keep the device online until SIGTERM/SIGINT."""
+    factory = (firmware_image, firmware_manifest, firmware_public_key)
+    if any(factory) and not all(factory):
+        raise click.UsageError("--firmware, --firmware-manifest and --firmware-public-key go together")
+    firmware_boot = _boot_firmware(data_dir / FIRMWARE_DIR, *factory)  # type: ignore[arg-type]
     try:
-        agent = Device(device_id, data_dir, enrol_url, bootstrap_token, mqtt_url, heartbeat_interval)
+        agent = Device(
+            device_id, data_dir, enrol_url, bootstrap_token, mqtt_url, heartbeat_interval, reboot=_reexecute, firmware_boot=firmware_boot
+        )
         agent.start()
     except ConfigError as exc:
         raise click.UsageError(f"{exc} (see --device-id, --enrol-url, --bootstrap-token, --mqtt-url)") from None
@@ -87,6 +112,40 @@ def run(
         ).start()
     agent.run_forever()
     sys.exit(EXIT_OK)
+
+
+def _boot_firmware(root: Path, image: Path | None, manifest: Path | None, public_key: Path | None) -> BootResult:
+    """Provision the factory image if asked and none is installed, then boot the firmware slots."""
+    slots = FirmwareSlots(root)
+    try:
+        if image is not None and manifest is not None and public_key is not None:
+            if slots.active() is None:
+                try:
+                    signed = SignedManifest.model_validate_json(manifest.read_bytes())
+                    verify_manifest(load_public_key(public_key.read_bytes()), signed)
+                    slots.provision(image, signed)
+                except (ValueError, VerificationError) as exc:  # pydantic's ValidationError included
+                    _fail(EXIT_FIRMWARE_REJECTED, f"factory firmware {image} rejected: {str(exc).splitlines()[0]}")
+            else:
+                log.info("firmware already installed; --firmware ignored")
+        result = slots.boot()
+    except (FirmwareError, OSError) as exc:
+        _fail(EXIT_STORED_STATE, f"firmware slots in {root} unusable: {exc}")
+    if result.installed is not None:
+        log.info("firmware %s %s from slot %s (%s)", result.installed.name, result.installed.version, result.slot, result.outcome)
+    if result.outcome == "rolled_back":
+        log.warning("firmware execution %s rolled back: %s", result.execution_id, result.detail)
+    return result
+
+
+def _reexecute() -> None:
+    """The reboot hook: the same interpreter, options and arguments again, so the new slot boots."""
+    log.info("restarting to boot the installed firmware")
+    for stream in (sys.stdout, sys.stderr):
+        stream.flush()
+    for handler in logging.getLogger().handlers:
+        handler.flush()
+    os.execv(sys.executable, [sys.executable, *sys.orig_argv[1:]])
 
 
 def _emit_forever(agent: Device, event_type: str, every_s: float) -> None:

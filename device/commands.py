@@ -1,4 +1,5 @@
-"""The device's commands: the built-in ``ping`` and the application's handlers, transport-neutral.
+"""The device's commands: the built-ins (``ping``; ``infer`` and ``models``, registered by the agent) and
+the application's handlers, transport-neutral.
 
 A command always gets an answer: ``ok`` with the handler's result, or ``ok=false`` with an
 :class:`~interfaces.messages.CommandError` code (``unknown_command``, ``failed``); a request that does
@@ -17,7 +18,7 @@ from interfaces.messages import CommandBody, CommandError, CommandResultBody
 log = logging.getLogger("aisynergy.device")
 
 CommandHandler = Callable[[dict[str, Any]], dict[str, Any] | None]
-BUILTIN = frozenset({"ping"})
+BUILTIN = frozenset({"ping", "infer", "models"})
 
 
 def failure(code: CommandError, error: str) -> CommandResultBody:
@@ -37,6 +38,12 @@ class Commands:
 
     def register(self, name: str, handler: CommandHandler) -> None:
         self.check_name(name)
+        self._handlers[name] = handler
+
+    def register_builtin(self, name: str, handler: CommandHandler) -> None:
+        """A built-in that runs like an application handler (on the commands worker)."""
+        if name not in BUILTIN:
+            raise ConfigError(f"{name!r} is not a built-in command")
         self._handlers[name] = handler
 
     def runs_a_handler(self, command: CommandBody) -> bool:

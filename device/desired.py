@@ -2,7 +2,9 @@
 
 The broker retains the desired document and redelivers it on every (re)connect; the version numbers
 decide what to do with it: a version at or below the applied one is old news, a newer one is stored
-before it is applied, so a crash between the two applies it on the next start.
+before it is applied, so a crash between the two applies it on the next start. The deployment orders
+(``DesiredBody.deployments``) have their own version, ``deployments_version``: newer orders make the
+document pending even when its ``version`` (the spec's) did not change.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from pydantic import BaseModel, Field, ValidationError
 
 from device.errors import StoredStateError
 from device.files import write_atomic
+from interfaces.deployments import DeploymentOrder
 from interfaces.messages import DesiredBody
 
 NONE = -1  # no version yet; real versions are >= 0
@@ -26,11 +29,18 @@ class DesiredRecord(BaseModel):
     message_id: str | None = Field(default=None, description="the envelope id of the desired document")
     applied_version: int = NONE
     status: dict[str, Any] = Field(default_factory=dict, description="the status reported for applied_version")
+    deployments: list[DeploymentOrder] = Field(default_factory=list)
+    deployments_version: int = NONE
+    applied_deployments_version: int = NONE
 
     @property
     def pending(self) -> bool:
         """A stored desired document that has not been applied yet."""
-        return self.version > self.applied_version
+        return self.version > self.applied_version or self.orders_pending
+
+    @property
+    def orders_pending(self) -> bool:
+        return self.deployments_version > self.applied_deployments_version
 
 
 class DesiredStore:
@@ -53,17 +63,28 @@ class DesiredStore:
             return self._record.model_copy(deep=True)
 
     def offer(self, desired: DesiredBody, message_id: str | None = None) -> bool:
-        """Store ``desired`` if it is newer than anything seen; ``False`` for a stale or repeated version."""
+        """Store ``desired`` if its spec or its orders are newer than anything seen; ``False`` for a stale or
+        repeated document."""
         with self._lock:
-            if desired.version <= max(self._record.version, self._record.applied_version):
+            record = self._record
+            spec_new = desired.version > max(record.version, record.applied_version)
+            orders_new = desired.deployments_version > max(record.deployments_version, record.applied_deployments_version)
+            if not (spec_new or orders_new):
                 return False
-            update = {"version": desired.version, "spec": desired.spec, "message_id": message_id}
-            self._write(self._record.model_copy(update=update))
+            update: dict[str, Any] = {"message_id": message_id}
+            if spec_new:
+                update |= {"version": desired.version, "spec": desired.spec}
+            if orders_new:
+                update |= {"deployments": desired.deployments, "deployments_version": desired.deployments_version}
+            self._write(record.model_copy(update=update))
             return True
 
-    def applied(self, version: int, status: dict[str, Any]) -> None:
+    def applied(self, version: int, status: dict[str, Any], deployments_version: int | None = None) -> None:
+        """Record ``version`` (and the orders of ``deployments_version``; default: those stored now) as applied."""
         with self._lock:
-            self._write(self._record.model_copy(update={"applied_version": version, "status": status}))
+            orders = self._record.deployments_version if deployments_version is None else deployments_version
+            update = {"applied_version": version, "status": status, "applied_deployments_version": orders}
+            self._write(self._record.model_copy(update=update))
 
     def _write(self, record: DesiredRecord) -> None:
         write_atomic(self.path, record.model_dump_json().encode(), mode=0o600)

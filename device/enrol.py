@@ -4,7 +4,9 @@
 edge, which forwards the request to the hub and answers with the broker its devices use; the hub serves
 the same path, so a device may also enrol there directly. Refusals are RFC 9457 problem documents and
 become :class:`~device.errors.EnrolmentError` with their ``code``; only connection errors and 5xx
-answers are retried (:class:`~device.errors.EnrolmentUnreachable` when every attempt failed).
+answers are retried (:class:`~device.errors.EnrolmentUnreachable` when every attempt failed). The answer
+also carries the hub's artefact-signing key (``signing_key_pem``), which the device pins: without it the
+device refuses every update.
 """
 
 from __future__ import annotations
@@ -95,4 +97,6 @@ def _issued(response: httpx.Response, device_id: str) -> DeviceCertificateIssued
             INVALID_RESPONSE, f"the certificate was issued for {issued.device_id!r}, not {device_id!r}"
         )
     log.info("certificate issued for %s (serial %s, valid until %s)", device_id, issued.serial, issued.not_after)
+    if issued.signing_key_pem is None:
+        log.warning("the enrolment answer holds no signing key; this device will refuse every update until it re-enrols")
     return issued

@@ -5,6 +5,7 @@ Layout of the data directory::
     identity/device.key   EC P-256 private key (0600), made once and kept across re-enrolments
     identity/device.crt   the device certificate (CN = device id)
     identity/ca.crt       the CA, the only authority the device trusts
+    identity/signing.pub  the hub's Ed25519 artefact-signing key, pinned: every update is verified with it
     enrolment.json        device_id, node_id, enrol_url, mqtt_url, heartbeat_interval_s, serial, not_after,
                           certificate_sha256
 
@@ -79,6 +80,7 @@ class IdentityStore:
         self.key_path = self.identity_dir / "device.key"
         self.cert_path = self.identity_dir / "device.crt"
         self.ca_path = self.identity_dir / "ca.crt"
+        self.signing_key_path = self.identity_dir / "signing.pub"
         self.enrolment_path = self.data_dir / "enrolment.json"
 
     def is_enrolled(self) -> bool:
@@ -158,6 +160,13 @@ class IdentityStore:
             cert.verify_directly_issued_by(ca)
         except (ValueError, TypeError, InvalidSignature) as exc:
             raise IdentityError(f"the issued certificate is not signed by the returned CA: {exc}") from exc
+        if issued.signing_key_pem is not None:
+            from device.ota.verify import load_public_key
+
+            try:
+                load_public_key(issued.signing_key_pem)
+            except ValueError as exc:
+                raise IdentityError(f"the enrolment answer holds an unusable signing key: {exc}") from exc
         enrolment = Enrolment(
             device_id=issued.device_id,
             node_id=issued.node_id,
@@ -169,6 +178,8 @@ class IdentityStore:
             certificate_sha256=fingerprint(issued.certificate_pem),
         )
         write_atomic(self.ca_path, issued.ca_pem.encode())
+        if issued.signing_key_pem is not None:
+            write_atomic(self.signing_key_path, issued.signing_key_pem.encode())
         write_atomic(self.cert_path, issued.certificate_pem.encode())
         write_atomic(self.enrolment_path, enrolment.model_dump_json(indent=2).encode(), mode=0o600)
         return enrolment
@@ -178,6 +189,15 @@ class IdentityStore:
             return Enrolment.model_validate_json(self.enrolment_path.read_bytes())
         except (OSError, ValidationError) as exc:
             raise IdentityError(f"cannot read {self.enrolment_path}: {exc}") from exc
+
+    def signing_key_pem(self) -> str | None:
+        """The pinned hub signing key, or ``None`` (enrolled through an endpoint that did not send one)."""
+        try:
+            return self.signing_key_path.read_text()
+        except FileNotFoundError:
+            return None
+        except OSError as exc:
+            raise IdentityError(f"cannot read {self.signing_key_path}: {exc}") from exc
 
     def check_complete(self) -> None:
         """Raise :class:`IdentityError` unless key, certificate and CA are all present."""
