@@ -5,7 +5,7 @@
     hub's broker  <--upstream link-->  EdgeAgent  <--downstream link-->  devices' broker
                     NodeService (own state, heartbeats, desired, commands)
                     DeviceRelay (RELAY_* <-> DEVICE_*, outbox)            EnrolmentProxy (HTTP, devices)
-                                         EdgeStore (DIR/edge.db)
+                                         EdgeStore (DIR/edge.db)           ArtifactCache (DIR/artifacts)
 
 When the devices use the hub's broker the agent keeps ONE connection for both roles: the broker takes the
 certificate's CN as the client id, so a second connection would take the first one over. While the hub
@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from device.resources import ResourceSampler
+from edge.artifacts import DEFAULT_BUDGET_BYTES, ArtifactCache
 from edge.enrol_proxy import EnrolmentProxy
 from edge.identity import IdentityStore
 from edge.link import Link, LinkSettings, parse_mqtt_url, tls_context
@@ -32,6 +33,7 @@ log = logging.getLogger("aisynergy.edge")
 
 MIN_HEARTBEAT_S = 0.1
 STORE_FILE = "edge.db"
+ARTIFACTS_DIR = "artifacts"
 
 
 @dataclass(frozen=True)
@@ -48,6 +50,7 @@ class AgentConfig:
     device_listen: tuple[str, int] | None = None  # the device enrolment proxy; None: off
     hub_url: str | None = None  # where the enrolment proxy forwards to
     downstream_session_expiry_s: int = 3600  # a separate devices' broker queues their messages this long
+    artifact_cache_bytes: int = DEFAULT_BUDGET_BYTES  # the artefact cache served on device_listen keeps within this
 
 
 class EdgeAgent:
@@ -75,21 +78,33 @@ class EdgeAgent:
             )
             self.down = Link("downstream", downstream_url, config.node_id, tls, down_settings)
         self.store = EdgeStore(Path(config.data_dir) / STORE_FILE)
+        self.artifacts: ArtifactCache | None = None
         try:
             sampler = sampler or ResourceSampler(Path(config.data_dir))
             self.node = NodeService(config.node_id, self.store, sampler, config.heartbeat_interval_s)
             self.node.attach(self.up)
-            self.relay = DeviceRelay(config.node_id, self.store, self.up, self.down)
             self.proxy: EnrolmentProxy | None = None
             if config.device_listen is not None:
+                self.artifacts = ArtifactCache(
+                    Path(config.data_dir) / ARTIFACTS_DIR,
+                    hub_url=config.hub_url or "",
+                    signing_key=self.identity.load_signing_key(),
+                    pin_signing_key=self.identity.pin_signing_key,
+                    budget_bytes=config.artifact_cache_bytes,
+                )
                 self.proxy = EnrolmentProxy(
                     config.device_listen,
                     hub_url=config.hub_url or "",
                     node_id=config.node_id,
                     device_mqtt_url=device_url,
                     on_enrolled=lambda device_id: self.store.add_device(device_id, LearnedFrom.ENROLMENT),
+                    artifacts=self.artifacts,
                 )
+            prefetch = self.artifacts.prefetch if self.artifacts is not None else None
+            self.relay = DeviceRelay(config.node_id, self.store, self.up, self.down, prefetch=prefetch)
         except BaseException:
+            if self.artifacts is not None:
+                self.artifacts.close()
             self.store.close()
             raise
         self._stop = asyncio.Event()
@@ -110,6 +125,8 @@ class EdgeAgent:
         """Serve until stopped: both links (or the one shared link) and the enrolment proxy."""
         if self.down is self.up:
             log.info("devices use the hub's broker: one connection serves both roles")
+        if self.artifacts is not None:
+            self.artifacts.start()
         if self.proxy is not None:
             self.proxy.start()
         try:
@@ -120,4 +137,6 @@ class EdgeAgent:
             await self.relay.close()
             if self.proxy is not None:
                 await asyncio.to_thread(self.proxy.close)
+            if self.artifacts is not None:
+                self.artifacts.close()
             self.store.close()

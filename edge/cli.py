@@ -6,7 +6,8 @@ SIGINT. A restart with a stored certificate needs neither the token nor the hub.
 
 Devices connect to ``--downstream-mqtt-url`` (default: the hub's broker, over the same connection) and
 enrol through the proxy on ``--device-listen`` (default 127.0.0.1:8090; ``off`` disables), which tells
-them to connect to ``--device-mqtt-url`` (default: the downstream URL).
+them to connect to ``--device-mqtt-url`` (default: the downstream URL). The same listener serves them
+artefacts from the edge's cache in DIR/artifacts, kept within ``--artifact-cache-size`` (default 2GiB).
 
 Exit codes:
     0   stopped cleanly (SIGTERM / SIGINT; ``offline`` published)
@@ -34,6 +35,7 @@ from typing import NoReturn
 import click
 
 from edge.agent import AgentConfig, EdgeAgent
+from edge.artifacts import parse_size
 from edge.enrol import EnrolmentError, HubUnreachable, request_certificate
 from edge.enrol_proxy import ListenError, parse_listen
 from edge.identity import Enrolment, IdentityError, IdentityStore
@@ -43,6 +45,7 @@ log = logging.getLogger("aisynergy.edge")
 
 EXIT_OK, EXIT_USAGE, EXIT_REFUSED, EXIT_IDENTITY, EXIT_UNREACHABLE, EXIT_LISTEN, EXIT_STORE = 0, 2, 3, 4, 5, 6, 7
 DEFAULT_DEVICE_LISTEN = "127.0.0.1:8090"
+DEFAULT_ARTIFACT_CACHE_SIZE = "2GiB"
 
 
 def _fail(code: int, message: str) -> NoReturn:
@@ -83,6 +86,13 @@ def edge() -> None:
     envvar="AISYNERGY_DEVICE_LISTEN",
     help=f"HOST:PORT of the device enrolment proxy, or off [default: {DEFAULT_DEVICE_LISTEN}]",
 )
+@click.option(
+    "--artifact-cache-size",
+    envvar="AISYNERGY_ARTIFACT_CACHE_SIZE",
+    default=DEFAULT_ARTIFACT_CACHE_SIZE,
+    show_default=True,
+    help="size budget of the artefact cache served to devices (e.g. 500MiB, 2GiB)",
+)
 def run(
     hub_url: str | None,
     node_id: str,
@@ -93,6 +103,7 @@ def run(
     downstream_mqtt_url: str | None,
     device_mqtt_url: str | None,
     device_listen: str | None,
+    artifact_cache_size: str,
 ) -> None:
     """Enrol if needed, then keep the node online until SIGTERM/SIGINT."""
     try:
@@ -103,6 +114,10 @@ def run(
         listen = parse_listen(device_listen or DEFAULT_DEVICE_LISTEN)
     except ValueError as exc:
         raise click.BadParameter(str(exc), param_hint="--device-listen") from None
+    try:
+        cache_bytes = parse_size(artifact_cache_size)
+    except ValueError as exc:
+        raise click.BadParameter(str(exc), param_hint="--artifact-cache-size") from None
     data_dir.mkdir(parents=True, exist_ok=True)
     store = IdentityStore(data_dir)
     try:
@@ -124,6 +139,7 @@ def run(
         device_mqtt_url=device_mqtt_url,
         device_listen=listen,
         hub_url=enrolment.hub_url,
+        artifact_cache_bytes=cache_bytes,
     )
     agent = _agent(config, store, explicit_listen=device_listen is not None)
     asyncio.run(_serve(agent))
@@ -142,6 +158,8 @@ def _agent(config: AgentConfig, store: IdentityStore, explicit_listen: bool) -> 
             _fail(EXIT_LISTEN, f"the device enrolment proxy {exc}")
         log.error("the device enrolment proxy %s; running without it (see --device-listen)", exc)
         return _agent(dataclasses.replace(config, device_listen=None), store, explicit_listen)
+    except IdentityError as exc:  # an unreadable pinned signing key
+        _fail(EXIT_IDENTITY, str(exc))
     except sqlite3.Error as exc:
         _fail(EXIT_STORE, f"cannot open the local store in {config.data_dir}: {exc}")
     except OSError as exc:  # ssl.SSLError included: the key does not match the certificate

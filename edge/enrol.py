@@ -105,4 +105,6 @@ def _issued(response: httpx.Response, node_id: str) -> CertificateIssued:
     if issued.node_id != node_id:
         raise EnrolmentError(INVALID_RESPONSE, f"the hub issued a certificate for {issued.node_id!r}, not {node_id!r}")
     log.info("certificate issued for %s (serial %s, valid until %s)", node_id, issued.serial, issued.not_after)
+    if issued.signing_key_pem is None:
+        log.warning("the hub sent no signing key with the certificate; the agent fetches it from the hub when it starts")
     return issued

@@ -6,6 +6,9 @@ node (403 ``forbidden`` otherwise); the device then joins the edge's registry an
 the broker the edge's devices use. The hub's refusals pass through unchanged (status and body); an
 unreachable hub is 503 ``hub_unreachable``. Errors are RFC 9457 problem documents (DESIGN §4).
 
+With an ``ArtifactCache`` the same server also answers ``GET|HEAD /api/v1/artifacts/{id}/content`` and
+``.../delta?from=`` from the edge's artefact cache (:mod:`edge.artifacts`), so devices need not reach the hub.
+
 Runs a stdlib ``ThreadingHTTPServer`` in a thread of its own; ``on_enrolled`` is called from it.
 """
 
@@ -24,6 +27,7 @@ from urllib.parse import urlsplit
 import httpx
 from pydantic import ValidationError
 
+from edge.artifacts import Answer, ArtifactCache
 from interfaces import API_PREFIX
 from interfaces.errors import ERROR_TYPE_PREFIX, PROBLEM_MEDIA_TYPE, ErrorCode
 from interfaces.ids import new_id
@@ -78,6 +82,7 @@ class EnrolmentProxy:
         on_enrolled: Callable[[str], object],
         verify: ssl.SSLContext | str | bool = True,
         timeout_s: float = 15.0,
+        artifacts: ArtifactCache | None = None,
     ) -> None:
         self.hub_url = hub_url.rstrip("/")
         self.node_id = node_id
@@ -85,6 +90,7 @@ class EnrolmentProxy:
         self._on_enrolled = on_enrolled
         self._verify = verify
         self._timeout_s = timeout_s
+        self.artifacts = artifacts
         try:
             self._server = _Server(listen, _Handler)
         except OSError as exc:
@@ -159,7 +165,7 @@ class _Handler(BaseHTTPRequestHandler):
     def do_POST(self) -> None:
         match = _PATH.match(urlsplit(self.path).path)
         if match is None:
-            self._send(problem(404, ErrorCode.NOT_FOUND.value, "Not found", self.path), close=True)
+            self._not_allowed()
             return
         device_id = match.group(1)
         try:
@@ -186,12 +192,46 @@ class _Handler(BaseHTTPRequestHandler):
         self._send(answer)
 
     def _not_allowed(self) -> None:
-        if _PATH.match(urlsplit(self.path).path):
+        path = urlsplit(self.path).path
+        cache = self.server.proxy.artifacts
+        if (_PATH.match(path) and self.command != "POST") or (cache is not None and cache.handles(path)):
             self._send(problem(405, ErrorCode.METHOD_NOT_ALLOWED.value, "Method not allowed", self.command), close=True)
         else:
             self._send(problem(404, ErrorCode.NOT_FOUND.value, "Not found", self.path), close=True)
 
-    do_GET = do_PUT = do_PATCH = do_DELETE = _not_allowed
+    do_PUT = do_PATCH = do_DELETE = _not_allowed
+
+    def do_GET(self) -> None:
+        cache = self.server.proxy.artifacts
+        if cache is None or not cache.handles(self.path):
+            self._not_allowed()
+            return
+        headers = {name.lower(): value for name, value in self.headers.items()}
+        try:
+            answer = cache.answer(self.command, self.path, headers)
+        except Exception:  # a bug here must still answer the device
+            incident = new_id("inc")
+            log.exception("the artefact request %s failed (%s)", self.path, incident)
+            self._send(problem(500, ErrorCode.INTERNAL.value, "Internal error", incident))
+            return
+        try:
+            self._send_artifact(answer)
+        finally:
+            answer.release()
+
+    do_HEAD = do_GET
+
+    def _send_artifact(self, answer: Answer) -> None:
+        try:
+            self.send_response(answer.status)
+            for name, value in answer.headers.items():
+                self.send_header(name, value)
+            self.end_headers()
+            if self.command != "HEAD":
+                answer.write_body(self.wfile)
+        except (BrokenPipeError, ConnectionResetError) as exc:  # the device went away mid-transfer
+            log.info("a device left during %s: %s", self.path, exc)
+            self.close_connection = True
 
     def _send(self, answer: ProxyAnswer, close: bool = False) -> None:
         self.send_response(answer.status)
@@ -201,7 +241,8 @@ class _Handler(BaseHTTPRequestHandler):
             self.send_header("Connection", "close")
             self.close_connection = True
         self.end_headers()
-        self.wfile.write(answer.body)
+        if self.command != "HEAD":
+            self.wfile.write(answer.body)
 
     def log_message(self, format: str, *args: object) -> None:
         log.debug("%s %s", self.address_string(), format % args)

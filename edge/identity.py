@@ -5,6 +5,7 @@ Layout of the data directory::
     identity/node.key   EC P-256 private key (0600), made once and kept across re-enrolments
     identity/node.crt   the node certificate the hub issued (CN = node id)
     identity/ca.crt     the hub CA, the only authority the agent trusts
+    identity/signing.pub  the hub's Ed25519 artefact-signing public key, pinned (manifests, download tokens)
     enrolment.json      node_id, hub_url, mqtt_url, heartbeat_interval_s, serial, not_after
 
 ``enrolment.json`` is written last, so its presence means the enrolment completed.
@@ -26,10 +27,12 @@ from cryptography import x509
 from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 from cryptography.x509.oid import NameOID
 from pydantic import BaseModel, ValidationError
 
 from device.files import write_atomic
+from device.ota.verify import load_public_key
 from interfaces.nodes import CertificateIssued
 
 log = logging.getLogger("aisynergy.edge")
@@ -62,6 +65,13 @@ def _common_names(cert: x509.Certificate) -> list[str]:
     return [str(a.value) for a in cert.subject.get_attributes_for_oid(NameOID.COMMON_NAME)]
 
 
+def _signing_key(pem: bytes, what: str) -> Ed25519PublicKey:
+    try:
+        return load_public_key(pem)
+    except (ValueError, TypeError) as exc:  # VerificationError included
+        raise IdentityError(f"{what} is not a PEM Ed25519 public key: {exc}") from exc
+
+
 class IdentityStore:
     """Reads and writes the node identity kept in ``data_dir``."""
 
@@ -71,6 +81,7 @@ class IdentityStore:
         self.key_path = self.identity_dir / "node.key"
         self.cert_path = self.identity_dir / "node.crt"
         self.ca_path = self.identity_dir / "ca.crt"
+        self.signing_key_path = self.identity_dir / "signing.pub"
         self.enrolment_path = self.data_dir / "enrolment.json"
 
     def is_enrolled(self) -> bool:
@@ -132,6 +143,8 @@ class IdentityStore:
             cert.verify_directly_issued_by(ca)
         except (ValueError, TypeError, InvalidSignature) as exc:
             raise IdentityError(f"the issued certificate is not signed by the returned CA: {exc}") from exc
+        if issued.signing_key_pem is not None:
+            _signing_key(issued.signing_key_pem.encode(), "the hub's signing key")
         enrolment = Enrolment(
             node_id=issued.node_id,
             hub_url=hub_url,
@@ -142,8 +155,26 @@ class IdentityStore:
         )
         write_atomic(self.ca_path, issued.ca_pem.encode())
         write_atomic(self.cert_path, issued.certificate_pem.encode())
+        if issued.signing_key_pem is not None:
+            write_atomic(self.signing_key_path, issued.signing_key_pem.encode())
         write_atomic(self.enrolment_path, enrolment.model_dump_json(indent=2).encode(), mode=0o600)
         return enrolment
+
+    def load_signing_key(self) -> Ed25519PublicKey | None:
+        """The pinned signing key; ``None`` for an identity enrolled before the hub sent one."""
+        try:
+            pem = self.signing_key_path.read_bytes()
+        except FileNotFoundError:
+            return None
+        except OSError as exc:
+            raise IdentityError(f"cannot read {self.signing_key_path}: {exc}") from exc
+        return _signing_key(pem, str(self.signing_key_path))
+
+    def pin_signing_key(self, pem: str) -> None:
+        """Keep ``pem`` as the hub's signing key (an older identity fetched it after enrolment)."""
+        _signing_key(pem.encode(), "the hub's signing key")
+        self.identity_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+        write_atomic(self.signing_key_path, pem.encode())
 
     def load_enrolment(self) -> Enrolment:
         try:

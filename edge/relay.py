@@ -2,7 +2,8 @@
 
 The hub never touches device topics; it talks to the edge under the edge's own subtree::
 
-    hub -> device  RELAY_DESIRED  stored, then republished retained on DEVICE_DESIRED (the hub's bytes)
+    hub -> device  RELAY_DESIRED  stored, then republished retained on DEVICE_DESIRED (the hub's bytes); its
+                                  deployment orders go to ``prefetch`` (the artefact cache fetches them ahead)
                    RELAY_CMD      forwarded on DEVICE_CMD with our response topic and a fresh correlation
                                   id; the device's answer goes to the hub's response topic with the hub's
                                   correlation data; unknown device or no answer in time: a failed result
@@ -21,6 +22,7 @@ import functools
 import logging
 import math
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -32,6 +34,7 @@ from pydantic import ValidationError
 from edge.link import Link
 from edge.node import rejection_event
 from edge.store import EdgeStore, LearnedFrom, Scope
+from interfaces.deployments import DeploymentOrder
 from interfaces.messages import (
     MAX_MESSAGE_BYTES,
     CommandError,
@@ -107,8 +110,10 @@ class DeviceRelay:
         *,
         outbox_window: int = 8,
         outbox_limit: int = 100_000,
+        prefetch: Callable[[DeploymentOrder], object] | None = None,
     ) -> None:
-        """Plug into the links (the same one twice when devices use the hub's broker)."""
+        """Plug into the links (the same one twice when devices use the hub's broker); ``prefetch`` gets the
+        deployment orders of each desired document (it must not block)."""
         self.node_id = node_id
         self.up, self.down = up, down
         self.rejected = 0
@@ -116,6 +121,7 @@ class DeviceRelay:
         self._store = store
         self._window = outbox_window
         self._limit = outbox_limit
+        self._prefetch = prefetch
         self._outbox_ready = asyncio.Event()
         self._hub_online = asyncio.Event()
         self._pending: dict[bytes, _Pending] = {}
@@ -152,6 +158,12 @@ class DeviceRelay:
             self._reject(message.topic.value, exc, device_id=device_id)
             return
         self._store.add_device(device_id, LearnedFrom.DESIRED)
+        if self._prefetch is not None:
+            for order in request.body.deployments:
+                try:
+                    self._prefetch(order)
+                except Exception:  # best effort: the device can still download through us later
+                    log.exception("cannot prefetch %s for %s", order.artifact_id, device_id)
         stored = self._store.desired(Scope.DEVICE, device_id)
         if stored is not None and stored.payload == payload:
             log.debug("desired version %s of %s already stored", stored.version, device_id)
