@@ -11,7 +11,9 @@ One tick, per deployment (each in its own transaction):
 1. PENDING becomes RUNNING.
 2. A released execution still in flight past its ``deadline_at`` becomes TIMED_OUT and its order is
    withdrawn from the target's desired document.
-3. Failure share = executions in ``EXECUTION_FAILURES`` / all executions * 100. Above
+3. Failure share = failed executions / all executions * 100, where failed is a state in
+   ``EXECUTION_FAILURES`` or ROLLED_BACK on the target's own (a firmware slot that did not confirm: it
+   failed, then went back, without this deployment asking for a rollback). Above
    ``max_failure_percent``: policy ``halt`` cancels the unreleased executions and fails the deployment;
    policy ``rollback`` cancels the unreleased executions and marks every released one for rollback.
 4. Rolling back: an execution marked for rollback that is ACTIVE, FAILED or TIMED_OUT gets a rollback
@@ -232,4 +234,9 @@ class RolloutController:
 def _failure_share(rows: list[Execution]) -> float:
     if not rows:
         return 0.0
-    return sum(1 for e in rows if _E(e.state) in EXECUTION_FAILURES) / len(rows) * 100
+    return sum(1 for e in rows if _failed(e)) / len(rows) * 100
+
+
+def _failed(e: Execution) -> bool:
+    state = _E(e.state)
+    return state in EXECUTION_FAILURES or (state is _E.ROLLED_BACK and not e.rollback_requested)

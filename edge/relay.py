@@ -75,6 +75,8 @@ QUEUED: dict[Topic[Any], Topic[Any]] = {
 }
 
 
+REDELIVER_DESIRED_AFTER_S = (0.0, 1.0, 3.0)  # after a device comes online (see _on_device_online)
+
 def _bytes(payload: object) -> bytes:
     return bytes(payload) if isinstance(payload, (bytes, bytearray)) else str(payload or "").encode()
 
@@ -123,9 +125,11 @@ class DeviceRelay:
         self._limit = outbox_limit
         self._prefetch = prefetch
         self._outbox_ready = asyncio.Event()
+        self._loop: asyncio.AbstractEventLoop | None = None  # the pump's, once a session has started
         self._hub_online = asyncio.Event()
         self._pending: dict[bytes, _Pending] = {}
         self._commands: set[asyncio.Task[None]] = set()
+        self._background: set[asyncio.Task[None]] = set()
         up.route(RELAY_DESIRED, self._on_relay_desired, node_id=node_id)
         up.route(RELAY_CMD, self._on_relay_command, node_id=node_id)
         up.route(HUB_STATE, self._on_hub_state)
@@ -137,10 +141,11 @@ class DeviceRelay:
         down.during_session(self._republish_desired)
 
     async def close(self) -> None:
-        """Cancel the commands still waiting for a device."""
-        for task in list(self._commands):
+        """Cancel the commands still waiting for a device, and the pending re-deliveries."""
+        tasks = [*self._commands, *self._background]
+        for task in tasks:
             task.cancel()
-        await asyncio.gather(*self._commands, return_exceptions=True)
+        await asyncio.gather(*tasks, return_exceptions=True)
 
     # ---- hub -> device: desired documents -----------------------------------------------------------
     async def _on_relay_desired(self, client: aiomqtt.Client, message: aiomqtt.Message, ids: dict[str, str]) -> None:
@@ -306,7 +311,33 @@ class DeviceRelay:
             log.debug("ignoring an empty message on %s", message.topic.value)
             return
         if self._valid(device_topic, message.topic.value, payload, device_id):
-            self._enqueue(relay_topic.topic(node_id=self.node_id, device_id=device_id), payload, relay_topic)
+            self.enqueue(relay_topic.topic(node_id=self.node_id, device_id=device_id), payload, relay_topic)
+            if device_topic is DEVICE_STATE:
+                await self._on_device_online(device_id, payload)
+
+    async def _on_device_online(self, device_id: str, payload: bytes) -> None:
+        """A device came online: publish its stored desired document again, now and twice more.
+
+        The broker's access list learns of a device a moment after the hub registers it (the broker
+        reloads it); a document relayed before that was refused without a word, and MQTT gives the
+        publisher no refusal to act on. The device ignores a version it already has.
+        """
+        try:
+            online = DEVICE_STATE.payload.model_validate_json(payload).body.state is ConnectionState.ONLINE
+        except ValidationError:
+            return
+        if online:
+            task = asyncio.create_task(self._redeliver_desired(device_id))
+            self._background.add(task)
+            task.add_done_callback(self._background.discard)
+
+    async def _redeliver_desired(self, device_id: str) -> None:
+        for delay in REDELIVER_DESIRED_AFTER_S:
+            await asyncio.sleep(delay)
+            stored = self._store.desired(Scope.DEVICE, device_id)
+            if stored is None:
+                return
+            await self._publish_down(DEVICE_DESIRED.topic(device_id=device_id), stored.payload)
 
     async def _on_device_heartbeat(self, client: aiomqtt.Client, message: aiomqtt.Message, ids: dict[str, str]) -> None:
         device_id, payload = ids["device_id"], _bytes(message.payload)
@@ -341,16 +372,27 @@ class DeviceRelay:
             exc if isinstance(exc, str) else f"{exc.error_count()} errors",
         )
         event = envelope(self.node_id, rejection_event(where, exc, self.rejected, **data))
-        self._enqueue(NODE_EVENTS.topic(node_id=self.node_id), event.model_dump_json().encode(), NODE_EVENTS)
+        self.enqueue(NODE_EVENTS.topic(node_id=self.node_id), event.model_dump_json().encode(), NODE_EVENTS)
 
-    def _enqueue(self, topic: str, payload: bytes, kind: Topic[Any]) -> None:
+    def enqueue(self, topic: str, payload: bytes, kind: Topic[Any]) -> bool:
+        """Store ``payload`` for the hub (store-and-forward, delivered in order with the devices' messages);
+        ``False`` when the outbox is full and it was dropped. Safe from any thread (the node's own events)."""
         if self._store.outbox_size() >= self._limit:
             self.dropped += 1
             if self.dropped == 1 or self.dropped % 1000 == 0:
                 log.error("the outbox holds %s messages; %s dropped so far", self._limit, self.dropped)
-            return
+            return False
         self._store.enqueue(topic, payload, kind.qos, kind.retain)
-        self._outbox_ready.set()
+        try:
+            here: asyncio.AbstractEventLoop | None = asyncio.get_running_loop()
+        except RuntimeError:
+            here = None
+        loop = self._loop
+        if here is not None and loop in (None, here):
+            self._outbox_ready.set()
+        elif loop is not None:  # another thread; without a loop yet, the pump reads the outbox when it starts
+            loop.call_soon_threadsafe(self._outbox_ready.set)
+        return True
 
     async def _on_hub_state(self, client: aiomqtt.Client, message: aiomqtt.Message, ids: dict[str, str]) -> None:
         """The hub says whether it is subscribed; a broker acknowledgement only means delivered to the hub
@@ -369,6 +411,7 @@ class DeviceRelay:
     async def _pump_outbox(self, client: aiomqtt.Client) -> None:
         """Deliver the outbox in order while the upstream session lasts and the hub is online; a row goes
         after its PUBACK."""
+        self._loop = asyncio.get_running_loop()
         self._hub_online.clear()  # learn it afresh from this session's retained HUB_STATE
         while True:
             await self._hub_online.wait()
