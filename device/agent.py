@@ -58,7 +58,7 @@ from device.desired import DesiredStore
 from device.errors import ConfigError, IdentityError, NotRunning, OutboxFull
 from device.heartbeat import Heartbeats
 from device.identity import Enrolment, IdentityStore
-from device.ota.models import ModelHost
+from device.ota.models import ModelHost, model_commands
 from device.resources import ResourceSampler
 from device.sequence import EventSequence
 from interfaces import API_PREFIX
@@ -183,8 +183,8 @@ class Device:
         self._desired_handler: DesiredHandler | None = None
         self.models = ModelHost(self.data_dir / "ota" / "models")
         self._updater: Updater | None = None
-        self._commands.register_builtin("infer", self._infer)
-        self._commands.register_builtin("models", lambda args: {"models": self.models.models()})
+        for name, handler in model_commands(self.models).items():
+            self._commands.register_builtin(name, handler)
 
         self._lifecycle = threading.Lock()
         self._client: mqtt.Client | None = None
@@ -414,13 +414,6 @@ class Device:
             self.emit(EXECUTION_EVENT, progress.model_dump(mode="json", exclude_none=True), severity=severity)
         except (NotRunning, OutboxFull) as exc:  # the order is delivered again; a finished one is reported again
             log.warning("could not report execution %s %s: %s", progress.execution_id, progress.state, exc)
-
-    def _infer(self, args: dict[str, Any]) -> dict[str, Any]:
-        inputs = args.get("inputs")
-        if not isinstance(inputs, dict):
-            raise TypeError('give {"inputs": {input name: nested list}}')
-        result = self.models.infer(inputs, args.get("model"))
-        return {"outputs": {k: v.tolist() for k, v in result.outputs.items()}, "model": {"name": result.name, "version": result.version}}
 
     def _with_installed(self, status: dict[str, Any]) -> dict[str, Any]:
         installed = self._updater.installed() if self._updater is not None else {}

@@ -4,12 +4,14 @@
 
     hub's broker  <--upstream link-->  EdgeAgent  <--downstream link-->  devices' broker
                     NodeService (own state, heartbeats, desired, commands)
+                    NodeDeployments (the node's own models and apps, DIR/ota)
                     DeviceRelay (RELAY_* <-> DEVICE_*, outbox)            EnrolmentProxy (HTTP, devices)
                                          EdgeStore (DIR/edge.db)           ArtifactCache (DIR/artifacts)
 
 When the devices use the hub's broker the agent keeps ONE connection for both roles: the broker takes the
 certificate's CN as the client id, so a second connection would take the first one over. While the hub
 or its broker is away, the downstream side keeps working and the outbox fills; it drains on reconnect.
+The node's own deployment progress goes through the same outbox (see :mod:`edge.deployments`).
 Every topic comes from :mod:`interfaces.topics` (DESIGN §4.4).
 """
 
@@ -22,6 +24,7 @@ from pathlib import Path
 
 from device.resources import ResourceSampler
 from edge.artifacts import DEFAULT_BUDGET_BYTES, ArtifactCache
+from edge.deployments import NodeDeployments
 from edge.enrol_proxy import EnrolmentProxy
 from edge.identity import IdentityStore
 from edge.link import Link, LinkSettings, parse_mqtt_url, tls_context
@@ -48,7 +51,7 @@ class AgentConfig:
     downstream_mqtt_url: str | None = None  # the devices' broker; None: the hub's broker
     device_mqtt_url: str | None = None  # what enrolling devices are told; None: the downstream URL
     device_listen: tuple[str, int] | None = None  # the device enrolment proxy; None: off
-    hub_url: str | None = None  # where the enrolment proxy forwards to
+    hub_url: str | None = None  # where the enrolment proxy forwards to and the node downloads its own artefacts
     downstream_session_expiry_s: int = 3600  # a separate devices' broker queues their messages this long
     artifact_cache_bytes: int = DEFAULT_BUDGET_BYTES  # the artefact cache served on device_listen keeps within this
 
@@ -81,7 +84,14 @@ class EdgeAgent:
         self.artifacts: ArtifactCache | None = None
         try:
             sampler = sampler or ResourceSampler(Path(config.data_dir))
-            self.node = NodeService(config.node_id, self.store, sampler, config.heartbeat_interval_s)
+            self.deployments = NodeDeployments(
+                config.node_id,
+                Path(config.data_dir),
+                self.identity.load_signing_key(),
+                config.hub_url,
+                lambda topic, payload, kind: self.relay.enqueue(topic, payload, kind),
+            )
+            self.node = NodeService(config.node_id, self.store, sampler, config.heartbeat_interval_s, self.deployments)
             self.node.attach(self.up)
             self.proxy: EnrolmentProxy | None = None
             if config.device_listen is not None:
@@ -129,11 +139,16 @@ class EdgeAgent:
             self.artifacts.start()
         if self.proxy is not None:
             self.proxy.start()
+        worker = asyncio.create_task(self.deployments.run())
         try:
             async with asyncio.TaskGroup() as group:
                 for link in self.links:
                     group.create_task(link.run(self._stop))
         finally:
+            worker.cancel()
+            await asyncio.gather(worker, return_exceptions=True)
+            await self.deployments.close()
+            await self.node.close()
             await self.relay.close()
             if self.proxy is not None:
                 await asyncio.to_thread(self.proxy.close)

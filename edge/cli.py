@@ -17,7 +17,7 @@ Exit codes:
     4   the stored identity belongs to another node id, or is incomplete
     5   the hub could not be reached for enrolment
     6   the device enrolment proxy cannot listen on an explicit --device-listen address
-    7   the local store (DIR/edge.db) cannot be opened
+    7   the local store (DIR/edge.db, DIR/node-event-seq) cannot be opened
 """
 
 from __future__ import annotations
@@ -34,6 +34,7 @@ from typing import NoReturn
 
 import click
 
+from device.errors import StoredStateError
 from edge.agent import AgentConfig, EdgeAgent
 from edge.artifacts import parse_size
 from edge.enrol import EnrolmentError, HubUnreachable, request_certificate
@@ -162,6 +163,8 @@ def _agent(config: AgentConfig, store: IdentityStore, explicit_listen: bool) -> 
         _fail(EXIT_IDENTITY, str(exc))
     except sqlite3.Error as exc:
         _fail(EXIT_STORE, f"cannot open the local store in {config.data_dir}: {exc}")
+    except StoredStateError as exc:  # DIR/node-event-seq
+        _fail(EXIT_STORE, str(exc))
     except OSError as exc:  # ssl.SSLError included: the key does not match the certificate
         _fail(EXIT_IDENTITY, f"cannot load the node certificate and key from {store.identity_dir}: {exc}")
 

@@ -3,7 +3,9 @@
 On connect the node publishes a retained ``online`` state and then a heartbeat every
 ``heartbeat_interval_s``. If it vanishes, the broker publishes its retained ``offline`` last will; a
 clean stop publishes ``offline`` (reason shutdown) itself. A desired document is kept in the local
-store and acknowledged on ``reported``; ``ping`` is the one command the node answers itself.
+store and acknowledged on ``reported``; ``ping`` is the one command the node answers itself. With a
+:class:`~edge.deployments.NodeDeployments`, the document's deployment orders go to it, ``reported`` carries
+what is installed, and ``infer`` and ``models`` are answered from the installed models (off the event loop).
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ import sqlite3
 import time
 from datetime import UTC, datetime
 from importlib.metadata import PackageNotFoundError, version
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import aiomqtt
 import psutil
@@ -49,6 +51,9 @@ from interfaces.topics import (
     Topic,
 )
 
+if TYPE_CHECKING:
+    from edge.deployments import NodeDeployments
+
 log = logging.getLogger("aisynergy.edge")
 
 try:
@@ -74,8 +79,16 @@ def rejection_event(topic: str, exc: ValidationError | str, rejected_total: int,
 class NodeService:
     """Serves the node's own subtree on the upstream link; see the module docstring."""
 
-    def __init__(self, node_id: str, store: EdgeStore, sampler: ResourceSampler, heartbeat_interval_s: float) -> None:
+    def __init__(
+        self,
+        node_id: str,
+        store: EdgeStore,
+        sampler: ResourceSampler,
+        heartbeat_interval_s: float,
+        deployments: NodeDeployments | None = None,
+    ) -> None:
         self.node_id = node_id
+        self.deployments = deployments
         self.rejected = 0
         self._store = store
         self._sampler = sampler
@@ -83,6 +96,7 @@ class NodeService:
         self._last_resources: Resources | None = None
         self._seq = 0
         self._started = time.monotonic()
+        self._commands: set[asyncio.Task[None]] = set()
 
     def attach(self, link: Link) -> None:
         will = envelope(self.node_id, state_body(ConnectionState.OFFLINE, "will"))
@@ -169,7 +183,10 @@ class NodeService:
             await self._publish(client, NODE_EVENTS, error)
             return
         log.info("desired version %s stored", request.body.version)
-        await self._publish(client, NODE_REPORTED, ReportedBody(version=request.body.version), reply_to=request.id)
+        status = self.deployments.status() if self.deployments is not None else {}
+        await self._publish(client, NODE_REPORTED, ReportedBody(version=request.body.version, status=status), reply_to=request.id)
+        if self.deployments is not None:
+            self.deployments.offer(request.body)
 
     async def _on_command(self, client: aiomqtt.Client, message: aiomqtt.Message, ids: dict[str, str]) -> None:
         props = message.properties
@@ -188,11 +205,39 @@ class NodeService:
             result = CommandResultBody(ok=False, error_code=CommandError.VALIDATION_FAILED.value, error=str(exc)[:2048])
         else:
             request_id = request.id
+            if self.deployments is not None and self.deployments.commands.runs_a_handler(request.body):
+                task = asyncio.create_task(self._answer_later(client, request.body, request_id, response_topic, reply_props))
+                self._commands.add(task)
+                task.add_done_callback(self._commands.discard)
+                return
             result = self._execute(request.body)
             log.info("command %s (%s) answered ok=%s", request.body.name, request_id, result.ok)
         await self._publish(
             client, NODE_CMD_REPLY, result, to=response_topic, reply_to=request_id, properties=reply_props
         )
+
+    async def _answer_later(
+        self, client: aiomqtt.Client, command: CommandBody, request_id: str, response_topic: str | None, props: Properties
+    ) -> None:
+        """Answer a command that runs a model off the event loop, so the session goes on meanwhile."""
+        assert self.deployments is not None
+        result = await asyncio.to_thread(self.deployments.commands.execute, command)
+        try:
+            try:
+                await self._publish(client, NODE_CMD_REPLY, result, to=response_topic, reply_to=request_id, properties=props)
+            except ValueError as exc:  # a result JSON cannot carry
+                result = CommandResultBody(ok=False, error_code=CommandError.FAILED.value, error=f"the result cannot be serialised: {exc}"[:2048])
+                await self._publish(client, NODE_CMD_REPLY, result, to=response_topic, reply_to=request_id, properties=props)
+        except aiomqtt.MqttError as exc:
+            log.warning("the answer to command %s (%s) is lost: %s", command.name, request_id, exc)
+            return
+        log.info("command %s (%s) answered ok=%s", command.name, request_id, result.ok)
+
+    async def close(self) -> None:
+        """Cancel the commands still running."""
+        for task in list(self._commands):
+            task.cancel()
+        await asyncio.gather(*self._commands, return_exceptions=True)
 
     def _execute(self, command: CommandBody) -> CommandResultBody:
         if command.name == "ping":

@@ -17,7 +17,7 @@ import logging
 import os
 import shutil
 import threading
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
@@ -231,3 +231,20 @@ class ModelHost:
             self._default = model.name
         log.info("model %s %s now serves (was %s)", model.name, model.version, old.version if old else "none")
         return old
+
+
+def model_commands(host: ModelHost) -> dict[str, Callable[[dict[str, Any]], dict[str, Any]]]:
+    """The built-in commands over ``host``, by name (the device's and the edge node's): ``infer``
+    (``{"inputs": {name: nested list}, "model": optional name}``) and ``models`` (what is loaded)."""
+
+    def infer(args: dict[str, Any]) -> dict[str, Any]:
+        inputs = args.get("inputs")
+        if not isinstance(inputs, dict):
+            raise TypeError('give {"inputs": {input name: nested list}}')
+        result = host.infer(inputs, args.get("model"))
+        return {"outputs": {k: v.tolist() for k, v in result.outputs.items()}, "model": {"name": result.name, "version": result.version}}
+
+    def models(args: dict[str, Any]) -> dict[str, Any]:
+        return {"models": host.models()}
+
+    return {"infer": infer, "models": models}

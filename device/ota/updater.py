@@ -68,7 +68,7 @@ class Updater:
     ``signing_key``: the hub's Ed25519 public key pinned at enrolment (PEM or key; ``None``: every order is
     REJECTED). ``artifact_base_url``: the API base the order paths are relative to (the edge the device
     enrolled through + ``/api/v1``). ``emit_progress`` publishes an ``ExecutionProgress``; ``firmware`` and
-    ``reboot`` are needed for firmware orders.
+    ``reboot`` are needed for firmware orders; ``no_firmware`` says why a firmware order is refused without them.
     """
 
     def __init__(
@@ -82,6 +82,7 @@ class Updater:
         *,
         models: ModelHost | None = None,
         downloader: Downloader | None = None,
+        no_firmware: str = "this device has no firmware slots or no reboot handler",
     ) -> None:
         self.root = Path(data_dir) / "ota"
         self.models = models or ModelHost(self.root / "models")
@@ -91,6 +92,7 @@ class Updater:
         self._emit = emit_progress
         self.firmware, self.reboot = firmware, reboot
         self._downloader = downloader
+        self._no_firmware = no_firmware
         self.canceled = threading.Event()
 
     # ---- state --------------------------------------------------------------------------------------
@@ -206,7 +208,7 @@ class Updater:
         if m.format not in FORMATS[m.kind]:
             raise _Refused(S.REJECTED, f"incompatible: a {m.kind.value} cannot have format {m.format.value}")
         if m.kind is ArtifactKind.FIRMWARE and (self.firmware is None or self.reboot is None):
-            raise _Refused(S.REJECTED, "incompatible: this device has no firmware slots or no reboot handler")
+            raise _Refused(S.REJECTED, f"incompatible: {self._no_firmware}")
         current = self.installed().get(m.kind.value)
         if current is None or current.name != m.name or order.allow_downgrade or order.action is OrderAction.ROLLBACK:
             return
