@@ -31,6 +31,7 @@ from edge.identity import IdentityStore
 from interfaces.topics import Topic
 
 # Small request/response packets must not wait for the peer's delayed ACK (~40 ms per hop on Linux).
+PENDING_CALLS_WARNING = 10_000  # aiomqtt warns above this many publishes awaiting their PUBACK
 NO_DELAY = ((socket.IPPROTO_TCP, socket.TCP_NODELAY, 1),)
 log = logging.getLogger("aisynergy.edge")
 
@@ -202,7 +203,7 @@ class Link:
             properties = Properties(PacketTypes.CONNECT)
             properties.SessionExpiryInterval = self._settings.session_expiry_s
             clean_start = False
-        return aiomqtt.Client(
+        client = aiomqtt.Client(
             self.host,
             self.port,
             identifier=self.client_id,
@@ -216,6 +217,9 @@ class Link:
             logger=self._mqtt_log,
             socket_options=NO_DELAY,
         )
+        # the outbox sends a window of QoS 1 messages at once by design: no warning per message in flight
+        client.pending_calls_threshold = PENDING_CALLS_WARNING
+        return client
 
     def _log_failure(self, exc: aiomqtt.MqttError, delay: float) -> None:
         where = f"{self.host}:{self.port}"

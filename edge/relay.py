@@ -18,6 +18,7 @@ Device envelopes travel upstream unchanged. The downstream broker's ACL delivers
 from __future__ import annotations
 
 import asyncio
+import threading
 import functools
 import logging
 import math
@@ -75,6 +76,7 @@ QUEUED: dict[Topic[Any], Topic[Any]] = {
 }
 
 
+GROUP_COMMIT_S = 0.005  # messages arriving within this share one outbox transaction
 REDELIVER_DESIRED_AFTER_S = (0.0, 1.0, 3.0)  # after a device comes online (see _on_device_online)
 
 def _bytes(payload: object) -> bytes:
@@ -110,7 +112,7 @@ class DeviceRelay:
         up: Link,
         down: Link,
         *,
-        outbox_window: int = 8,
+        outbox_window: int = 256,
         outbox_limit: int = 100_000,
         prefetch: Callable[[DeploymentOrder], object] | None = None,
     ) -> None:
@@ -130,6 +132,10 @@ class DeviceRelay:
         self._pending: dict[bytes, _Pending] = {}
         self._commands: set[asyncio.Task[None]] = set()
         self._background: set[asyncio.Task[None]] = set()
+        self._staged: list[tuple[str, bytes, int, bool]] = []  # accepted, not yet committed to the outbox
+        self._staged_lock = threading.Lock()
+        self._committer: asyncio.Task[None] | None = None
+        self._commit_scheduled = False
         up.route(RELAY_DESIRED, self._on_relay_desired, node_id=node_id)
         up.route(RELAY_CMD, self._on_relay_command, node_id=node_id)
         up.route(HUB_STATE, self._on_hub_state)
@@ -146,6 +152,7 @@ class DeviceRelay:
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+        await self.flush_staged()
 
     # ---- hub -> device: desired documents -----------------------------------------------------------
     async def _on_relay_desired(self, client: aiomqtt.Client, message: aiomqtt.Message, ids: dict[str, str]) -> None:
@@ -162,20 +169,28 @@ class DeviceRelay:
         except ValidationError as exc:
             self._reject(message.topic.value, exc, device_id=device_id)
             return
-        self._store.add_device(device_id, LearnedFrom.DESIRED)
         if self._prefetch is not None:
             for order in request.body.deployments:
                 try:
                     self._prefetch(order)
                 except Exception:  # best effort: the device can still download through us later
                     log.exception("cannot prefetch %s for %s", order.artifact_id, device_id)
+        # a committed write (an fsync) each: in a worker thread, so a burst of documents (a rollout's release)
+        # does not hold up the devices' messages and the outbox on this loop
+        if not await asyncio.to_thread(self._store_desired, device_id, request.body.version, payload):
+            return
+        log.info("desired version %s of device %s stored; relaying it", request.body.version, device_id)
+        await self._publish_down(downstream, payload)
+
+    def _store_desired(self, device_id: str, version: int, payload: bytes) -> bool:
+        """Register the device and keep its document; False when this very document is stored already."""
+        self._store.add_device(device_id, LearnedFrom.DESIRED)
         stored = self._store.desired(Scope.DEVICE, device_id)
         if stored is not None and stored.payload == payload:
             log.debug("desired version %s of %s already stored", stored.version, device_id)
-            return
-        self._store.put_desired(Scope.DEVICE, device_id, request.body.version, payload)
-        log.info("desired version %s of device %s stored; relaying it", request.body.version, device_id)
-        await self._publish_down(downstream, payload)
+            return False
+        self._store.put_desired(Scope.DEVICE, device_id, version, payload)
+        return True
 
     async def _publish_down(self, topic: str, payload: bytes) -> None:
         try:
@@ -376,23 +391,62 @@ class DeviceRelay:
 
     def enqueue(self, topic: str, payload: bytes, kind: Topic[Any]) -> bool:
         """Store ``payload`` for the hub (store-and-forward, delivered in order with the devices' messages);
-        ``False`` when the outbox is full and it was dropped. Safe from any thread (the node's own events)."""
-        if self._store.outbox_size() >= self._limit:
-            self.dropped += 1
-            if self.dropped == 1 or self.dropped % 1000 == 0:
-                log.error("the outbox holds %s messages; %s dropped so far", self._limit, self.dropped)
-            return False
-        self._store.enqueue(topic, payload, kind.qos, kind.retain)
-        try:
-            here: asyncio.AbstractEventLoop | None = asyncio.get_running_loop()
-        except RuntimeError:
-            here = None
-        loop = self._loop
-        if here is not None and loop in (None, here):
-            self._outbox_ready.set()
-        elif loop is not None:  # another thread; without a loop yet, the pump reads the outbox when it starts
-            loop.call_soon_threadsafe(self._outbox_ready.set)
+        ``False`` when the outbox is full and it was dropped. Safe from any thread (the node's own events).
+
+        Messages arriving together are committed together (group commit: one transaction, one fsync, in a
+        worker thread) a few milliseconds after the first of them; the pump sends only committed rows.
+        """
+        with self._staged_lock:
+            if self._store.outbox_size() + len(self._staged) >= self._limit:
+                self.dropped += 1
+                if self.dropped == 1 or self.dropped % 1000 == 0:
+                    log.error("the outbox holds %s messages; %s dropped so far", self._limit, self.dropped)
+                return False
+            self._staged.append((topic, payload, kind.qos, kind.retain))
+            schedule, self._commit_scheduled = not self._commit_scheduled, True
+        if schedule:
+            try:
+                here: asyncio.AbstractEventLoop | None = asyncio.get_running_loop()
+            except RuntimeError:
+                here = None
+            loop = here or self._loop
+            if loop is None:  # no loop yet: commit now; the pump reads the outbox when it starts
+                while self._commit_staged() or not self._commit_done():
+                    pass
+            elif loop is here:
+                self._committer = loop.create_task(self._commit_loop())
+            else:
+                loop.call_soon_threadsafe(lambda: setattr(self, "_committer", asyncio.get_running_loop().create_task(self._commit_loop())))
         return True
+
+    async def _commit_loop(self) -> None:
+        """The only committer while it runs, so that bursts reach the outbox in arrival order."""
+        while True:
+            await asyncio.sleep(GROUP_COMMIT_S)
+            await asyncio.to_thread(self._commit_staged)
+            self._outbox_ready.set()
+            if self._commit_done():
+                return
+
+    def _commit_done(self) -> bool:
+        """Nothing staged any more: the next enqueue schedules a committer (atomic with enqueue's check)."""
+        with self._staged_lock:
+            if self._staged:
+                return False
+            self._commit_scheduled = False
+            return True
+
+    def _commit_staged(self) -> int:
+        with self._staged_lock:
+            rows, self._staged = self._staged, []
+        self._store.enqueue_many(rows)
+        return len(rows)
+
+    async def flush_staged(self) -> None:
+        """Commit what is staged now (a clean stop)."""
+        if self._committer is not None and not self._committer.done():
+            await asyncio.wait([self._committer], timeout=5)
+        await asyncio.to_thread(self._commit_staged)
 
     async def _on_hub_state(self, client: aiomqtt.Client, message: aiomqtt.Message, ids: dict[str, str]) -> None:
         """The hub says whether it is subscribed; a broker acknowledgement only means delivered to the hub

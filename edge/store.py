@@ -159,6 +159,24 @@ class EdgeStore:
             self._outbox_size += 1
         return int(cursor.lastrowid or 0)
 
+    def enqueue_many(self, rows: list[tuple[str, bytes, int, bool]]) -> None:
+        """Append messages for the hub in one transaction (one fsync for a burst), in order."""
+        if not rows:
+            return
+        created = _now()
+        with self._lock:
+            self._db.execute("BEGIN")
+            try:
+                self._db.executemany(
+                    "INSERT INTO outbox (topic, payload, qos, retain, created_at) VALUES (?, ?, ?, ?, ?)",
+                    [(topic, payload, qos, int(retain), created) for topic, payload, qos, retain in rows],
+                )
+            except BaseException:
+                self._db.execute("ROLLBACK")
+                raise
+            self._db.execute("COMMIT")
+            self._outbox_size += len(rows)
+
     def outbox_head(self, limit: int) -> list[OutboxRow]:
         """The oldest ``limit`` messages, oldest first."""
         with self._lock:
