@@ -19,6 +19,7 @@ import httpx
 from pydantic import ValidationError
 
 from device.errors import EnrolmentError, EnrolmentUnreachable
+from device.tls import tls_verify
 from interfaces import API_PREFIX
 from interfaces.errors import PROBLEM_MEDIA_TYPE, ErrorCode
 from interfaces.nodes import CertificateRequest, DeviceCertificateIssued
@@ -65,7 +66,7 @@ def request_certificate(
     url = certificate_url(enrol_url, device_id)
     body = CertificateRequest(csr_pem=csr_pem, bootstrap_token=bootstrap_token).model_dump(mode="json")
     last = "no attempt made"
-    with httpx.Client(transport=transport, verify=verify, timeout=15.0) as client:
+    with httpx.Client(transport=transport, verify=tls_verify(verify), timeout=15.0) as client:
         for attempt in range(1, attempts + 1):
             log.info("requesting a certificate for %s from %s (attempt %s of %s)", device_id, url, attempt, attempts)
             try:

@@ -48,6 +48,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 
 from device.files import write_atomic
 from device.ota.verify import VerificationError, key_id, load_public_key, sha256_file, verify_download_token
+from device.tls import tls_verify
 from interfaces import API_PREFIX
 from interfaces.deployments import DELTA_MEDIA_TYPE, DOWNLOAD_TOKEN_HEADER, SHA256_RE, DeploymentOrder
 from interfaces.errors import ERROR_TYPE_PREFIX, PROBLEM_MEDIA_TYPE, ErrorCode
@@ -388,7 +389,7 @@ class ArtifactCache:
 
     # ---- downloads ----------------------------------------------------------------------------------
     def _client(self) -> httpx.Client:
-        return httpx.Client(verify=self._verify, timeout=self._timeout, transport=self._transport)
+        return httpx.Client(verify=tls_verify(self._verify), timeout=self._timeout, transport=self._transport)
 
     def _download(self, url: str, token: str, expected: str | None, params: dict[str, str] | None = None) -> str:
         """Fetch ``url`` into ``<sha256>.part``, resuming after interruptions; check its SHA-256 and move it

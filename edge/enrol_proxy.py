@@ -27,6 +27,7 @@ from urllib.parse import urlsplit
 import httpx
 from pydantic import ValidationError
 
+from device.tls import tls_verify
 from edge.artifacts import Answer, ArtifactCache
 from interfaces import API_PREFIX
 from interfaces.errors import ERROR_TYPE_PREFIX, PROBLEM_MEDIA_TYPE, ErrorCode
@@ -120,7 +121,7 @@ class EnrolmentProxy:
         forwarded = {name: headers[name] for name in _FORWARDED_HEADERS if name in headers}
         log.info("forwarding the certificate request of device %s to %s", device_id, url)
         try:
-            with httpx.Client(verify=self._verify, timeout=self._timeout_s) as client:
+            with httpx.Client(verify=tls_verify(self._verify), timeout=self._timeout_s) as client:
                 response = client.post(url, content=body, headers=forwarded)
         except httpx.TransportError as exc:
             log.warning("the hub is unreachable for the enrolment of %s: %s", device_id, exc)

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import httpx
 
+from device.tls import tls_verify
 from interfaces.deployments import DOWNLOAD_TOKEN_HEADER
 
 log = logging.getLogger("aisynergy.device.ota")
@@ -66,7 +67,7 @@ class Downloader:
         self.partial_dir.mkdir(parents=True, exist_ok=True)
         part, url = self.part_path(sha256), self.url(path)
         last = "no attempt made"
-        with httpx.Client(transport=self._transport, verify=self._verify, timeout=self._timeout_s) as client:
+        with httpx.Client(transport=self._transport, verify=tls_verify(self._verify), timeout=self._timeout_s) as client:
             for attempt in range(1, self._attempts + 1):
                 if self._canceled.is_set():
                     raise DownloadCanceled("the agent is stopping")
@@ -132,3 +133,4 @@ class Downloader:
 
 class _Retry(Exception):
     """A transient answer: try again."""
+

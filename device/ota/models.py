@@ -97,6 +97,10 @@ class _OnnxRunner:
         import onnxruntime as ort
 
         options = ort.SessionOptions()
+        # idle pool threads sleep instead of spinning: a board (or an edge hosting many models) should not
+        # burn its cores between requests
+        options.add_session_config_entry("session.intra_op.allow_spinning", "0")
+        options.add_session_config_entry("session.inter_op.allow_spinning", "0")
         if threads:
             options.intra_op_num_threads = threads
             options.inter_op_num_threads = 1
