@@ -127,7 +127,25 @@ def measure_rollout(run: Run, api: Any, sampler: Sampler, handles: dict[str, lis
     t1 = time.time()
     executions = last["executions"]
     active_at = sorted(ts(e["history"][-1]["at"]) - ts(last["created_at"]) for e in executions if e["state"] == "ACTIVE")
-    downloaded = sum(_downloaded(api, e) for e in executions[: a.progress_sample])
+    sample = [_progress(api, e) for e in executions[: a.progress_sample]]
+    downloaded = sum(_downloaded(events) for events in sample)
+    # on the device's clock (the same machine): when each step happened, and how long its report took to land
+    device_side: dict[str, list[float]] = {}
+    delivery: list[float] = []
+    for events in sample:
+        for e in events:
+            device_side.setdefault(e["data"]["state"], []).append(ts(e["ts"]) - ts(last["created_at"]))
+            delivery.append(ts(e["received_at"]) - ts(e["ts"]))
+    r["device_clock_sample"] = {
+        state: {"first_s": _r(min(v), 2), "p50_s": _r(sorted(v)[len(v) // 2], 2), "last_s": _r(max(v), 2)} for state, v in device_side.items()
+    }
+    delivery.sort()
+    r["event_delivery_s"] = {"p50": _r(delivery[len(delivery) // 2], 3), "p99": _r(delivery[int(len(delivery) * 0.99)], 3), "max": _r(delivery[-1], 3)} if delivery else None
+    timeline: dict[str, dict[str, float | None]] = {}
+    for state in ("QUEUED", "DOWNLOADING", "DOWNLOADED", "VERIFYING", "INSTALLING", "ACTIVE"):
+        at = sorted(ts(t["at"]) - ts(last["created_at"]) for e in executions for t in e["history"] if t["to_state"] == state)
+        if at:
+            timeline[state] = {"first_s": _r(at[0], 2), "p50_s": _r(at[len(at) // 2], 2), "last_s": _r(at[-1], 2), "count": len(at)}
     r["rollout"] = {
         "deployment_id": dep["id"], "state": last["state"], "counts": {k: v for k, v in last["counts"].items() if v},
         "post_to_final_s": _r(wall, 2),
@@ -135,6 +153,7 @@ def measure_rollout(run: Run, api: Any, sampler: Sampler, handles: dict[str, lis
         "half_active_s": _r(active_at[len(active_at) // 2], 2) if active_at else None,
         "all_active_s": _r(active_at[-1], 2) if len(active_at) == len(executions) else None,
         "active": len(active_at), "targets": len(executions),
+        "entered_state_after_create": timeline,
         "resources": resources(sampler, handles, t0, t1),
     }  # fmt: skip
     edge_after = _edge_fetches(run)
@@ -149,12 +168,14 @@ def measure_rollout(run: Run, api: Any, sampler: Sampler, handles: dict[str, lis
     }
 
 
-def _downloaded(api: Any, execution: dict[str, Any]) -> int:
-    """The bytes a device reports downloading for this execution (DOWNLOADED progress)."""
+def _progress(api: Any, execution: dict[str, Any]) -> list[dict[str, Any]]:
     page = api_ok(api.get(f"/devices/{execution['target_id']}/events", params={"limit": 500}), "device events")
-    sizes = [e["data"].get("bytes_downloaded") or 0 for e in page["items"]
-             if e["type"] == "deployment.execution" and e["data"].get("execution_id") == execution["id"] and e["data"].get("state") == "DOWNLOADED"]  # fmt: skip
-    return max(sizes, default=0)
+    return [e for e in page["items"] if e["type"] == "deployment.execution" and e["data"].get("execution_id") == execution["id"]]
+
+
+def _downloaded(events: list[dict[str, Any]]) -> int:
+    """The bytes a device reports downloading (its DOWNLOADED progress)."""
+    return max((e["data"].get("bytes_downloaded") or 0 for e in events if e["data"].get("state") == "DOWNLOADED"), default=0)
 
 
 def _edge_fetches(run: Run) -> int:
@@ -284,7 +305,7 @@ def main(argv: Iterable[str] | None = None) -> int:
             shutil.rmtree(data_dir, ignore_errors=True)
         else:
             run.results["data_dir"] = str(data_dir)
-    print(json.dumps({k: run.results.get(k) for k in ("rollout", "bytes", "deltas", "verification", "holds", "error")}, indent=2, default=str))
+    print(json.dumps({k: run.results.get(k) for k in ("rollout", "device_clock_sample", "event_delivery_s", "bytes", "deltas", "verification", "holds", "error")}, indent=2, default=str))
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(run.results, indent=2, default=str) + "\n")

@@ -84,6 +84,9 @@ def render_config(layout: BrokerLayout, host: str, port: int, max_packet_bytes: 
             "connection_messages true",
             f"max_packet_size {max_packet_bytes}",
             "max_queued_messages 200000",  # per offline persistent session (the hub's, during a restart)
+            # QoS 1 messages in flight to one client: the hub acknowledges a report only once its ingest
+            # has committed it (up to a flush interval later), so 20, the default, would cap it at ~100/s
+            "max_inflight_messages 0",
             "per_listener_settings false",
             "set_tcp_nodelay true",  # no ~40 ms delayed-ACK stall per hop for small request/response packets
             "allow_anonymous false",
