@@ -115,16 +115,18 @@ def measure_rollout(run: Run, api: Any, sampler: Sampler, handles: dict[str, lis
     t0 = time.time()
     t0_mono = time.monotonic()
     dep = api_ok(api.post("/deployments", json=body), "create the deployment")
-    last: dict[str, Any] = {}
 
     def final() -> bool:
-        nonlocal last
-        last = api_ok(api.get(f"/deployments/{dep['id']}"), "read the deployment")
-        return last["state"] in FINAL
+        # the summary (state and counts), not the detail with every execution's history: a poll must not
+        # load the hub it measures
+        page = api_ok(api.get("/deployments", params={"limit": 100}), "list deployments")
+        mine = [d for d in page["items"] if d["id"] == dep["id"]]
+        return bool(mine) and mine[0]["state"] in FINAL
 
     wait_until(final, a.timeout + 60, "the deployment to finish", 0.25)
     wall = time.monotonic() - t0_mono
     t1 = time.time()
+    last = api_ok(api.get(f"/deployments/{dep['id']}"), "read the deployment")
     executions = last["executions"]
     active_at = sorted(ts(e["history"][-1]["at"]) - ts(last["created_at"]) for e in executions if e["state"] == "ACTIVE")
     sample = [_progress(api, e) for e in executions[: a.progress_sample]]
