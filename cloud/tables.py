@@ -42,7 +42,7 @@ class Node(SQLModel, table=True):
     reported: dict[str, Any] = Field(default_factory=dict, sa_column=Column(JSON, nullable=False))
     reported_version: int = 0
     reported_at: datetime | None = _ts(nullable=True)
-    orders: list[dict[str, Any]] = Field(default_factory=list, sa_column=Column(JSON, nullable=False, server_default="[]"))
+    orders: list[dict[str, Any]] = Field(default_factory=list, sa_column=Column(JSON, nullable=False))
     orders_version: int = Field(default=0, sa_column_kwargs={"server_default": "0"})
     orders_published: int = Field(default=0, sa_column_kwargs={"server_default": "0"})
 
@@ -117,7 +117,7 @@ class Device(SQLModel, table=True):
     agent_version: str | None = Field(default=None, max_length=64)
     uptime_s: float | None = None
     resources: dict[str, Any] | None = Field(default=None, sa_column=Column(JSON, nullable=True))
-    orders: list[dict[str, Any]] = Field(default_factory=list, sa_column=Column(JSON, nullable=False, server_default="[]"))
+    orders: list[dict[str, Any]] = Field(default_factory=list, sa_column=Column(JSON, nullable=False))
     orders_version: int = Field(default=0, sa_column_kwargs={"server_default": "0"})
     orders_published: int = Field(default=0, sa_column_kwargs={"server_default": "0"})
 

@@ -480,6 +480,10 @@ class Device:
         record = self._desired.record
         if record.applied_version >= 0:  # say it again: a report queued when the process last ended never left
             self._publish(DEVICE_REPORTED, ReportedBody(version=record.applied_version, status=self._with_installed(record.status)))
+        elif self._updater is not None and self._updater.installed():
+            # no desired document applied yet, but something runs (factory firmware): the hub needs to know
+            # what, to offer deltas and to know what a rollback returns to
+            self._publish(DEVICE_REPORTED, ReportedBody(version=0, status=self._with_installed({})))
         if record.pending:  # stored but not applied: a crash in between, or the handler failed
             self._desired_worker.submit(self._apply_desired)
         self._heartbeats.beat_now()

@@ -77,7 +77,7 @@ QUEUED: dict[Topic[Any], Topic[Any]] = {
 
 
 GROUP_COMMIT_S = 0.005  # messages arriving within this share one outbox transaction
-REDELIVER_DESIRED_AFTER_S = (0.0, 1.0, 3.0)  # after a device comes online (see _on_device_online)
+REDELIVER_DESIRED_AFTER_S = (0.0, 1.0, 3.0, 10.0, 30.0)  # after a device comes online (see _on_device_online)
 
 def _bytes(payload: object) -> bytes:
     return bytes(payload) if isinstance(payload, (bytes, bytearray)) else str(payload or "").encode()
@@ -331,7 +331,7 @@ class DeviceRelay:
                 await self._on_device_online(device_id, payload)
 
     async def _on_device_online(self, device_id: str, payload: bytes) -> None:
-        """A device came online: publish its stored desired document again, now and twice more.
+        """A device came online: publish its stored desired document again, now and a few times more.
 
         The broker's access list learns of a device a moment after the hub registers it (the broker
         reloads it); a document relayed before that was refused without a word, and MQTT gives the

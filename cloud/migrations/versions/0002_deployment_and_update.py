@@ -105,11 +105,17 @@ def upgrade() -> None:
         batch_op.add_column(sa.Column('orders', sa.JSON(), server_default='[]', nullable=False))
         batch_op.add_column(sa.Column('orders_version', sa.Integer(), server_default='0', nullable=False))
         batch_op.add_column(sa.Column('orders_published', sa.Integer(), server_default='0', nullable=False))
+    # the default only fills the rows that exist; the application always writes the column
+    with op.batch_alter_table('devices', schema=None) as batch_op:
+        batch_op.alter_column('orders', existing_type=sa.JSON(), server_default=None, existing_nullable=False)
 
     with op.batch_alter_table('nodes', schema=None) as batch_op:
         batch_op.add_column(sa.Column('orders', sa.JSON(), server_default='[]', nullable=False))
         batch_op.add_column(sa.Column('orders_version', sa.Integer(), server_default='0', nullable=False))
         batch_op.add_column(sa.Column('orders_published', sa.Integer(), server_default='0', nullable=False))
+    # the default only fills the rows that exist; the application always writes the column
+    with op.batch_alter_table('nodes', schema=None) as batch_op:
+        batch_op.alter_column('orders', existing_type=sa.JSON(), server_default=None, existing_nullable=False)
 
 
 
