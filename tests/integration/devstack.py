@@ -98,3 +98,44 @@ def start_devstack(tmp_path: Path, database_url: str) -> DevStack:
     with hub.client("viewer") as api:
         wait_for(lambda: api.get(f"/nodes/{stack.node_id}/status").json()["state"] == "ONLINE", 30, what="edge ONLINE")
     return stack
+
+
+# ---- deployments through the public API (DESIGN §4.2) ---------------------------------------------
+FINAL_DEPLOYMENT = frozenset({"SUCCEEDED", "FAILED", "CANCELED", "ROLLED_BACK"})
+
+
+def upload_artifact(stack: DevStack, data: bytes, kind: str, name: str, version: str, fmt: str) -> dict:  # type: ignore[type-arg]
+    """``POST /artifacts`` (multipart) as operator; the ArtifactPublic document."""
+    with stack.hub.client("operator") as api:
+        r = api.post("/artifacts", data={"kind": kind, "name": name, "version": version, "format": fmt},
+                     files={"file": (f"{name}-{version}", data, "application/octet-stream")})  # fmt: skip
+        assert r.status_code == 201, r.text
+        return r.json()  # type: ignore[no-any-return]
+
+
+def create_deployment(stack: DevStack, artifact_id: str, target: dict, **options: object) -> dict:  # type: ignore[type-arg]
+    """``POST /deployments`` as operator; the DeploymentDetail document."""
+    with stack.hub.client("operator") as api:
+        r = api.post("/deployments", json={"artifact_id": artifact_id, "target": target, **options})
+        assert r.status_code == 201, r.text
+        return r.json()  # type: ignore[no-any-return]
+
+
+def wait_deployment_final(stack: DevStack, deployment_id: str, timeout: float = 90) -> dict:  # type: ignore[type-arg]
+    """Poll ``GET /deployments/{id}`` until the deployment is final and nothing is rolling back."""
+    last: dict = {}  # type: ignore[type-arg]
+
+    def done() -> bool:
+        nonlocal last
+        with stack.hub.client("viewer") as api:
+            r = api.get(f"/deployments/{deployment_id}")
+        if r.status_code != 200:
+            return False
+        last = r.json()
+        return last["state"] in FINAL_DEPLOYMENT and all(e["state"] != "ROLLING_BACK" for e in last["executions"])
+
+    try:
+        wait_for(done, timeout, interval=0.2, what=f"deployment {deployment_id} final")
+    except AssertionError:
+        raise AssertionError(f"deployment not final in {timeout} s: {last.get('state')} {last.get('counts')}") from None
+    return last

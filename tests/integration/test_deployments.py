@@ -21,14 +21,13 @@ import pytest
 
 from cloud.signing import SigningKey
 from interfaces.deployments import EXECUTION_EVENT
-from tests.integration.devstack import DevStack, start_devstack
+from tests.integration.devstack import DevStack, create_deployment, start_devstack, upload_artifact, wait_deployment_final
 from tests.support import start_hub, wait_for
 
 MODELS = Path(__file__).parent.parent / "fixtures" / "models"
 V1, V2 = MODELS / "mlp-1.0.0.onnx", MODELS / "mlp-1.1.0.onnx"
 FLEET = 20
 FULL_PATH = ["QUEUED", "DOWNLOADING", "DOWNLOADED", "VERIFYING", "INSTALLING", "ACTIVE"]
-FINAL_DEPLOYMENT = {"SUCCEEDED", "FAILED", "CANCELED", "ROLLED_BACK"}
 
 
 @pytest.fixture(scope="module")
@@ -46,41 +45,20 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DevStack]:
 
 
 def _upload(stack: DevStack, path: Path, kind: str, name: str, version: str, fmt: str, data: bytes | None = None) -> dict[str, Any]:
-    key = (kind, name, version)
+    """Upload once per (kind, name, version) for the whole module."""
     cache: dict[tuple[str, str, str], dict[str, Any]] = stack.artifacts  # type: ignore[attr-defined]
+    key = (kind, name, version)
     if key not in cache:
-        with stack.hub.client("operator") as api:
-            files = {"file": (path.name, data if data is not None else path.read_bytes(), "application/octet-stream")}
-            r = api.post("/artifacts", data={"kind": kind, "name": name, "version": version, "format": fmt}, files=files)
-            assert r.status_code == 201, r.text
-            cache[key] = r.json()
+        cache[key] = upload_artifact(stack, data if data is not None else path.read_bytes(), kind, name, version, fmt)
     return cache[key]
 
 
 def _deploy(stack: DevStack, artifact: dict[str, Any], device_ids: list[str], **options: Any) -> dict[str, Any]:
-    with stack.hub.client("operator") as api:
-        r = api.post("/deployments", json={"artifact_id": artifact["id"], "target": {"ids": device_ids}, **options})
-        assert r.status_code == 201, r.text
-        return r.json()  # type: ignore[no-any-return]
+    return create_deployment(stack, artifact["id"], {"ids": device_ids}, **options)
 
 
 def _wait_final(stack: DevStack, deployment_id: str, timeout: float = 90) -> dict[str, Any]:
-    last: dict[str, Any] = {}
-
-    def done() -> bool:
-        nonlocal last
-        with stack.hub.client("viewer") as api:
-            r = api.get(f"/deployments/{deployment_id}")
-        if r.status_code != 200:
-            return False
-        last = r.json()
-        return last["state"] in FINAL_DEPLOYMENT and all(e["state"] not in ("ROLLING_BACK",) for e in last["executions"])
-
-    try:
-        wait_for(done, timeout, interval=0.2, what=f"deployment {deployment_id} final")
-    except AssertionError:
-        raise AssertionError(f"deployment not final in {timeout} s: {last.get('state')} {last.get('counts')}") from None
-    return last
+    return wait_deployment_final(stack, deployment_id, timeout)
 
 
 def _deploy_and_wait(stack: DevStack, artifact: dict[str, Any], device_ids: list[str], **options: Any) -> dict[str, Any]:

@@ -9,17 +9,15 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import onnxruntime as ort
 import pytest
 
-from tests.integration.devstack import DevStack, start_devstack
+from tests.integration.devstack import DevStack, create_deployment, start_devstack, upload_artifact, wait_deployment_final
 from tests.support import wait_for
 
 MODEL = Path(__file__).parent.parent / "fixtures" / "models" / "mlp-1.0.0.onnx"
-FINAL_DEPLOYMENT = {"SUCCEEDED", "FAILED", "CANCELED", "ROLLED_BACK"}
 
 
 @pytest.fixture
@@ -31,38 +29,14 @@ def stack(tmp_path: Path) -> Iterator[DevStack]:
         stack.close()
 
 
-def _wait_final(stack: DevStack, deployment_id: str, timeout: float = 60) -> dict[str, Any]:
-    last: dict[str, Any] = {}
-
-    def done() -> bool:
-        nonlocal last
-        with stack.hub.client("viewer") as api:
-            r = api.get(f"/deployments/{deployment_id}")
-        if r.status_code != 200:
-            return False
-        last = r.json()
-        return last["state"] in FINAL_DEPLOYMENT
-
-    try:
-        wait_for(done, timeout, interval=0.2, what=f"deployment {deployment_id} final")
-    except AssertionError:
-        raise AssertionError(f"deployment not final in {timeout} s: {last.get('state')} {last.get('executions')}") from None
-    return last
-
-
 def test_a_model_deployed_to_an_edge_node_is_installed_and_answers_infer(stack: DevStack) -> None:
     # Prepare
     x = np.ones((1, 128), dtype=np.float32)
-    with stack.hub.client("operator") as api:
-        files = {"file": (MODEL.name, MODEL.read_bytes(), "application/octet-stream")}
-        r = api.post("/artifacts", data={"kind": "model", "name": "mlp", "version": "1.0.0", "format": "onnx"}, files=files)
-        assert r.status_code == 201, r.text
-        artifact = r.json()
+    artifact = upload_artifact(stack, MODEL.read_bytes(), "model", "mlp", "1.0.0", "onnx")
 
-        # Execute
-        r = api.post("/deployments", json={"artifact_id": artifact["id"], "target": {"kind": "node", "ids": [stack.node_id]}})
-        assert r.status_code == 201, r.text
-        result = _wait_final(stack, r.json()["id"])
+    # Execute
+    result = wait_deployment_final(stack, create_deployment(stack, artifact["id"], {"kind": "node", "ids": [stack.node_id]})["id"], 60)
+    with stack.hub.client("operator") as api:
         answer = api.post(f"/nodes/{stack.node_id}/commands", json={"name": "infer", "args": {"inputs": {"x": x.tolist()}}})
         listed = api.post(f"/nodes/{stack.node_id}/commands", json={"name": "models"})
 

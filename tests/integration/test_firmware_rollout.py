@@ -17,11 +17,10 @@ from typing import Any
 import psutil
 import pytest
 
-from tests.integration.devstack import DevStack, start_devstack
+from tests.integration.devstack import DevStack, create_deployment, start_devstack, upload_artifact, wait_deployment_final
 from tests.support import AISYNERGY, start, stop, wait_for
 
 SAMPLES = Path(__file__).parent.parent.parent / "firmware_images" / "samples"
-FINAL = {"SUCCEEDED", "FAILED", "CANCELED", "ROLLED_BACK"}
 
 
 @pytest.fixture
@@ -72,32 +71,15 @@ class FirmwareDevice:
 
 
 def _upload(stack: DevStack, image: Path, version: str) -> dict[str, Any]:
-    with stack.hub.client("operator") as api:
-        r = api.post("/artifacts", data={"kind": "firmware", "name": "sensor-fw", "version": version, "format": "firmware"},
-                     files={"file": (image.name, image.read_bytes(), "application/octet-stream")})  # fmt: skip
-        assert r.status_code == 201, r.text
-        return r.json()  # type: ignore[no-any-return]
+    return upload_artifact(stack, image.read_bytes(), "firmware", "sensor-fw", version, "firmware")
 
 
 def _deploy(stack: DevStack, artifact: dict[str, Any], device_id: str) -> str:
-    with stack.hub.client("operator") as api:
-        r = api.post("/deployments", json={"artifact_id": artifact["id"], "target": {"ids": [device_id]}, "timeout_s": 120})
-        assert r.status_code == 201, r.text
-        return str(r.json()["id"])
-
-
-def _execution(stack: DevStack, deployment_id: str) -> dict[str, Any]:
-    with stack.hub.client("viewer") as api:
-        return api.get(f"/deployments/{deployment_id}").json()["executions"][0]  # type: ignore[no-any-return]
+    return str(create_deployment(stack, artifact["id"], {"ids": [device_id]}, timeout_s=120)["id"])
 
 
 def _wait_deployment(stack: DevStack, deployment_id: str, timeout: float = 90) -> dict[str, Any]:
-    def final() -> dict[str, Any] | None:
-        with stack.hub.client("viewer") as api:
-            doc = api.get(f"/deployments/{deployment_id}").json()
-        return doc if doc["state"] in FINAL else None
-
-    return wait_for(final, timeout, interval=0.2, what=f"deployment {deployment_id} final")  # type: ignore[return-value]
+    return wait_deployment_final(stack, deployment_id, timeout)
 
 
 def _slow_image(tmp: Path) -> Path:
