@@ -90,6 +90,7 @@ class EdgeAgent:
                 self.identity.load_signing_key(),
                 config.hub_url,
                 lambda topic, payload, kind: self.relay.enqueue(topic, payload, kind),
+                signing_key_source=self.identity.load_signing_key,  # an older identity pins it later
             )
             self.node = NodeService(config.node_id, self.store, sampler, config.heartbeat_interval_s, self.deployments)
             self.node.attach(self.up)

@@ -69,11 +69,13 @@ class NodeDeployments:
         signing_key: Ed25519PublicKey | None,
         hub_url: str | None,
         send_up: SendUp,
+        signing_key_source: Callable[[], Ed25519PublicKey | None] | None = None,
     ) -> None:
         self.node_id = node_id
         self.models = ModelHost(Path(data_dir) / "ota" / "models")
         base_url = f"{hub_url.rstrip('/')}{API_PREFIX}" if hub_url else None
         self.updater = Updater(data_dir, signing_key, base_url, self._progress, models=self.models, no_firmware=NO_FIRMWARE)
+        self.updater.signing_key_source = signing_key_source
         self.commands = Commands()
         for name, handler in model_commands(self.models).items():
             self.commands.register_builtin(name, handler)

@@ -88,6 +88,8 @@ class Updater:
         self.models = models or ModelHost(self.root / "models")
         self.store = OtaStore(self.root / "state.json")
         self._signing_key = signing_key  # loaded at the first order: cryptography stays out of an idle agent
+        self.signing_key_source: Callable[[], Ed25519PublicKey | None] | None = None
+        """Asked for the key when none was given (an identity that pins it later); set by the owner."""
         self._base_url = artifact_base_url
         self._emit = emit_progress
         self.firmware, self.reboot = firmware, reboot
@@ -197,6 +199,8 @@ class Updater:
 
         signed = order.signed_manifest
         m = signed.manifest
+        if self._signing_key is None and self.signing_key_source is not None:
+            self._signing_key = self.signing_key_source()  # pinned since this updater started (an older edge)
         if self._signing_key is None:
             raise _Refused(S.REJECTED, "no hub signing key is pinned on this device (enrolled before signing keys; re-enrol)")
         try:
@@ -232,7 +236,7 @@ class Updater:
             log.info("%s %s is kept on this device; not downloading it", m.name, m.version)
             return staged, False
         if self._base_url is None:
-            raise _Refused(S.FAILED, "no artefact source known (the device has no enrolment URL)")
+            raise _Refused(S.FAILED, "no artefact source known (no enrolment URL on a device, no hub URL on an edge)")
         downloader = self._downloader_()
         if order.delta is not None:
             try:

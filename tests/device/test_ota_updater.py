@@ -414,3 +414,24 @@ def test_without_a_pinned_key_every_order_is_rejected(tmp_path: Path, signing: S
 
     assert [(e.state, "signing key" in e.detail) for e in events] == [(S.REJECTED, True)]
     assert server.requests == []
+
+
+def test_a_key_pinned_after_the_updater_started_is_used(tmp_path: Path, signing: SigningKey, server: BlobServer) -> None:
+    """An older edge identity pins the hub key later (its artefact cache fetches it): the next order uses it."""
+    # Prepare
+    from device.ota.verify import load_public_key
+
+    events: list[ExecutionProgress] = []
+    pinned: list[object] = []
+    updater = Updater(tmp_path, None, server.base_url, events.append, models=ModelHost(tmp_path / "ota" / "models", threads=1))
+    updater.signing_key_source = lambda: pinned[0] if pinned else None  # type: ignore[assignment, return-value]
+    first, second = make_order(signing, server, V1, "1.0.0"), make_order(signing, server, V2, "1.1.0")
+
+    # Execute
+    updater.apply([first])
+    pinned.append(load_public_key(signing.public_pem))
+    updater.apply([second])
+
+    # Assert
+    assert [e.state for e in events if e.execution_id == first.execution_id] == [S.REJECTED]
+    assert [e.state for e in events if e.execution_id == second.execution_id][-1] == S.ACTIVE
