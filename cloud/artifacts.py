@@ -219,8 +219,11 @@ def delta_path(artifact_id: str, base_sha256: str) -> str:
     return f"/artifacts/{artifact_id}/delta?from={base_sha256}"
 
 
-def get_artifact(session: Session, artifact_id: str) -> Artifact:
-    row = session.get(Artifact, artifact_id) if is_id(artifact_id) else None
+def get_artifact(session: Session, artifact_id: str, lock: bool = False) -> Artifact:
+    """The artefact row (404 when missing). ``lock``: hold its row lock to the end of the transaction
+    (PostgreSQL ``FOR UPDATE``; SQLite serialises writers anyway), so that a deletion and a new deployment
+    of the same artefact on two hub replicas cannot both pass their checks."""
+    row = session.get(Artifact, artifact_id, with_for_update=lock) if is_id(artifact_id) else None
     if row is None:
         raise NotFound(f"artifact {artifact_id} does not exist")
     return row
@@ -370,7 +373,7 @@ def delete_artifact(session: Session, blobs: BlobStore, artifact_id: str) -> Non
     """Delete the artefact (409 ``artifact_in_use`` with the reason), and its blob when no other artefact has
     the same bytes (with the deltas from and to those bytes)."""
     with _REFS:
-        row = get_artifact(session, artifact_id)
+        row = get_artifact(session, artifact_id, lock=True)
         reason = artifact_in_use(session, artifact_id)
         if reason is not None:
             raise Conflict(f"artifact {artifact_id} is in use: {reason}", code=ErrorCode.ARTIFACT_IN_USE, reason=reason)

@@ -211,7 +211,7 @@ def _resolve_targets(session: Session, target: DeploymentTarget) -> tuple[list[A
 def create(session: Session, body: DeploymentCreate) -> Deployment:
     from cloud.artifacts import get_artifact  # the ingest imports this module; artefacts are only needed here
 
-    artifact = get_artifact(session, body.artifact_id)
+    artifact = get_artifact(session, body.artifact_id, lock=True)  # no deletion slips in before this commits
     rows, locked = _resolve_targets(session, body.target)
     if not rows:
         why = f" ({len(locked)} on LOCKED nodes)" if locked else ""
