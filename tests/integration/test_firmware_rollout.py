@@ -10,6 +10,7 @@ import json
 import shutil
 import signal
 import subprocess
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -40,6 +41,11 @@ class FirmwareDevice:
             self.device_id = api.post("/devices", json={"node_id": stack.node_id, "name": name, "model": "sensor-board"}).json()["id"]
             token = api.post(f"/devices/{self.device_id}/bootstrap-token", json={}).json()["bootstrap_token"]
         self.stack, self.data_dir, self.log = stack, stack.data / name, stack.data / f"{name}.log"
+        # as on a real site, the device starts after the brokers' access lists know it: Mosquitto 2.0.11 can
+        # cut off a client that connects in the instant before the reload that adds its entry
+        acl = stack.data / "devices-broker" / "acl"
+        wait_for(lambda: acl.exists() and self.device_id in acl.read_text(), 10, what="the devices' broker knows the device")
+        time.sleep(0.3)  # the reload follows the file
         self.args = [*AISYNERGY, "device", "run", "--device-id", self.device_id, "--data-dir", str(self.data_dir),
                      "--enrol-url", stack.enrol_url, "--bootstrap-token", token,
                      "--firmware", str(SAMPLES / "sensor-fw-1.0.0.fw"), "--firmware-manifest", str(SAMPLES / "sensor-fw-1.0.0.manifest.json"),
