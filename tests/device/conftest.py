@@ -3,6 +3,7 @@ it, a throwaway Mosquitto with mutual TLS and the per-device ACL, and an observe
 
 from __future__ import annotations
 
+import contextlib
 import datetime as dt
 import ipaddress
 import json
@@ -339,3 +340,63 @@ def edge(device_broker: DeviceBroker, enrolled: tuple[str, Path]) -> Iterator[Ed
     observer = EdgeObserver(device_broker, enrolled[0])
     yield observer
     observer.close()
+
+
+class Gate:
+    """A TCP forwarder in front of the broker that can be shut (existing connections cut, new ones refused)
+    and opened again on the same port: a broker outage for the device alone, while a test's observer keeps
+    its own connection to the broker."""
+
+    def __init__(self, target_port: int) -> None:
+        self.target_port = target_port
+        self.port = free_port()
+        self._listener: socket.socket | None = None
+        self._conns: list[socket.socket] = []
+        self._lock = threading.Lock()
+        self.open()
+
+    @property
+    def url(self) -> str:
+        return f"mqtts://127.0.0.1:{self.port}"
+
+    def open(self) -> None:
+        listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        listener.bind(("127.0.0.1", self.port))
+        listener.listen(16)
+        self._listener = listener
+        threading.Thread(target=self._accept, args=(listener,), daemon=True).start()
+
+    def shut(self) -> None:
+        with self._lock:
+            listener, self._listener = self._listener, None
+            conns, self._conns = self._conns, []
+        if listener is not None:
+            listener.close()
+        for conn in conns:
+            with contextlib.suppress(OSError):
+                conn.shutdown(socket.SHUT_RDWR)
+            conn.close()
+
+    def _accept(self, listener: socket.socket) -> None:
+        while True:
+            try:
+                client, _ = listener.accept()
+            except OSError:
+                return  # shut
+            upstream = socket.create_connection(("127.0.0.1", self.target_port))
+            with self._lock:
+                self._conns += [client, upstream]
+            for a, b in ((client, upstream), (upstream, client)):
+                threading.Thread(target=self._pipe, args=(a, b), daemon=True).start()
+
+    @staticmethod
+    def _pipe(src: socket.socket, dst: socket.socket) -> None:
+        try:
+            while data := src.recv(65536):
+                dst.sendall(data)
+        except OSError:
+            pass
+        finally:
+            with contextlib.suppress(OSError):
+                dst.shutdown(socket.SHUT_WR)

@@ -13,7 +13,7 @@ from device.errors import ConfigError, NotRunning
 from device.identity import IdentityStore
 from interfaces.messages import CommandBody
 from interfaces.topics import DEVICE_DESIRED
-from tests.device.conftest import DeviceBroker, EdgeObserver, ThrowawayCA
+from tests.device.conftest import DeviceBroker, EdgeObserver, Gate, ThrowawayCA
 from tests.support import wait_for
 
 pytestmark = pytest.mark.broker
@@ -86,24 +86,28 @@ def test_bad_options_are_refused_before_anything_starts(tmp_path: Path) -> None:
 def test_events_emitted_during_a_broker_outage_arrive_in_order_after_the_reconnect(
     enrolled: tuple[str, Path], device_broker: DeviceBroker
 ) -> None:
+    # the device reaches the broker through a gate: shutting it is an outage for the device alone, so the
+    # observer is subscribed before the device can come back (no race with its reconnect)
     device_id, data_dir = enrolled
-    with Device(device_id, data_dir, reconnect_cap_s=0.3) as dev:
-        edge = EdgeObserver(device_broker, device_id)
-        edge.expect("state", state="online")
-        edge.close()
-        device_broker.stop()
-        wait_for(lambda: not dev.connected, 20, what="the device to notice the outage")
+    gate = Gate(device_broker.port)
+    edge = EdgeObserver(device_broker, device_id)
+    try:
+        with Device(device_id, data_dir, mqtt_url=gate.url, reconnect_cap_s=0.3) as dev:
+            edge.expect("state", state="online")
+            gate.shut()
+            wait_for(lambda: not dev.connected, 20, what="the device to notice the outage")
 
-        queued = [dev.emit("reading", {"n": n}) for n in range(3)]
-        time.sleep(0.8)  # a few refused connection attempts
-        device_broker.start()
-        edge = EdgeObserver(device_broker, device_id)
-        edge.expect("state", state="online", timeout=10)
-        for n, seq in enumerate(queued):
-            _, event = edge.expect("events", type="reading")
-            assert (event["body"]["data"], event["body"]["seq"]) == ({"n": n}, seq)
-        assert dev.stats().reconnects == 1
+            queued = [dev.emit("reading", {"n": n}) for n in range(3)]
+            time.sleep(0.8)  # a few refused connection attempts
+            gate.open()
+            edge.expect("state", state="online", timeout=10)
+            for n, seq in enumerate(queued):
+                _, event = edge.expect("events", type="reading")
+                assert (event["body"]["data"], event["body"]["seq"]) == ({"n": n}, seq)
+            assert dev.stats().reconnects == 1
+    finally:
         edge.close()
+        gate.shut()
 
 
 def test_a_certificate_the_broker_does_not_trust_is_logged_as_a_tls_failure_and_retried(
