@@ -24,8 +24,11 @@ from pathlib import Path
 
 import httpx
 
+from cloud.broker.config import BrokerLayout
+
 log = logging.getLogger("aisynergy.up")
 CLI = [sys.executable, "-m", "cloud.cli.root"]
+ACL_RELOAD_GRACE_S = 0.5  # the broker reloads its access list a moment after the file changes
 
 
 class StackError(RuntimeError):
@@ -104,7 +107,13 @@ class Stack:
             args += ["--bootstrap-token", token]
         edge = self._spawn("edge-1", args)
         self._wait("the edge node to come ONLINE", lambda: self._state(f"/nodes/{node_id}/status") == "ONLINE", edge)
-        for index, (device_id, device_token) in enumerate(self._devices(node_id), start=1):
+        devices = self._devices(node_id)
+        # a device is started once the broker has loaded the access list that names it (it reloads the list
+        # a moment after the hub registers the device); one connecting in between was seen cut off
+        acl = BrokerLayout(self.data_dir).acl_file
+        self._wait("the broker to know the devices", lambda: all(d in acl.read_text() for d, _ in devices), broker, timeout=15)
+        time.sleep(ACL_RELOAD_GRACE_S)
+        for index, (device_id, device_token) in enumerate(devices, start=1):
             args = ["device", "run", "--device-id", device_id, "--data-dir", str(self.data_dir / f"device-{index}"), "--enrol-url", enrol_url]
             if device_token:
                 args += ["--bootstrap-token", device_token]
