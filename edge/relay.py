@@ -411,13 +411,17 @@ class DeviceRelay:
                 here = None
             loop = here or self._loop
             if loop is None:  # no loop yet: commit now; the pump reads the outbox when it starts
-                while self._commit_staged() or not self._commit_done():
-                    pass
+                self._commit_staged()
+                while not self._commit_done():  # another thread staged meanwhile
+                    self._commit_staged()
             elif loop is here:
-                self._committer = loop.create_task(self._commit_loop())
+                self._start_committer()
             else:
-                loop.call_soon_threadsafe(lambda: setattr(self, "_committer", asyncio.get_running_loop().create_task(self._commit_loop())))
+                loop.call_soon_threadsafe(self._start_committer)
         return True
+
+    def _start_committer(self) -> None:
+        self._committer = asyncio.get_running_loop().create_task(self._commit_loop())
 
     async def _commit_loop(self) -> None:
         """The only committer while it runs, so that bursts reach the outbox in arrival order."""
