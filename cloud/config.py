@@ -25,6 +25,7 @@ class Settings(BaseSettings):
     heartbeat_flush_interval_s: float = Field(default=0.2, gt=0, le=5)
     liveness_check_interval_s: float = Field(default=1.0, gt=0, le=60)
     rollout_interval_s: float = Field(default=0.5, gt=0, le=3600, description="how often the rollout controller drives deployments")
+    scheduler_interval_s: float = Field(default=1.0, gt=0, le=3600, description="how often the task scheduler looks at every active task (API calls and worker reports wake it sooner)")
     max_body_bytes: int = Field(default=1024 * 1024, ge=1024)
     max_artifact_bytes: int = Field(default=2 * 1024**3, ge=1, description="largest artefact POST /artifacts accepts (streamed to disk)")
     idempotency_ttl_s: int = Field(default=24 * 3600, ge=60)

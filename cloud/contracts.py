@@ -2,6 +2,7 @@
 
 - ``interfaces/openapi.json``: the hub's OpenAPI document;
 - ``interfaces/schemas/<channel>.json``: the JSON Schema of every MQTT payload in the topic table;
+- ``interfaces/schemas/events/<type>.json``: the JSON Schema of ``EventBody.data`` of each event type the hub acts on;
 - ``interfaces/TOPICS.md``: the topic table.
 """
 
@@ -11,6 +12,7 @@ import json
 from pathlib import Path
 
 import interfaces
+from interfaces.messages import EVENT_DATA
 from interfaces.topics import TOPICS, topic_table_markdown
 
 ROOT = Path(interfaces.__file__).parent
@@ -33,6 +35,11 @@ def render() -> dict[Path, str]:
         schema["$id"] = f"urn:aisynergy:schema:{name}"
         schema["description"] = f"{topic.description} (QoS {topic.qos}, retain {str(topic.retain).lower()})"
         files[ROOT / "schemas" / f"{name}.json"] = _dump(schema)
+    for event_type, model in EVENT_DATA.items():
+        schema = model.model_json_schema()
+        schema["$id"] = f"urn:aisynergy:schema:events:{event_type}"
+        schema["description"] = f"EventBody.data of an event of type {event_type!r}: {(model.__doc__ or model.__name__).strip().splitlines()[0]}"
+        files[ROOT / "schemas" / "events" / f"{event_type}.json"] = _dump(schema)
     return files
 
 

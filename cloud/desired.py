@@ -2,7 +2,8 @@
 
 The database is the truth; ``desired_published`` on each row says which version the broker holds, and
 ``orders_published`` which version of the rollout controller's orders (``DesiredBody.deployments``, the
-row's ``orders`` at ``orders_version``). A row is pending when either differs.
+row's ``orders`` at ``orders_version``), and ``tasks_published`` which version of the scheduler's worker
+orders (``DesiredBody.tasks``, the row's ``tasks`` at ``tasks_version``). A row is pending when any differs.
 The bridge asks for what is pending, publishes it, and marks it published, so a change made while the
 broker was away is published when it comes back. A deleted device's document is cleared (empty
 retained payload) so that its edge forgets it.
@@ -21,6 +22,7 @@ from cloud.tables import Device, Node
 from interfaces.deployments import DeploymentOrder
 from interfaces.lifecycle import NodeState
 from interfaces.messages import DesiredBody, envelope
+from interfaces.tasks import WorkerOrder
 from interfaces.topics import NODE_DESIRED, RELAY_DESIRED
 
 CLEARED = -2  # desired_published of a deleted device whose retained document was removed
@@ -35,6 +37,7 @@ class PendingDesired:
     topic: str
     payload: bytes
     orders_version: int | None = None  # None: leave orders_published as it is (a cleared document)
+    tasks_version: int | None = None  # likewise for tasks_published
 
 
 class DesiredPublisher:
@@ -45,29 +48,32 @@ class DesiredPublisher:
         out: list[PendingDesired] = []
         with Session(self.engine) as session:
             nodes = session.execute(
-                select(Node.id, Node.desired, Node.desired_version, Node.orders, Node.orders_version).where(
+                select(Node.id, Node.desired, Node.desired_version, Node.orders, Node.orders_version, Node.tasks, Node.tasks_version).where(
                     Node.state != NodeState.DELETED.value,
-                    or_(and_(Node.desired_version > 0, Node.desired_published != Node.desired_version), Node.orders_published != Node.orders_version),
+                    or_(and_(Node.desired_version > 0, Node.desired_published != Node.desired_version), Node.orders_published != Node.orders_version,
+                        Node.tasks_published != Node.tasks_version),
                 ).limit(BATCH)
             ).all()
-            for node_id, desired, version, orders, orders_version in nodes:
-                payload = _payload(version, desired, orders, orders_version)
-                out.append(PendingDesired("node", node_id, version, NODE_DESIRED.topic(node_id=node_id), payload, orders_version))
+            for node_id, desired, version, orders, orders_version, tasks, tasks_version in nodes:
+                payload = _payload(version, desired, orders, orders_version, tasks, tasks_version)
+                out.append(PendingDesired("node", node_id, version, NODE_DESIRED.topic(node_id=node_id), payload, orders_version, tasks_version))
             devices = session.execute(
-                select(Device.id, Device.node_id, Device.desired, Device.desired_version, Device.state, Device.orders, Device.orders_version).where(
+                select(Device.id, Device.node_id, Device.desired, Device.desired_version, Device.state, Device.orders, Device.orders_version, Device.tasks, Device.tasks_version).where(
                     or_(
                         and_(Device.state != NodeState.DELETED.value,
-                             or_(Device.desired_published != Device.desired_version, Device.orders_published != Device.orders_version)),
+                             or_(Device.desired_published != Device.desired_version, Device.orders_published != Device.orders_version,
+                                 Device.tasks_published != Device.tasks_version)),
                         and_(Device.state == NodeState.DELETED.value, Device.desired_published != CLEARED),
                     )
                 ).limit(BATCH)
             ).all()  # fmt: skip
-            for device_id, node_id, desired, version, state, orders, orders_version in devices:
+            for device_id, node_id, desired, version, state, orders, orders_version, tasks, tasks_version in devices:
                 topic = RELAY_DESIRED.topic(node_id=node_id, device_id=device_id)
                 if state == NodeState.DELETED.value:
                     out.append(PendingDesired("device", device_id, CLEARED, topic, b""))
                 else:
-                    out.append(PendingDesired("device", device_id, version, topic, _payload(version, desired, orders, orders_version), orders_version))
+                    payload = _payload(version, desired, orders, orders_version, tasks, tasks_version)
+                    out.append(PendingDesired("device", device_id, version, topic, payload, orders_version, tasks_version))
         return out
 
     def mark_published(self, batch: list[PendingDesired]) -> None:
@@ -77,10 +83,15 @@ class DesiredPublisher:
                 values = {"desired_published": item.version}
                 if item.orders_version is not None:
                     values["orders_published"] = item.orders_version
+                if item.tasks_version is not None:
+                    values["tasks_published"] = item.tasks_version
                 session.execute(update(table).where(table.id == item.row_id).values(**values))
             session.commit()
 
 
-def _payload(version: int, spec: dict[str, Any], orders: list[dict[str, Any]], orders_version: int) -> bytes:
-    body = DesiredBody(version=version, spec=spec, deployments=[DeploymentOrder.model_validate(o) for o in orders or []], deployments_version=orders_version)
+def _payload(version: int, spec: dict[str, Any], orders: list[dict[str, Any]], orders_version: int, tasks: list[dict[str, Any]], tasks_version: int) -> bytes:
+    body = DesiredBody(
+        version=version, spec=spec, deployments=[DeploymentOrder.model_validate(o) for o in orders or []], deployments_version=orders_version,
+        tasks=[WorkerOrder.model_validate(o) for o in tasks or []], tasks_version=tasks_version,
+    )  # fmt: skip
     return envelope("hub", body).model_dump_json().encode()

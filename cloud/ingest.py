@@ -9,7 +9,9 @@ nodes heartbeating every 10 s this is 5 transactions a second instead of 1,000.
 Execution progress (events of type ``EXECUTION_EVENT`` from a device, relayed by its edge, or from an
 edge node itself) is applied to the deployment executions in the same transaction
 (``cloud.services.deployments.apply_progress``); a malformed or refused report is logged and counted
-(``execution_reports_<outcome>``), never fatal.
+(``execution_reports_<outcome>``), never fatal. Task workers' reports (``interfaces.tasks.TASK_EVENTS``) go to
+the task tables the same way (``cloud.services.task_reports``; counted as ``task_<kind>_<outcome>``) and are
+not stored as device events.
 """
 
 from __future__ import annotations
@@ -28,11 +30,13 @@ from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.engine import Engine
 from sqlmodel import Session
 
+from cloud.services import task_reports
 from cloud.services.deployments import APPLIED, apply_progress
 from cloud.tables import Device, DeviceEventRow, Node, NodeTransitionRow
 from interfaces.deployments import EXECUTION_EVENT, ExecutionProgress
 from interfaces.lifecycle import CONNECTED_STATES, NodeState, path_to, state_after_report
 from interfaces.messages import ConnectionState, Envelope, EventBody, Health, HeartbeatBody, ReportedBody, StateBody
+from interfaces.tasks import TASK_EVENTS
 
 log = logging.getLogger("aisynergy.hub.ingest")
 CHUNK = 500
@@ -57,6 +61,9 @@ class StatusIngest:
         self.counters: dict[str, int] = defaultdict(int)
         self.on_persisted: Callable[[list[Any]], None] | None = None
         """Called (from the flushing thread) with the ``hold_ack`` tokens whose messages are now committed."""
+        self.on_tasks_changed: Callable[[], None] | None = None
+        """Called (from the flushing thread) after a commit that the task scheduler should act on at once."""
+        self._wake_scheduler = False
 
     def offer(self, node_id: str, body: HeartbeatBody | StateBody | ReportedBody, at: datetime | None = None,
               kind: str = NODE, via: str | None = None) -> None:  # fmt: skip
@@ -80,8 +87,8 @@ class StatusIngest:
             self._events.append((node_id, device_id, message, datetime.now(UTC)))
 
     def offer_node_event(self, node_id: str, message: Envelope[EventBody]) -> None:
-        """Queue an edge node's own event (only execution progress is acted on; there is no node event table)."""
-        if message.body.type != EXECUTION_EVENT:
+        """Queue an edge node's own event (execution progress and task reports are acted on; there is no node event table)."""
+        if message.body.type != EXECUTION_EVENT and message.body.type not in TASK_EVENTS:
             self.counters["node_events_ignored"] += 1
             return
         with self._lock:
@@ -115,9 +122,15 @@ class StatusIngest:
                     select(Node.id).where(Node.id.in_({n for n, _, _ in node_events}), Node.state != NodeState.DELETED.value)  # type: ignore[attr-defined]
                 ).scalars())  # fmt: skip
                 self.counters["dropped_unknown_node"] += sum(1 for n, _, _ in node_events if n not in live_nodes)
-                written += self._apply_progress(session, [(NODE, n, m, at) for n, m, at in node_events if n in live_nodes])
+                live = [(NODE, n, m, at) for n, m, at in node_events if n in live_nodes]
+                written += self._apply_progress(session, [r for r in live if r[2].body.type == EXECUTION_EVENT])
+                written += self._apply_task_reports(session, [r for r in live if r[2].body.type in TASK_EVENTS])
             session.commit()
         self._persisted(acks)
+        if self._wake_scheduler:
+            self._wake_scheduler = False
+            if self.on_tasks_changed is not None:
+                self.on_tasks_changed()
         self.counters["flushes"] += 1
         self.counters["rows_written"] += written
         return written
@@ -189,13 +202,16 @@ class StatusIngest:
         live = set(session.execute(
             select(Device.id, Device.node_id).where(Device.id.in_({d for _, d, _, _ in events}), Device.state != NodeState.DELETED.value)  # type: ignore[attr-defined]
         ).all())  # fmt: skip
+        known = [(n, d, m, at) for n, d, m, at in events if (d, n) in live]
+        self.counters["dropped_unknown_device"] += len(events) - len(known)
+        # task reports land in the task tables (kept once there); every other event is stored as it is
+        progress = self._apply_task_reports(session, [(DEVICE, d, m, at) for n, d, m, at in known if m.body.type in TASK_EVENTS])
         rows = [
             {"message_id": m.id, "node_id": n, "device_id": d, "seq": m.body.seq, "type": m.body.type, "severity": m.body.severity,
              "message": m.body.message, "data": m.body.data, "ts": m.ts, "received_at": at}
-            for n, d, m, at in events if (d, n) in live
+            for n, d, m, at in known if m.body.type not in TASK_EVENTS
         ]  # fmt: skip
-        self.counters["dropped_unknown_device"] += len(events) - len(rows)
-        progress = self._apply_progress(session, [(DEVICE, d, m, at) for n, d, m, at in events if (d, n) in live and m.body.type == EXECUTION_EVENT])
+        progress += self._apply_progress(session, [(DEVICE, d, m, at) for n, d, m, at in known if m.body.type == EXECUTION_EVENT])
         if not rows:
             return progress
         dialect = session.get_bind().dialect.name
@@ -203,6 +219,17 @@ class StatusIngest:
         inserted = session.connection().execute(stmt, rows).rowcount
         self.counters["events_stored"] += max(inserted, 0)
         return len(rows)
+
+    def _apply_task_reports(self, session: Session, reports: list[tuple[str, str, Envelope[EventBody], datetime]]) -> int:
+        """Apply task workers' reports (cloud.services.task_reports); wake the scheduler when one calls for it."""
+        if not reports:
+            return 0
+        counts, poke = task_reports.apply(session, reports)
+        for key, n in counts.items():
+            self.counters[key] += n
+        if poke:
+            self._wake_scheduler = True
+        return sum(n for key, n in counts.items() if key.endswith("_applied"))
 
     def _apply_progress(self, session: Session, reports: list[tuple[str, str, Envelope[EventBody], datetime]]) -> int:
         """Apply execution progress reports (kind, target id, event); ordered by execution, each in arrival order."""

@@ -5,7 +5,7 @@ from __future__ import annotations
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import JSON, BigInteger, Column, DateTime, Index, Text, UniqueConstraint
+from sqlalchemy import JSON, BigInteger, Column, DateTime, Index, LargeBinary, Text, UniqueConstraint
 from sqlmodel import Field, SQLModel
 
 
@@ -45,6 +45,9 @@ class Node(SQLModel, table=True):
     orders: list[dict[str, Any]] = Field(default_factory=list, sa_column=Column(JSON, nullable=False))
     orders_version: int = Field(default=0, sa_column_kwargs={"server_default": "0"})
     orders_published: int = Field(default=0, sa_column_kwargs={"server_default": "0"})
+    tasks: list[dict[str, Any]] = Field(default_factory=list, sa_column=Column(JSON, nullable=False), description="task worker orders (DESIGN §4.3)")
+    tasks_version: int = Field(default=0, sa_column_kwargs={"server_default": "0"})
+    tasks_published: int = Field(default=0, sa_column_kwargs={"server_default": "0"})
 
 
 class NodeTransitionRow(SQLModel, table=True):
@@ -120,6 +123,9 @@ class Device(SQLModel, table=True):
     orders: list[dict[str, Any]] = Field(default_factory=list, sa_column=Column(JSON, nullable=False))
     orders_version: int = Field(default=0, sa_column_kwargs={"server_default": "0"})
     orders_published: int = Field(default=0, sa_column_kwargs={"server_default": "0"})
+    tasks: list[dict[str, Any]] = Field(default_factory=list, sa_column=Column(JSON, nullable=False), description="task worker orders (DESIGN §4.3)")
+    tasks_version: int = Field(default=0, sa_column_kwargs={"server_default": "0"})
+    tasks_published: int = Field(default=0, sa_column_kwargs={"server_default": "0"})
 
 
 class DeviceEventRow(SQLModel, table=True):
@@ -269,3 +275,138 @@ class ExecutionTransitionRow(SQLModel, table=True):
     to_state: str = Field(max_length=16)
     at: datetime = _ts(nullable=False)
     reason: str = Field(default="", sa_column=Column(Text, nullable=False, default=""))
+
+
+# --- task run management (DESIGN §4.3) --------------------------------------------------------------
+
+
+class Task(SQLModel, table=True):
+    __tablename__ = "tasks"
+    __table_args__ = (Index("ix_tasks_state", "state"),)
+
+    id: str = Field(primary_key=True, max_length=64)
+    name: str = Field(default="", max_length=128)
+    type: str = Field(max_length=32)
+    spec: dict[str, Any] = Field(sa_column=Column(JSON, nullable=False))
+    placement: dict[str, Any] = Field(sa_column=Column(JSON, nullable=False))
+    timeout_s: int | None = None
+    worker_timeout_s: float
+    heartbeat_s: float
+    retry: dict[str, Any] = Field(sa_column=Column(JSON, nullable=False))
+    state: str = Field(max_length=16)
+    reason: str = Field(default="", sa_column=Column(Text, nullable=False, default=""))
+    held: bool = False
+    attempt: int = 1
+    items_total: int | None = Field(default=None, sa_column=Column(BigInteger, nullable=True))
+    chunk_size: int | None = None
+    chunks_total: int | None = None
+    chunks_done: int = 0
+    created_at: datetime = _ts(nullable=False)
+    updated_at: datetime = _ts(nullable=False)
+    scheduled_at: datetime | None = _ts(nullable=True)
+    started_at: datetime | None = _ts(nullable=True)
+    finished_at: datetime | None = _ts(nullable=True)
+    deadline_at: datetime | None = _ts(nullable=True)
+    paused_at: datetime | None = _ts(nullable=True)
+    not_before: datetime | None = _ts(nullable=True)
+
+
+class TaskTransitionRow(SQLModel, table=True):
+    __tablename__ = "task_transitions"
+    __table_args__ = (Index("ix_task_transitions_task", "task_id", "id"),)
+
+    id: int | None = Field(default=None, primary_key=True)
+    task_id: str = Field(max_length=64)
+    from_state: str | None = Field(default=None, max_length=16)
+    to_state: str = Field(max_length=16)
+    at: datetime = _ts(nullable=False)
+    reason: str = Field(default="", sa_column=Column(Text, nullable=False, default=""))
+
+
+class TaskWorker(SQLModel, table=True):
+    """One worker of a task on one node or device (and role)."""
+
+    __tablename__ = "task_workers"
+    __table_args__ = (
+        Index("ix_task_workers_task", "task_id", "state"),
+        Index("ix_task_workers_target", "target_id", "state"),
+        Index("ix_task_workers_state", "state"),
+    )
+
+    id: str = Field(primary_key=True, max_length=64)
+    task_id: str = Field(max_length=64)
+    target_kind: str = Field(max_length=16)
+    target_id: str = Field(max_length=64)
+    role: str = Field(default="worker", max_length=32)
+    state: str = Field(max_length=16)
+    attempt: int = 1
+    weight: float = 1.0
+    accelerators: list[dict[str, Any]] = Field(default_factory=list, sa_column=Column(JSON, nullable=False))
+    items_done: int | None = None
+    paused: bool = False
+    replaced_by: str | None = Field(default=None, max_length=64, description="the worker that took over after this one ended badly ('-': none will)")
+    detail: str = Field(default="", sa_column=Column(Text, nullable=False, default=""))
+    created_at: datetime = _ts(nullable=False)
+    updated_at: datetime = _ts(nullable=False)
+    started_at: datetime | None = _ts(nullable=True)
+    finished_at: datetime | None = _ts(nullable=True)
+    last_report_at: datetime | None = _ts(nullable=True)
+
+
+class WorkerTransitionRow(SQLModel, table=True):
+    __tablename__ = "worker_transitions"
+    __table_args__ = (Index("ix_worker_transitions_worker", "worker_id", "id"),)
+
+    id: int | None = Field(default=None, primary_key=True)
+    worker_id: str = Field(max_length=64)
+    from_state: str | None = Field(default=None, max_length=16)
+    to_state: str = Field(max_length=16)
+    at: datetime = _ts(nullable=False)
+    reason: str = Field(default="", sa_column=Column(Text, nullable=False, default=""))
+
+
+class TaskChunk(SQLModel, table=True):
+    """A slice of a sharded task's inputs: owned by one worker at a time, its outputs kept once."""
+
+    __tablename__ = "task_chunks"
+    __table_args__ = (Index("ix_task_chunks_state", "task_id", "state"), Index("ix_task_chunks_worker", "worker_id"))
+
+    task_id: str = Field(primary_key=True, max_length=64)
+    index: int = Field(primary_key=True)
+    state: str = Field(max_length=16, description="PENDING | ASSIGNED | DONE")
+    worker_id: str | None = Field(default=None, max_length=64)
+    attempts: int = 0
+    not_before: datetime | None = _ts(nullable=True)
+    last_error: str = Field(default="", sa_column=Column(Text, nullable=False, default=""))
+    data: bytes | None = Field(default=None, sa_column=Column(LargeBinary, nullable=True))
+    done_at: datetime | None = _ts(nullable=True)
+
+
+class TaskLog(SQLModel, table=True):
+    """A log line of a task: from a worker (``message_id``, ``line`` keep each once) or from the hub."""
+
+    __tablename__ = "task_logs"
+    __table_args__ = (Index("ix_task_logs_task", "task_id", "id"), UniqueConstraint("message_id", "line", name="uq_task_logs_message_line"))
+
+    id: int | None = Field(default=None, primary_key=True)
+    task_id: str = Field(max_length=64)
+    worker_id: str | None = Field(default=None, max_length=64)
+    target_id: str | None = Field(default=None, max_length=64)
+    message_id: str | None = Field(default=None, max_length=64)
+    line: int = 0
+    ts: datetime = _ts(nullable=False)
+    level: str = Field(max_length=16)
+    text: str = Field(sa_column=Column(Text, nullable=False))
+
+
+class TaskMetric(SQLModel, table=True):
+    __tablename__ = "task_metrics"
+    __table_args__ = (Index("ix_task_metrics_task", "task_id", "id"), Index("ix_task_metrics_worker", "worker_id", "id"))
+
+    id: int | None = Field(default=None, primary_key=True)
+    task_id: str = Field(max_length=64)
+    worker_id: str = Field(max_length=64)
+    target_id: str = Field(max_length=64)
+    message_id: str = Field(unique=True, max_length=64)
+    ts: datetime = _ts(nullable=False)
+    values: dict[str, float] = Field(sa_column=Column(JSON, nullable=False))

@@ -58,6 +58,7 @@ class ArtifactKind(StrEnum):
     MODEL = "model"
     APPLICATION = "application"
     FIRMWARE = "firmware"
+    DATASET = "dataset"  # inputs of a batch task; not deployable
 
 
 class ArtifactFormat(StrEnum):
@@ -68,6 +69,8 @@ class ArtifactFormat(StrEnum):
     ZIP = "zip"
     WHEEL = "whl"
     BINARY = "bin"
+    NPY = "npy"  # a dataset: one numpy array (no pickled objects)
+    SAFETENSORS = "safetensors"  # a dataset: named tensors
 
 
 class ArtifactCreate(_In):

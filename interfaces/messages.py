@@ -13,9 +13,12 @@ from typing import Any, ClassVar, Generic, Literal, TypeVar
 from pydantic import BaseModel, ConfigDict, Field
 
 from interfaces import PROTOCOL_VERSION
-from interfaces.deployments import DeploymentOrder
+from interfaces.deployments import EXECUTION_EVENT, DeploymentOrder, ExecutionProgress
 from interfaces.ids import new_id
 from interfaces.resources import Resources
+from interfaces.tasks import (
+    TASK_LOG_EVENT, TASK_METRICS_EVENT, TASK_OUTPUT_EVENT, TASK_WORKER_EVENT, WorkerLog, WorkerMetrics, WorkerOrder, WorkerOutput, WorkerReport,
+)  # fmt: skip
 from interfaces.text import NoNul
 
 MAX_MESSAGE_BYTES = 256 * 1024
@@ -63,6 +66,8 @@ class DesiredBody(_Body):
     spec: dict[str, Any] = Field(default_factory=dict)
     deployments: list[DeploymentOrder] = Field(default_factory=list, max_length=8, description="the rollout controller's orders, at most one per artefact kind (DESIGN §4.2)")
     deployments_version: int = Field(default=0, ge=0, description="goes up whenever the orders change")
+    tasks: list[WorkerOrder] = Field(default_factory=list, max_length=64, description="the task workers this target runs (DESIGN §4.3); a withdrawn one stops")
+    tasks_version: int = Field(default=0, ge=0, description="goes up whenever the task orders change")
 
 
 class ReportedBody(_Body):
@@ -133,3 +138,13 @@ def envelope(src: str, body: B, reply_to: str | None = None) -> Envelope[B]:
     return Envelope[type(body)](  # type: ignore[index]
         id=new_id("m"), ts=datetime.now(UTC), src=src, kind=body.KIND, reply_to=reply_to, body=body
     )
+
+
+EVENT_DATA: dict[str, type[BaseModel]] = {
+    EXECUTION_EVENT: ExecutionProgress,
+    TASK_WORKER_EVENT: WorkerReport,
+    TASK_LOG_EVENT: WorkerLog,
+    TASK_METRICS_EVENT: WorkerMetrics,
+    TASK_OUTPUT_EVENT: WorkerOutput,
+}
+"""``EventBody.data`` of the event types the hub acts on, by ``EventBody.type`` (other types are stored as they are)."""

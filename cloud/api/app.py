@@ -20,6 +20,7 @@ from cloud import lease
 from cloud.api import problems
 from cloud.api.guards import RequestGuard, purge_idempotency
 from cloud.api.routes import artifacts, deployments, devices, nodes
+from cloud.api.routes import tasks as task_routes
 from cloud.artifacts import FileBlobStore
 from cloud.auth import TokenCache
 from cloud.bridge import MqttBridge
@@ -30,6 +31,7 @@ from cloud.ingest import StatusIngest
 from cloud.liveness import mark_silent_nodes_offline
 from cloud.pki import CertificateAuthority
 from cloud.rollout import RolloutController
+from cloud.scheduler import TaskController
 from cloud.signing import SigningKey
 from interfaces import API_PREFIX
 
@@ -55,6 +57,23 @@ def _liveness_tick(engine: Engine, settings: Settings, holder: str) -> None:
 def _rollout_tick(engine: Engine, settings: Settings, holder: str, controller: RolloutController) -> None:
     if lease.acquire(engine, "rollout", holder, ttl_s=max(5.0, 5 * settings.rollout_interval_s)):
         controller.tick()
+
+
+def _scheduler_tick(engine: Engine, settings: Settings, holder: str, controller: TaskController) -> None:
+    if lease.acquire(engine, "scheduler", holder, ttl_s=max(5.0, 5 * settings.scheduler_interval_s)):
+        controller.tick()
+
+
+async def _every_or_woken(interval_s: float, wake: asyncio.Event, fn: Any, *args: Any) -> None:
+    """Like ``_every``, but a set ``wake`` starts the next run at once."""
+    while True:
+        wake.clear()
+        try:
+            await asyncio.to_thread(fn, *args)
+        except Exception:  # noqa: BLE001 - a background loop must survive a bad tick
+            log.exception("background task %s failed", getattr(fn, "__name__", fn))
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(wake.wait(), interval_s)
 
 
 def _housekeeping_tick(engine: Engine, settings: Settings) -> None:
@@ -91,6 +110,12 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         rollout = RolloutController(engine, app.state.signing, app.state.blobs, on_change=lambda: _poke(app))
         app.state.rollout = rollout
         tasks.append(asyncio.create_task(_every(settings.rollout_interval_s, _rollout_tick, engine, settings, holder, rollout), name="rollout"))
+        scheduler = TaskController(engine, app.state.signing, on_change=lambda: _poke(app))
+        app.state.scheduler = scheduler
+        wake, loop = asyncio.Event(), asyncio.get_running_loop()
+        app.state.wake_scheduler = lambda: loop.call_soon_threadsafe(wake.set)
+        ingest.on_tasks_changed = app.state.wake_scheduler
+        tasks.append(asyncio.create_task(_every_or_woken(settings.scheduler_interval_s, wake, _scheduler_tick, engine, settings, holder, scheduler), name="scheduler"))
         if settings.enable_mqtt:
             bridge = MqttBridge(settings.broker_url, settings.pki_dir, settings.mqtt_client_id, ingest, DesiredPublisher(engine))
             app.state.bridge = bridge
@@ -124,6 +149,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     api.include_router(devices.router)
     api.include_router(artifacts.router)
     api.include_router(deployments.router)
+    api.include_router(task_routes.router)
 
     @api.get("/ca.crt", response_class=PlainTextResponse, tags=["pki"], openapi_extra={"security": []})
     def ca_certificate(request: Request) -> PlainTextResponse:

@@ -49,7 +49,7 @@ from cloud.services.labels import selector_clause
 from cloud.services.paging import page, parse_selector_or_400
 from cloud.tables import Artifact, Deployment, Device, Execution, ExecutionTransitionRow, Node
 from interfaces.deployments import (
-    DEPLOYMENT_FINAL, DEPLOYMENT_TRANSITIONS, IN_FLIGHT, INSTALLED_KEY, AllAtOnce, Canary, DeploymentAction,
+    DEPLOYMENT_FINAL, DEPLOYMENT_TRANSITIONS, IN_FLIGHT, INSTALLED_KEY, AllAtOnce, ArtifactKind, Canary, DeploymentAction,
     DeploymentCreate, DeploymentDetail, DeploymentOrder, DeploymentPublic, DeploymentState, DeploymentTarget, ExecutionProgress,
     ExecutionPublic, ExecutionState, ExecutionTransition, FailurePolicy, IllegalExecutionTransition, InstalledArtifact,
     Rolling, Strategy, TargetKind, execution_path,
@@ -212,6 +212,8 @@ def create(session: Session, body: DeploymentCreate) -> Deployment:
     from cloud.artifacts import get_artifact  # the ingest imports this module; artefacts are only needed here
 
     artifact = get_artifact(session, body.artifact_id, lock=True)  # no deletion slips in before this commits
+    if artifact.kind == ArtifactKind.DATASET.value:
+        raise BadRequest(f"artefact {artifact.id} is a dataset: it is the input of a task (POST /tasks), not something to install", status=422)
     rows, locked = _resolve_targets(session, body.target)
     if not rows:
         why = f" ({len(locked)} on LOCKED nodes)" if locked else ""

@@ -1,0 +1,217 @@
+"""Task run management: /tasks (DESIGN §4.3). The scheduler (cloud/scheduler.py) does the placing."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+from typing import Annotated, Any
+
+from fastapi import APIRouter, Header, Query, Request, Response, status
+from fastapi.concurrency import run_in_threadpool
+from fastapi.responses import StreamingResponse
+from fastapi.sse import format_sse_event
+from sqlmodel import Session
+
+from cloud.api.deps import DEFAULT_PAGE, Cursor, IdempotencyKey, Limit, Operator, SessionDep, Viewer, poke_desired
+from cloud.api.problems import PROBLEM_RESPONSES
+from cloud.errors import BadRequest, NotFound
+from cloud.services import tasks as service
+from interfaces.errors import ErrorCode
+from interfaces.pagination import Page
+from interfaces.tasks import TASK_FINAL, TaskAction, TaskCreate, TaskDetail, TaskLogLine, TaskMetrics, TaskOutputs, TaskPublic, TaskState, TaskType, WorkerPublic
+
+router = APIRouter(prefix="/tasks", tags=["tasks"], responses=PROBLEM_RESPONSES)
+SSE_MEDIA_TYPE = "text/event-stream"
+SSE_POLL_S = 0.25
+SSE_KEEPALIVE_S = 15.0
+SSE_BATCH = 500
+
+
+def _wake(request: Request) -> None:
+    wake = getattr(request.app.state, "wake_scheduler", None)
+    if wake is not None:
+        wake()
+
+
+@router.post("", status_code=status.HTTP_201_CREATED)
+def create_task(body: TaskCreate, request: Request, session: SessionDep, _: Operator, __: IdempotencyKey = None) -> TaskDetail:
+    """Create a task; the scheduler places its workers at once (or when started, if ``start`` is false)."""
+    task = service.create(session, body, request.app.state.blobs)
+    _wake(request)
+    return service.detail(session, task)
+
+
+@router.get("")
+def list_tasks(session: SessionDep, _: Viewer, state: TaskState | None = None, type: TaskType | None = None, limit: Limit = DEFAULT_PAGE,
+               cursor: Cursor = None) -> Page[TaskPublic]:  # fmt: skip
+    """List tasks, oldest first, optionally in one state or of one type."""
+    rows, next_cursor = service.list_tasks(session, state, type, limit, cursor)
+    return Page[TaskPublic](items=service.to_wire(session, rows), next_cursor=next_cursor)
+
+
+@router.get("/{task_id}")
+def get_task(task_id: str, session: SessionDep, _: Viewer) -> TaskDetail:
+    """A task with its progress and its state history."""
+    return service.detail(session, service.get(session, task_id))
+
+
+@router.delete("/{task_id}", status_code=status.HTTP_204_NO_CONTENT)
+def delete_task(task_id: str, session: SessionDep, _: Operator, __: IdempotencyKey = None) -> Response:
+    """Remove a finished task with its workers, logs, metrics and outputs (409 illegal_transition while it is active)."""
+    service.delete_task(session, task_id)
+    return Response(status_code=status.HTTP_204_NO_CONTENT)
+
+
+def _act(request: Request, session: Session, task_id: str, action: TaskAction) -> TaskPublic:
+    task, orders = service.act(session, task_id, action)
+    if orders:
+        poke_desired(request)
+    _wake(request)
+    return service.to_wire(session, [task])[0]
+
+
+@router.post("/{task_id}/start")
+def start_task(task_id: str, request: Request, session: SessionDep, _: Operator, __: IdempotencyKey = None) -> TaskPublic:
+    """Let a task created with ``start: false`` be scheduled (409 illegal_transition otherwise)."""
+    return _act(request, session, task_id, TaskAction.START)
+
+
+@router.post("/{task_id}/stop")
+def stop_task(task_id: str, request: Request, session: SessionDep, _: Operator, __: IdempotencyKey = None) -> TaskPublic:
+    """End an active task now: a service (``inference``) SUCCEEDS, a finite task is CANCELED; outputs so far are kept."""
+    return _act(request, session, task_id, TaskAction.STOP)
+
+
+@router.post("/{task_id}/pause")
+def pause_task(task_id: str, request: Request, session: SessionDep, _: Operator, __: IdempotencyKey = None) -> TaskPublic:
+    """Workers finish the item in hand and wait (SCHEDULED or RUNNING only); the timeout clock stops."""
+    return _act(request, session, task_id, TaskAction.PAUSE)
+
+
+@router.post("/{task_id}/resume")
+def resume_task(task_id: str, request: Request, session: SessionDep, _: Operator, __: IdempotencyKey = None) -> TaskPublic:
+    """Continue a PAUSED task."""
+    return _act(request, session, task_id, TaskAction.RESUME)
+
+
+@router.post("/{task_id}/cancel")
+def cancel_task(task_id: str, request: Request, session: SessionDep, _: Operator, __: IdempotencyKey = None) -> TaskPublic:
+    """Cancel an active task: every active worker is CANCELED and its order withdrawn."""
+    return _act(request, session, task_id, TaskAction.CANCEL)
+
+
+@router.post("/{task_id}/retry")
+def retry_task(task_id: str, request: Request, session: SessionDep, _: Operator, __: IdempotencyKey = None) -> TaskPublic:
+    """Run a FAILED, CANCELED or TIMED_OUT task again (attempt + 1); finished chunks keep their outputs."""
+    return _act(request, session, task_id, TaskAction.RETRY)
+
+
+@router.get("/{task_id}/workers")
+def list_workers(task_id: str, session: SessionDep, _: Viewer) -> list[WorkerPublic]:
+    """Every worker the task had, in placement order, with its history."""
+    return service.workers(session, task_id)
+
+
+@router.get("/{task_id}/metrics")
+def task_metrics(task_id: str, session: SessionDep, _: Viewer, series: bool = False, worker: str | None = Query(default=None, max_length=64)) -> TaskMetrics:
+    """Each worker's latest metrics sample and their sums; ``series=true`` adds the samples in order (the last 1,000)."""
+    return service.metrics(session, task_id, series, worker)
+
+
+@router.get("/{task_id}/outputs")
+def task_outputs(task_id: str, session: SessionDep, _: Viewer) -> TaskOutputs:
+    """What the task produced: for a sharded task, the gathered outputs' tensors and whether every input has one."""
+    return service.outputs(session, task_id)
+
+
+@router.get("/{task_id}/outputs/content", response_class=Response, responses={200: {"content": {"application/octet-stream": {}}, "description": "a safetensors file"}})
+def task_outputs_content(task_id: str, session: SessionDep, _: Viewer) -> Response:
+    """Every output in input order as one safetensors file (one tensor per model output); 409 while incomplete."""
+    data = service.gather(session, task_id)
+    return Response(data, media_type="application/octet-stream", headers={"Content-Disposition": f'attachment; filename="{task_id}-outputs.safetensors"'})
+
+
+def _lines_and_state(engine: Any, task_id: str, after: int, limit: int) -> tuple[list[TaskLogLine], dict[str, Any] | None]:
+    with Session(engine, expire_on_commit=False) as session:
+        task = session.get(service.Task, task_id)
+        if task is None:
+            return [], None
+        lines = service.log_lines(session, task_id, after, limit)
+        snapshot = {"state": task.state, "reason": task.reason, "progress": service.progress(session, task).model_dump(mode="json")}
+        return lines, snapshot
+
+
+def _last_event_id(header: str | None, after: int) -> int:
+    if header is None:
+        return after
+    try:
+        value = int(header)
+    except ValueError:
+        raise BadRequest("Last-Event-ID must be a log line id (an integer)", code=ErrorCode.VALIDATION_FAILED) from None
+    return max(value, 0)
+
+
+@router.get(
+    "/{task_id}/logs",
+    responses={200: {"content": {SSE_MEDIA_TYPE: {"schema": {"type": "string"}, "example": 'event: log\nid: 42\ndata: {"id": 42, ...}\n\n'}},
+                     "description": "a page of lines, or with Accept: text/event-stream a stream of them"}},
+)  # fmt: skip
+async def task_logs(
+    task_id: str, request: Request, _: Viewer, after: Annotated[int, Query(ge=0, description="only lines with a larger id")] = 0, limit: Limit = DEFAULT_PAGE,
+    accept: Annotated[str | None, Header()] = None, last_event_id: Annotated[str | None, Header(alias="Last-Event-ID", max_length=32)] = None,
+) -> Any:  # fmt: skip
+    """The task's log lines (its workers' and the hub's), oldest first.
+
+    Plain: one page after ``after``; ``next_cursor`` is the last line's id (pass it as ``after``), null when
+    no more are stored yet. With ``Accept: text/event-stream``: Server-Sent Events, ``event: log`` per line
+    (``id`` = the line id; reconnect with ``Last-Event-ID`` to resume), ``event: state`` when the task's
+    state or progress changes, ``event: end`` once the task is final and every line was sent; a comment
+    every 15 s keeps idle connections open.
+    """
+    engine = request.app.state.engine
+    start = _last_event_id(last_event_id, after)
+    lines, snapshot = await run_in_threadpool(_lines_and_state, engine, task_id, start, limit)
+    if snapshot is None:
+        raise NotFound(f"task {task_id} does not exist")
+    if accept and SSE_MEDIA_TYPE in accept:
+        headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+        return StreamingResponse(_stream(request, engine, task_id, start), media_type=SSE_MEDIA_TYPE, headers=headers)
+    next_cursor = str(lines[-1].id) if len(lines) == limit else None
+    return Page[TaskLogLine](items=lines, next_cursor=next_cursor)
+
+
+async def _stream(request: Request, engine: Any, task_id: str, after: int) -> AsyncIterator[str]:
+    last_state: dict[str, Any] | None = None
+    last_sent = time.monotonic()
+    yield format_sse_event(comment="aisynergy task log", retry=2000)
+    while True:
+        lines, snapshot = await run_in_threadpool(_lines_and_state, engine, task_id, after, SSE_BATCH)
+        for line in lines:
+            yield format_sse_event(event="log", id=str(line.id), data_str=line.model_dump_json())
+            after = line.id
+        if snapshot is None:  # deleted while streaming
+            yield format_sse_event(event="end", data_str='{"state": null, "reason": "the task was deleted"}')
+            return
+        if snapshot != last_state:
+            yield format_sse_event(event="state", data_str=_json(snapshot))
+            last_state = snapshot
+        if lines:
+            last_sent = time.monotonic()
+            if len(lines) == SSE_BATCH:
+                continue
+        if not lines and TaskState(snapshot["state"]) in TASK_FINAL:
+            yield format_sse_event(event="end", data_str=_json(snapshot))
+            return
+        if await request.is_disconnected():
+            return
+        if time.monotonic() - last_sent > SSE_KEEPALIVE_S:
+            yield format_sse_event(comment="keepalive")
+            last_sent = time.monotonic()
+        await asyncio.sleep(SSE_POLL_S)
+
+
+def _json(doc: dict[str, Any]) -> str:
+    import json
+
+    return json.dumps(doc, separators=(",", ":"))

@@ -1,0 +1,206 @@
+"""Where a task's workers may run, and how a sharded task's chunks are split (DESIGN §4.3).
+
+A target qualifies when (in this order; the first rule that removes the last candidates is the reason a
+task waits in PENDING):
+
+1. it matches the placement's ``ids`` or ``selector`` (every target of the kind when neither is given)
+   and is not DELETED;
+2. its node (for a device: its edge's node) is admin-state UNLOCKED (standard 7.2 c 4: a LOCKED node gets
+   no new workers);
+3. it is ONLINE, and for a device its edge is connected too;
+4. it runs the model the spec names (``installed["model"]`` in its reported document, name and version);
+5. it reports at least ``min_memory_bytes`` available;
+6. every requested accelerator is free on it: of the accelerators it reports with that type (and a
+   matching declared purpose and enough memory), the count not reserved by another active worker
+   (standard 7.3.2: training cards and inference cards);
+7. no worker of this task was REJECTED there (it said it cannot run it).
+
+Capability (standard 7.2 d 4): a target's weight is its free compute, ``cores * (1 - utilisation)``
+from its latest heartbeat (at least 5 % of its cores), times ``1 + count`` of the matching accelerators
+it contributes; a sharded task gives each worker a contiguous run of chunks in proportion to its weight
+(largest remainder, at least one chunk each while there are chunks).
+"""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Any
+
+from pydantic import ValidationError
+from sqlalchemy import select
+from sqlmodel import Session
+
+from cloud.services.labels import selector_clause
+from cloud.services.paging import parse_selector_or_400
+from cloud.tables import Device, Node, TaskWorker
+from interfaces.deployments import INSTALLED_KEY, InstalledArtifact, TargetKind
+from interfaces.lifecycle import CONNECTED_STATES, AdminState, NodeState
+from interfaces.resources import Resources
+from interfaces.tasks import WORKER_ACTIVE, AcceleratorRequest, ModelRef, Placement
+
+MIN_SHARE = 0.05
+
+
+@dataclass
+class Candidate:
+    kind: TargetKind
+    id: str
+    node_id: str
+    weight: float
+    resources: Resources | None = None
+    reserved: list[dict[str, Any]] = field(default_factory=list)
+
+
+@dataclass
+class Candidates:
+    eligible: list[Candidate]
+    why_not: str = ""
+    """why the last rule that removed targets removed them (empty when some qualify)"""
+
+
+def weight(resources: Resources | None, accelerators: list[AcceleratorRequest] | None = None) -> float:
+    if resources is None:
+        return 1.0
+    cores = resources.cpu.cores
+    free = cores * max(MIN_SHARE, 1.0 - resources.cpu.utilisation)
+    extra = sum(r.count for r in accelerators or [])
+    return round(free * (1 + extra), 6)
+
+
+def _resources(row: Any) -> Resources | None:
+    if not row.resources:
+        return None
+    try:
+        return Resources.model_validate(row.resources)
+    except ValidationError:
+        return None
+
+
+def _runs_model(row: Any, model: ModelRef) -> bool:
+    entry = (row.reported or {}).get(INSTALLED_KEY, {})
+    entry = entry.get("model") if isinstance(entry, dict) else None
+    if not isinstance(entry, dict):
+        return False
+    try:
+        installed = InstalledArtifact.model_validate(entry)
+    except ValidationError:
+        return False
+    return installed.name == model.name and (model.version is None or installed.version == model.version)
+
+
+def _matches(acc: Any, req: AcceleratorRequest) -> bool:
+    if acc.type != req.type:
+        return False
+    if req.purpose is not None and acc.purpose not in (None, "both", req.purpose):
+        return False
+    return req.min_memory_bytes is None or acc.memory_bytes >= req.min_memory_bytes
+
+
+def free_accelerators(resources: Resources | None, reserved: list[dict[str, Any]], req: AcceleratorRequest) -> int:
+    """How many accelerators matching ``req`` the target has that active workers did not reserve."""
+    if resources is None:
+        return 0
+    have = sum(a.count for a in resources.accelerators if _matches(a, req))
+    taken = 0
+    for r in reserved:
+        try:
+            other = AcceleratorRequest.model_validate(r)
+        except ValidationError:
+            continue
+        if other.type == req.type:
+            taken += other.count
+    return max(0, have - taken)
+
+
+def find(session: Session, placement: Placement, model: ModelRef | None, rejected: set[str] | frozenset[str] = frozenset(),
+         exclude: set[str] | frozenset[str] = frozenset()) -> Candidates:  # fmt: skip
+    """The qualifying targets, by id; ``exclude``: targets that already run a worker of this task."""
+    table = Device if placement.target is TargetKind.DEVICE else Node
+    query = select(table).where(table.state != NodeState.DELETED.value)
+    if placement.ids is not None:
+        query = query.where(table.id.in_(placement.ids))  # type: ignore[attr-defined]
+    elif placement.selector:
+        query = query.where(*selector_clause(table.id, parse_selector_or_400(placement.selector)))
+    rows = list(session.execute(query.order_by(table.id)).scalars())
+    if not rows:
+        return Candidates([], "no target matches the placement")
+    node_of = {row.id: (row.node_id if table is Device else row.id) for row in rows}
+    nodes = {n.id: n for n in session.execute(select(Node).where(Node.id.in_(set(node_of.values())))).scalars()}  # type: ignore[attr-defined]
+
+    def step(kept: list[Any], rule: Any, why: str) -> tuple[list[Any], str]:
+        out = [row for row in kept if rule(row)]
+        return out, (why if kept and not out else "")
+
+    why = ""
+    for rule, text in (
+        (lambda r: nodes.get(node_of[r.id]) is not None and nodes[node_of[r.id]].admin_state == AdminState.UNLOCKED.value, "every matching target is on a LOCKED node"),
+        (lambda r: r.state == NodeState.ONLINE.value and (table is Node or (nodes[node_of[r.id]].state in CONNECTED_STATES)), "no matching target is ONLINE"),
+        (lambda r: model is None or _runs_model(r, model), f"no matching online target runs model {model.name}{' ' + model.version if model and model.version else ''}" if model else ""),
+        (lambda r: placement.min_memory_bytes is None or ((res := _resources(r)) is not None and res.memory.available_bytes >= placement.min_memory_bytes),
+         f"no matching target reports {placement.min_memory_bytes} bytes of available memory"),
+        (lambda r: r.id not in rejected, "every remaining target rejected this task"),
+        (lambda r: r.id not in exclude, ""),
+    ):  # fmt: skip
+        rows, reason = step(rows, rule, text)
+        why = why or reason
+        if not rows:
+            return Candidates([], why or "no target left")
+    reserved: dict[str, list[dict[str, Any]]] = defaultdict(list)
+    if placement.accelerators:
+        for target_id, accs in session.execute(
+            select(TaskWorker.target_id, TaskWorker.accelerators).where(
+                TaskWorker.target_id.in_([r.id for r in rows]), TaskWorker.state.in_([s.value for s in WORKER_ACTIVE])  # type: ignore[attr-defined]
+            )
+        ).all():  # fmt: skip
+            reserved[target_id].extend(accs or [])
+    eligible: list[Candidate] = []
+    for row in rows:
+        res = _resources(row)
+        if any(free_accelerators(res, reserved[row.id], req) < req.count for req in placement.accelerators):
+            continue
+        eligible.append(Candidate(placement.target, row.id, node_of[row.id], weight(res, placement.accelerators), res, reserved[row.id]))
+    if not eligible:
+        wanted = ", ".join(f"{r.count} {r.type.value}" for r in placement.accelerators)
+        return Candidates([], f"no matching target has {wanted} free")
+    return Candidates(eligible)
+
+
+def split(indices: list[int], weights: list[float]) -> list[list[int]]:
+    """Contiguous runs of ``indices`` in proportion to ``weights`` (largest remainder; at least one each
+    while there are indices to give)."""
+    n, k = len(indices), len(weights)
+    if k == 0:
+        return []
+    total = sum(weights) or float(k)
+    shares = [w / total * n if sum(weights) else n / k for w in weights]
+    counts = [math.floor(s) for s in shares]
+    if n >= k:
+        for i in range(k):
+            if counts[i] == 0:
+                counts[i] = 1
+    while sum(counts) > n:
+        i = max(range(k), key=lambda j: (counts[j] - shares[j], counts[j]))
+        counts[i] -= 1
+    order = sorted(range(k), key=lambda j: shares[j] - counts[j], reverse=True)
+    i = 0
+    while sum(counts) < n:
+        counts[order[i % k]] += 1
+        i += 1
+    out, start = [], 0
+    for c in counts:
+        out.append(indices[start : start + c])
+        start += c
+    return out
+
+
+def ranges(indices: list[int]) -> list[tuple[int, int]]:
+    """``[3, 4, 5, 9]`` -> ``[(3, 6), (9, 10)]``."""
+    out: list[tuple[int, int]] = []
+    for i in sorted(indices):
+        if out and out[-1][1] == i:
+            out[-1] = (out[-1][0], i + 1)
+        else:
+            out.append((i, i + 1))
+    return out

@@ -1,0 +1,296 @@
+"""The task scheduler: places and drives every active task from the database (DESIGN §4.3).
+
+``TaskController.tick()`` runs every ``scheduler_interval_s`` (and at once when an API call or a worker
+report asks for it) on the one hub replica that holds the ``scheduler`` lease. Like the rollout
+controller it decides from the rows alone, so a restarted hub resumes every task where it was.
+
+One tick, per active task (each in its own transaction, the task row locked):
+
+1. **Deadline.** A task not held gets ``deadline_at = now + timeout_s`` the first time it is looked at
+   (it moves on resume by the time spent paused); past it, the task is TIMED_OUT, its workers CANCELED.
+2. **Placement** (PENDING). ``cloud.placement.find`` lists the qualifying targets; fewer than
+   ``min_nodes`` keeps the task PENDING with the reason. Otherwise, by descending weight, up to
+   ``max_nodes``: type ``each`` puts one worker on every chosen target; type ``shards`` splits the
+   pending chunks over them in proportion to their weights. Workers start QUEUED with their order in
+   the target's desired document; the task is SCHEDULED.
+3. **Worker health.** An active worker whose target is OFFLINE or deleted is LOST; one that has not
+   reported within ``worker_timeout_s`` (since it was queued, or since its last report) is TIMED_OUT.
+   Either way its order is withdrawn and its unfinished chunks go back with one more attempt.
+4. **Sharded work.** All chunks done: SUCCEEDED. A chunk pending after ``max_attempts`` attempts: FAILED.
+   Pending chunks past their back-off go to fresh qualifying targets as new workers, or, when there are
+   none, to the task's active workers (their orders grow); none at all: they wait (the reason says so).
+5. **Services and per-target work** (type ``each``). A worker that ended badly is replaced on another
+   qualifying target after its back-off while its attempt is below ``max_attempts``; when no worker is
+   active and none will be replaced the task ends: SUCCEEDED if a worker succeeded, else FAILED.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+from sqlalchemy import func, select
+from sqlalchemy.engine import Engine
+from sqlmodel import Session
+
+from cloud import placement
+from cloud.convert import utc
+from cloud.services import tasks as svc
+from cloud.services.task_reports import release_chunks
+from cloud.tables import Task, TaskChunk, TaskWorker, WorkerTransitionRow
+from interfaces.ids import new_id
+from interfaces.lifecycle import NodeState
+from interfaces.tasks import TASK_ACTIVE, WORKER_FAILURES, ModelRef, TaskState, WorkerState
+
+log = logging.getLogger("aisynergy.hub.scheduler")
+_T, _W = TaskState, WorkerState
+GAVE_UP = "-"
+
+
+class TaskController:
+    def __init__(self, engine: Engine, signing: Any, on_change: Callable[[], None] | None = None) -> None:
+        self.engine = engine
+        self.signing = signing
+        self.on_change = on_change
+        self.counters: dict[str, int] = {
+            "ticks": 0, "workers_placed": 0, "workers_lost": 0, "workers_timed_out": 0, "tasks_timed_out": 0, "chunks_reassigned": 0,
+        }  # fmt: skip
+
+    def tick(self, at: datetime | None = None) -> int:
+        """Drive every active task one step; returns how many changed."""
+        at = at or datetime.now(UTC)
+        with Session(self.engine) as session:
+            ids = list(session.execute(
+                select(Task.id).where(Task.state.in_([s.value for s in TASK_ACTIVE]), Task.held.is_(False)).order_by(Task.id)  # type: ignore[attr-defined]
+            ).scalars())  # fmt: skip
+        changed = 0
+        orders = False
+        for task_id in ids:
+            try:
+                with Session(self.engine, expire_on_commit=False) as session:
+                    did, touched = self._drive(session, task_id, at)
+                    session.commit()
+                changed += did
+                orders |= touched
+            except Exception:  # noqa: BLE001 - one bad task must not stop the others
+                log.exception("scheduling task %s failed this tick", task_id)
+        if orders and self.on_change is not None:
+            self.on_change()
+        self.counters["ticks"] += 1
+        return changed
+
+    # --- one task ----------------------------------------------------------------------------------
+
+    def _drive(self, session: Session, task_id: str, at: datetime) -> tuple[bool, bool]:
+        task = session.get(Task, task_id, with_for_update=True)
+        if task is None or TaskState(task.state) not in TASK_ACTIVE or task.held:
+            return False, False
+        before = (task.state, task.reason, task.chunks_done)
+        self._orders = False
+        self._changed = False
+        state = TaskState(task.state)
+        if task.deadline_at is None and task.timeout_s:
+            task.deadline_at = at + timedelta(seconds=task.timeout_s)
+            self._changed = True
+        deadline = utc(task.deadline_at)
+        if deadline is not None and state is not _T.PAUSED and at >= deadline:
+            self._orders |= svc.finish(session, task, _T.TIMED_OUT, f"not finished within timeout_s={task.timeout_s}", at)
+            self.counters["tasks_timed_out"] += 1
+        elif state is _T.PENDING:
+            self._place(session, task, at)
+        else:
+            self._check_workers(session, task, at)
+            if svc.type_info(task).placement == "shards":
+                self._drive_shards(session, task, at)
+            else:
+                self._drive_each(session, task, at)
+        session.add(task)
+        return self._changed or before != (task.state, task.reason, task.chunks_done), self._orders
+
+    def _model(self, task: Task) -> ModelRef | None:
+        model = getattr(svc.spec_of(task), "model", None)
+        return model if isinstance(model, ModelRef) else None
+
+    def _candidates(self, session: Session, task: Task, exclude: set[str]) -> placement.Candidates:
+        rejected = set(session.execute(
+            select(TaskWorker.target_id).where(TaskWorker.task_id == task.id, TaskWorker.state == _W.REJECTED.value)
+        ).scalars())  # fmt: skip
+        found = placement.find(session, svc.placement_of(task), self._model(task), rejected, exclude)
+        found.eligible.sort(key=lambda c: (-c.weight, c.id))
+        return found
+
+    def _wait(self, session: Session, task: Task, reason: str, at: datetime) -> None:
+        if task.reason != reason:
+            task.reason = reason
+            task.updated_at = at
+            svc.hub_log(session, task.id, f"waiting: {reason}", "warning", at)
+
+    def _place(self, session: Session, task: Task, at: datetime) -> None:
+        rules = svc.placement_of(task)
+        found = self._candidates(session, task, set())
+        if len(found.eligible) < rules.min_nodes:
+            why = found.why_not or f"{len(found.eligible)} of the {rules.min_nodes} targets needed qualify"
+            self._wait(session, task, why, at)
+            return
+        chosen = found.eligible[: rules.max_nodes] if rules.max_nodes else found.eligible
+        if svc.type_info(task).placement == "shards":
+            pending = self._pending_chunks(session, task, at)
+            if not pending:
+                if task.chunks_done == task.chunks_total:
+                    self._orders |= svc.finish(session, task, _T.SUCCEEDED, "every input already has its output", at)
+                else:
+                    self._wait(session, task, "the unfinished chunks wait for their back-off", at)
+                return
+            chosen = chosen[: len(pending)]
+            shares = placement.split(pending, [c.weight if rules.capability_weighted else 1.0 for c in chosen])
+            for candidate, share in zip(chosen, shares, strict=True):
+                self._new_worker(session, task, candidate, share, 1, at)
+        else:
+            for candidate in chosen:
+                self._new_worker(session, task, candidate, [], 1, at)
+        task.scheduled_at = at
+        svc.move_task(session, task, _T.SCHEDULED, f"{len(chosen)} workers placed", at)
+
+    def _new_worker(self, session: Session, task: Task, candidate: placement.Candidate, chunks: list[int], attempt: int, at: datetime) -> TaskWorker:
+        rules = svc.placement_of(task)
+        worker = TaskWorker(
+            id=new_id("w"), task_id=task.id, target_kind=candidate.kind.value, target_id=candidate.id, state=_W.QUEUED.value, attempt=attempt,
+            weight=candidate.weight, accelerators=[r.model_dump(mode="json", exclude_none=True) for r in rules.accelerators], created_at=at, updated_at=at,
+        )  # fmt: skip
+        session.add(worker)
+        session.add(WorkerTransitionRow(worker_id=worker.id, from_state=None, to_state=_W.QUEUED.value, at=at, reason=f"placed on {candidate.id}"))
+        self._assign(session, task, worker, chunks, at)
+        session.flush()
+        svc.put_worker_order(session, worker.target_kind, worker.target_id, svc.build_order(session, task, worker, self.signing))
+        what = f" with {len(chunks)} chunks" if chunks else ""
+        svc.hub_log(session, task.id, f"worker {worker.id} placed on {candidate.id} (weight {candidate.weight:g}){what}", at=at, worker_id=worker.id, target_id=candidate.id)
+        self.counters["workers_placed"] += 1
+        self._orders = True
+        return worker
+
+    def _assign(self, session: Session, task: Task, worker: TaskWorker, chunks: list[int], at: datetime) -> None:
+        if not chunks:
+            return
+        session.execute(
+            TaskChunk.__table__.update().where(TaskChunk.task_id == task.id, TaskChunk.index.in_(chunks), TaskChunk.state == svc.PENDING)  # type: ignore[attr-defined]
+            .values(state=svc.ASSIGNED, worker_id=worker.id)
+        )  # fmt: skip
+
+    def _pending_chunks(self, session: Session, task: Task, at: datetime) -> list[int]:
+        rows = session.execute(
+            select(TaskChunk.index, TaskChunk.not_before).where(TaskChunk.task_id == task.id, TaskChunk.state == svc.PENDING).order_by(TaskChunk.index)
+        ).all()  # fmt: skip
+        return [i for i, not_before in rows if not_before is None or utc(not_before) <= at]
+
+    # --- workers -----------------------------------------------------------------------------------
+
+    def _check_workers(self, session: Session, task: Task, at: datetime) -> None:
+        for worker in svc.active_workers(session, task.id):
+            target = session.get(svc.target_table(worker.target_kind), worker.target_id)
+            silent_since = utc(worker.last_report_at) or utc(worker.created_at)
+            if target is None or target.state in (NodeState.OFFLINE.value, NodeState.DELETED.value):
+                why = f"its {worker.target_kind} {worker.target_id} is {target.state if target else 'gone'}"
+                self._end_worker(session, task, worker, _W.LOST, why, at)
+                self.counters["workers_lost"] += 1
+            elif silent_since is not None and at - silent_since > timedelta(seconds=task.worker_timeout_s):
+                what = "never reported" if worker.state == _W.QUEUED.value else "stopped reporting"
+                self._end_worker(session, task, worker, _W.TIMED_OUT, f"{what} within worker_timeout_s={task.worker_timeout_s:g}", at)
+                self.counters["workers_timed_out"] += 1
+
+    def _end_worker(self, session: Session, task: Task, worker: TaskWorker, state: WorkerState, why: str, at: datetime) -> None:
+        svc.move_worker(session, worker, state, why, at)
+        self._orders |= svc.withdraw_worker_order(session, worker.target_kind, worker.target_id, worker.id)
+        released = release_chunks(session, task, worker, f"{state.value}: {why}", at)
+        extra = f"; {released} chunks to reschedule" if released else ""
+        svc.hub_log(session, task.id, f"worker {worker.id} {state.value}: {why}{extra}", "warning", at, worker.id, worker.target_id)
+        self._changed = True
+
+    def _drive_shards(self, session: Session, task: Task, at: datetime) -> None:
+        if task.chunks_done == task.chunks_total:
+            n = len(svc.active_workers(session, task.id))
+            self._orders |= svc.finish(session, task, _T.SUCCEEDED, f"all {task.items_total} inputs processed ({n} workers at the end)", at)
+            return
+        policy = svc.retry_of(task)
+        exhausted = session.execute(
+            select(TaskChunk).where(TaskChunk.task_id == task.id, TaskChunk.state == svc.PENDING, TaskChunk.attempts >= policy.max_attempts).limit(1)
+        ).scalar()  # fmt: skip
+        if exhausted is not None:
+            why = f"chunk {exhausted.index} failed {exhausted.attempts} times (max_attempts={policy.max_attempts}); last: {exhausted.last_error}"
+            self._orders |= svc.finish(session, task, _T.FAILED, why, at)
+            return
+        if TaskState(task.state) is _T.PAUSED:
+            return
+        pending = self._pending_chunks(session, task, at)
+        if not pending:
+            return
+        rules = svc.placement_of(task)
+        active = svc.active_workers(session, task.id)
+        room = (rules.max_nodes - len(active)) if rules.max_nodes else None
+        fresh = self._candidates(session, task, {w.target_id for w in active}).eligible if room is None or room > 0 else []
+        fresh = fresh[:room] if room is not None else fresh
+        fresh = fresh[: len(pending)]
+
+        def weights(items: list[Any]) -> list[float]:
+            return [x.weight if rules.capability_weighted else 1.0 for x in items]
+
+        if fresh:
+            attempt = 1 + int(session.execute(
+                select(func.max(TaskChunk.attempts)).where(TaskChunk.task_id == task.id, TaskChunk.index.in_(pending))  # type: ignore[attr-defined]
+            ).scalar() or 0)  # fmt: skip
+            for candidate, share in zip(fresh, placement.split(pending, weights(fresh)), strict=True):
+                self._new_worker(session, task, candidate, share, attempt, at)
+        elif active:
+            for worker, share in zip(active, placement.split(pending, weights(active)), strict=True):
+                if share:
+                    self._assign(session, task, worker, share, at)
+                    session.flush()
+                    self._orders |= svc.put_worker_order(session, worker.target_kind, worker.target_id, svc.build_order(session, task, worker, self.signing))
+                    svc.hub_log(session, task.id, f"{len(share)} chunks given to worker {worker.id} on {worker.target_id}", at=at, worker_id=worker.id, target_id=worker.target_id)
+        else:
+            self._wait(session, task, f"{len(pending)} chunks wait for a qualifying target", at)
+            return
+        self.counters["chunks_reassigned"] += len(pending)
+        self._changed = True
+
+    def _drive_each(self, session: Session, task: Task, at: datetime) -> None:
+        policy = svc.retry_of(task)
+        ended = list(session.execute(
+            select(TaskWorker).where(
+                TaskWorker.task_id == task.id, TaskWorker.state.in_([s.value for s in WORKER_FAILURES]), TaskWorker.replaced_by.is_(None)  # type: ignore[attr-defined,union-attr]
+            ).order_by(TaskWorker.id)
+        ).scalars())  # fmt: skip
+        paused = TaskState(task.state) is _T.PAUSED
+        for worker in ended:
+            if worker.attempt >= policy.max_attempts and worker.state != _W.REJECTED.value:
+                worker.replaced_by = GAVE_UP
+                session.add(worker)
+                svc.hub_log(session, task.id, f"worker {worker.id} is not replaced: attempt {worker.attempt} of max_attempts={policy.max_attempts}", "warning", at, worker.id)
+                continue
+            finished = utc(worker.finished_at) or at
+            if paused or at < finished + timedelta(seconds=policy.delay(worker.attempt + 1)):
+                continue
+            active = svc.active_workers(session, task.id)
+            found = self._candidates(session, task, {w.target_id for w in active})
+            if not found.eligible:
+                self._wait(session, task, f"no target to replace worker {worker.id}: {found.why_not}", at)
+                continue
+            attempt = worker.attempt if worker.state == _W.REJECTED.value else worker.attempt + 1
+            new = self._new_worker(session, task, found.eligible[0], [], attempt, at)
+            worker.replaced_by = new.id
+            session.add(worker)
+        session.flush()
+        if svc.active_workers(session, task.id):
+            return
+        waiting = session.execute(
+            select(TaskWorker.id).where(TaskWorker.task_id == task.id, TaskWorker.state.in_([s.value for s in WORKER_FAILURES]), TaskWorker.replaced_by.is_(None))  # type: ignore[attr-defined,union-attr]
+        ).first()  # fmt: skip
+        if waiting is not None:
+            return
+        succeeded = session.execute(select(TaskWorker.id).where(TaskWorker.task_id == task.id, TaskWorker.state == _W.SUCCEEDED.value)).first()
+        if succeeded is not None:
+            self._orders |= svc.finish(session, task, _T.SUCCEEDED, "every worker finished", at)
+        else:
+            self._orders |= svc.finish(session, task, _T.FAILED, "no worker finished and none is left to try", at)
+

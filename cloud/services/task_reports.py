@@ -1,0 +1,183 @@
+"""What task workers report on ``events`` (DESIGN §4.3), applied in the ingest's transaction.
+
+Every report names its worker; it counts only from the target that worker runs on (a device cannot
+speak for another's worker). In arrival order:
+
+* ``task.worker`` (``WorkerReport``): RUNNING moves a QUEUED worker to RUNNING (and the task from
+  SCHEDULED to RUNNING) and refreshes ``last_report_at`` (the worker's heartbeat); SUCCEEDED, FAILED and
+  REJECTED end it. A FAILED or REJECTED worker's unfinished chunks go back to PENDING with one more attempt
+  and a back-off (``RetryPolicy.delay``); the scheduler gives them to another worker. A report for a worker
+  that already ended is late news and ignored.
+* ``task.log`` lines and ``task.metrics`` samples are kept once each (by event id and line number).
+* ``task.output``: the chunk's outputs are kept if the chunk is ASSIGNED to that worker and the worker is
+  still active; the frame must be safetensors whose tensors all have the chunk's row count first. Any
+  other copy (a duplicate, a late one from a worker that was declared LOST) is refused and counted: no
+  input is ever stored with two outputs.
+
+Returns outcome counts (``task_<kind>_<outcome>``) and whether the scheduler should look now.
+"""
+
+from __future__ import annotations
+
+import base64
+import logging
+from collections import Counter
+from datetime import datetime, timedelta
+from typing import Any
+
+from pydantic import ValidationError
+from sqlalchemy import insert, select
+from sqlalchemy.dialects import postgresql, sqlite
+from sqlmodel import Session
+
+from cloud.services.tasks import ASSIGNED, DONE, PENDING, decode_chunk, hub_log, move_task, move_worker, retry_of
+from cloud.tables import Task, TaskChunk, TaskLog, TaskMetric, TaskWorker
+from interfaces.messages import Envelope, EventBody
+from interfaces.tasks import (
+    TASK_LOG_EVENT, TASK_METRICS_EVENT, TASK_OUTPUT_EVENT, TASK_WORKER_EVENT, WORKER_ACTIVE, TaskState, WorkerLog, WorkerMetrics, WorkerOutput,
+    WorkerReport, WorkerState,
+)  # fmt: skip
+
+log = logging.getLogger("aisynergy.hub.tasks")
+_MODELS: dict[str, Any] = {TASK_WORKER_EVENT: WorkerReport, TASK_LOG_EVENT: WorkerLog, TASK_METRICS_EVENT: WorkerMetrics, TASK_OUTPUT_EVENT: WorkerOutput}
+Report = tuple[str, str, Envelope[EventBody], datetime]  # target kind, target id, the event, when the hub received it
+
+
+def release_chunks(session: Session, task: Task, worker: TaskWorker, why: str, at: datetime) -> int:
+    """Give a worker's unfinished chunks back (one more attempt each, after the back-off); returns how many."""
+    policy = retry_of(task)
+    chunks = list(session.execute(
+        select(TaskChunk).where(TaskChunk.task_id == task.id, TaskChunk.worker_id == worker.id, TaskChunk.state == ASSIGNED).with_for_update()
+    ).scalars())  # fmt: skip
+    for chunk in chunks:
+        chunk.attempts += 1
+        chunk.state, chunk.worker_id = PENDING, None
+        chunk.not_before = at + timedelta(seconds=policy.delay(chunk.attempts + 1))
+        chunk.last_error = why[:2048]
+        session.add(chunk)
+    return len(chunks)
+
+
+def apply(session: Session, reports: list[Report]) -> tuple[Counter[str], bool]:
+    counts: Counter[str] = Counter()
+    parsed: list[tuple[str, str, Envelope[EventBody], datetime, Any]] = []
+    for kind, target_id, message, at in reports:
+        try:
+            parsed.append((kind, target_id, message, at, _MODELS[message.body.type].model_validate(message.body.data)))
+        except (KeyError, ValidationError) as exc:
+            counts[f"task_{message.body.type.split('.')[-1]}_malformed"] += 1
+            log.warning("malformed %s report %s from %s: %s", message.body.type, message.id, target_id, str(exc).splitlines()[0])
+    if not parsed:
+        return counts, False
+    ids = {p[4].worker_id for p in parsed}
+    workers = {w.id: w for w in session.execute(select(TaskWorker).where(TaskWorker.id.in_(ids))).scalars()}  # type: ignore[attr-defined]
+    tasks: dict[str, Task] = {}
+    poke = False
+    for kind, target_id, message, at, data in parsed:
+        name = message.body.type.split(".")[-1]
+        worker = workers.get(data.worker_id)
+        if worker is None or worker.task_id != data.task_id:
+            counts[f"task_{name}_unknown"] += 1
+            continue
+        if worker.target_id != target_id or worker.target_kind != kind:
+            counts[f"task_{name}_wrong_target"] += 1
+            log.warning("%s %s claims worker %s of %s; refused", kind, target_id, worker.id, worker.target_id)
+            continue
+        task = tasks.get(worker.task_id)
+        if task is None:
+            task = tasks[worker.task_id] = session.get(Task, worker.task_id, with_for_update=True)  # type: ignore[assignment]
+            if task is None:
+                counts[f"task_{name}_unknown"] += 1
+                continue
+        if isinstance(data, WorkerReport):
+            outcome, wake = _report(session, task, worker, data, at)
+            poke |= wake
+        elif isinstance(data, WorkerLog):
+            outcome = _log(session, task, worker, message, data)
+        elif isinstance(data, WorkerMetrics):
+            outcome = _metrics(session, task, worker, message, data, at)
+        else:
+            outcome, wake = _output(session, task, worker, data, at)
+            poke |= wake
+        counts[f"task_{name}_{outcome}"] += 1
+    return counts, poke
+
+
+def _report(session: Session, task: Task, worker: TaskWorker, data: WorkerReport, at: datetime) -> tuple[str, bool]:
+    state = WorkerState(worker.state)
+    if state not in WORKER_ACTIVE:
+        return "late", False
+    worker.last_report_at = at
+    worker.updated_at = at
+    worker.paused = data.paused
+    if data.items_done is not None:
+        worker.items_done = data.items_done
+    session.add(worker)
+    if data.state is WorkerState.RUNNING:
+        if state is WorkerState.QUEUED:
+            move_worker(session, worker, WorkerState.RUNNING, data.detail or "started", at)
+            hub_log(session, task.id, f"worker {worker.id} RUNNING on {worker.target_id}", at=at, worker_id=worker.id, target_id=worker.target_id)
+            if task.state == TaskState.SCHEDULED.value:
+                task.started_at = task.started_at or at
+                move_task(session, task, TaskState.RUNNING, "a worker is running", at)
+        return "applied", False
+    detail = data.detail or data.state.value.lower()
+    move_worker(session, worker, data.state, detail, at)
+    level = "info" if data.state is WorkerState.SUCCEEDED else "error"
+    hub_log(session, task.id, f"worker {worker.id} on {worker.target_id} {data.state.value}: {detail}", level, at, worker.id, worker.target_id)
+    if data.state is not WorkerState.SUCCEEDED:
+        release_chunks(session, task, worker, f"{data.state.value} on {worker.target_id}: {detail}", at)
+    return "applied", True
+
+
+def _insert_ignoring_duplicates(session: Session, table: Any, rows: list[dict[str, Any]], keys: list[str]) -> int:
+    dialect = session.get_bind().dialect.name
+    if dialect == "postgresql":
+        stmt = postgresql.insert(table).on_conflict_do_nothing(index_elements=keys)
+    elif dialect == "sqlite":
+        stmt = sqlite.insert(table).on_conflict_do_nothing(index_elements=keys)
+    else:  # pragma: no cover - the two supported databases are above
+        stmt = insert(table)
+    return int(session.connection().execute(stmt, rows).rowcount or 0)
+
+
+def _log(session: Session, task: Task, worker: TaskWorker, message: Envelope[EventBody], data: WorkerLog) -> str:
+    rows = [
+        {"task_id": task.id, "worker_id": worker.id, "target_id": worker.target_id, "message_id": message.id, "line": i, "ts": line.ts,
+         "level": line.level, "text": line.text}
+        for i, line in enumerate(data.lines)
+    ]  # fmt: skip
+    return "applied" if _insert_ignoring_duplicates(session, TaskLog, rows, ["message_id", "line"]) else "duplicate"
+
+
+def _metrics(session: Session, task: Task, worker: TaskWorker, message: Envelope[EventBody], data: WorkerMetrics, at: datetime) -> str:
+    row = {"task_id": task.id, "worker_id": worker.id, "target_id": worker.target_id, "message_id": message.id, "ts": data.ts, "values": data.values}
+    if WorkerState(worker.state) in WORKER_ACTIVE:
+        worker.last_report_at = at
+        session.add(worker)
+    return "applied" if _insert_ignoring_duplicates(session, TaskMetric, [row], ["message_id"]) else "duplicate"
+
+
+def _output(session: Session, task: Task, worker: TaskWorker, data: WorkerOutput, at: datetime) -> tuple[str, bool]:
+    chunk = session.get(TaskChunk, (task.id, data.chunk), with_for_update=True)
+    if chunk is None:
+        return "unknown_chunk", False
+    if chunk.state == DONE:
+        return "duplicate", False
+    if chunk.worker_id != worker.id or chunk.state != ASSIGNED or WorkerState(worker.state) not in WORKER_ACTIVE:
+        return "not_owner", False
+    assert task.chunk_size is not None and task.items_total is not None
+    rows = min(task.chunk_size, task.items_total - data.chunk * task.chunk_size)
+    try:
+        frame = base64.b64decode(data.data, validate=True)
+        tensors = decode_chunk(frame)
+        if not tensors or data.items != rows or any(not v.shape or v.shape[0] != rows for v in tensors.values()):
+            raise ValueError(f"expected {rows} rows in every tensor, got {({k: list(v.shape) for k, v in tensors.items()})}")
+    except Exception as exc:  # noqa: BLE001 - binascii, ValueError and safetensors' own error types alike
+        log.warning("refused the output of chunk %s of task %s from %s: %s", data.chunk, task.id, worker.id, exc)
+        return "malformed", False
+    chunk.state, chunk.data, chunk.done_at = DONE, frame, at
+    session.add(chunk)
+    task.chunks_done += 1
+    session.add(task)
+    return "applied", task.chunks_done == task.chunks_total

@@ -1,0 +1,448 @@
+"""Task run management (DESIGN §4.3, standard §8.3): tasks, workers, orders, worker reports, type registry.
+
+The wire contract between the hub, edges and devices for running AI tasks:
+
+* REST models: ``TaskCreate``, ``TaskPublic``, ``WorkerPublic``, ``TaskLogLine``, ``TaskMetrics``, ``TaskOutputs``.
+* Orders (``WorkerOrder``) travel to a target inside its retained ``desired`` document
+  (``DesiredBody.tasks``, versioned by ``tasks_version``), so a target that restarts converges on what it
+  must run; a withdrawn order means "stop this worker".
+* Workers report on ``events``: ``TASK_WORKER_EVENT`` (state and progress, also the worker's heartbeat),
+  ``TASK_LOG_EVENT`` (log lines), ``TASK_METRICS_EVENT`` (numbers) and ``TASK_OUTPUT_EVENT`` (one finished
+  chunk of a sharded task's outputs, as safetensors bytes). The hub keeps each line, sample and chunk once.
+* ``TASK_TYPES`` is the registry: each type's spec model, how it is placed, what happens when a worker is
+  lost, and which targets can run it. A type whose spec model is ``None`` is known to the contract but
+  not yet runnable (``POST /tasks`` refuses it with a 422).
+
+State machines (the transitions below are the only legal moves)::
+
+    task:   PENDING -> SCHEDULED -> RUNNING <-> PAUSED
+            PENDING | SCHEDULED | RUNNING | PAUSED -> SUCCEEDED | FAILED | CANCELED | TIMED_OUT
+            FAILED | CANCELED | TIMED_OUT -> PENDING            (retry)
+    worker: QUEUED -> RUNNING -> SUCCEEDED
+            QUEUED | RUNNING -> FAILED | TIMED_OUT | REJECTED | LOST | CANCELED
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import datetime
+from enum import StrEnum
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from interfaces.deployments import ArtifactName, SignedManifest, TargetKind, Version
+from interfaces.resources import AcceleratorType
+from interfaces.text import NoNul
+
+TASK_WORKER_EVENT = "task.worker"
+"""``EventBody.type`` of a worker's state report (also its heartbeat); ``data`` is a ``WorkerReport``."""
+TASK_LOG_EVENT = "task.log"
+"""``EventBody.type`` of a worker's log lines; ``data`` is a ``WorkerLog``."""
+TASK_METRICS_EVENT = "task.metrics"
+"""``EventBody.type`` of a worker's metrics sample; ``data`` is a ``WorkerMetrics``."""
+TASK_OUTPUT_EVENT = "task.output"
+"""``EventBody.type`` of one finished chunk of outputs; ``data`` is a ``WorkerOutput``."""
+TASK_EVENTS = frozenset({TASK_WORKER_EVENT, TASK_LOG_EVENT, TASK_METRICS_EVENT, TASK_OUTPUT_EVENT})
+
+MAX_CHUNK_OUTPUT_BYTES = 192 * 1024
+"""Largest safetensors frame one ``WorkerOutput`` carries (it must fit in one MQTT message)."""
+
+Id = Annotated[str, Field(min_length=1, max_length=64)]
+
+
+class _In(NoNul):
+    model_config = ConfigDict(extra="forbid")
+
+
+# --- states ----------------------------------------------------------------------------------------
+
+
+class TaskType(StrEnum):
+    INFERENCE = "inference"
+    SPLIT_INFERENCE = "split_inference"
+    INCREMENTAL_TRAINING = "incremental_training"
+    FEDERATED_TRAINING = "federated_training"
+    BATCH_INFERENCE = "batch_inference"
+
+
+class TaskState(StrEnum):
+    PENDING = "PENDING"
+    SCHEDULED = "SCHEDULED"
+    RUNNING = "RUNNING"
+    PAUSED = "PAUSED"
+    SUCCEEDED = "SUCCEEDED"
+    FAILED = "FAILED"
+    CANCELED = "CANCELED"
+    TIMED_OUT = "TIMED_OUT"
+
+
+_T = TaskState
+_TASK_ENDS = frozenset({_T.SUCCEEDED, _T.FAILED, _T.CANCELED, _T.TIMED_OUT})
+TASK_TRANSITIONS: dict[TaskState, frozenset[TaskState]] = {
+    _T.PENDING: frozenset({_T.SCHEDULED}) | _TASK_ENDS,
+    _T.SCHEDULED: frozenset({_T.RUNNING, _T.PAUSED}) | _TASK_ENDS,
+    _T.RUNNING: frozenset({_T.PAUSED}) | _TASK_ENDS,
+    _T.PAUSED: frozenset({_T.RUNNING, _T.SCHEDULED}) | _TASK_ENDS,
+    _T.SUCCEEDED: frozenset(),
+    _T.FAILED: frozenset({_T.PENDING}),
+    _T.CANCELED: frozenset({_T.PENDING}),
+    _T.TIMED_OUT: frozenset({_T.PENDING}),
+}
+TASK_FINAL = _TASK_ENDS
+TASK_ACTIVE = frozenset({_T.PENDING, _T.SCHEDULED, _T.RUNNING, _T.PAUSED})
+
+
+class TaskAction(StrEnum):
+    START = "start"  # a task created with start=false (held in PENDING) may be scheduled
+    STOP = "stop"  # end it now: a service type SUCCEEDS, a finite one is CANCELED; outputs so far are kept
+    PAUSE = "pause"
+    RESUME = "resume"
+    CANCEL = "cancel"
+    RETRY = "retry"  # FAILED, CANCELED or TIMED_OUT: back to PENDING; finished work is kept
+
+
+class WorkerState(StrEnum):
+    QUEUED = "QUEUED"
+    RUNNING = "RUNNING"
+    SUCCEEDED = "SUCCEEDED"
+    FAILED = "FAILED"
+    TIMED_OUT = "TIMED_OUT"
+    REJECTED = "REJECTED"
+    LOST = "LOST"
+    CANCELED = "CANCELED"
+
+
+_W = WorkerState
+_WORKER_ENDS = frozenset({_W.SUCCEEDED, _W.FAILED, _W.TIMED_OUT, _W.REJECTED, _W.LOST, _W.CANCELED})
+WORKER_TRANSITIONS: dict[WorkerState, frozenset[WorkerState]] = {
+    _W.QUEUED: frozenset({_W.RUNNING}) | (_WORKER_ENDS - {_W.SUCCEEDED}),
+    _W.RUNNING: _WORKER_ENDS,
+    **{s: frozenset() for s in _WORKER_ENDS},
+}
+WORKER_FINAL = _WORKER_ENDS
+WORKER_ACTIVE = frozenset({_W.QUEUED, _W.RUNNING})
+WORKER_FAILURES = frozenset({_W.FAILED, _W.TIMED_OUT, _W.REJECTED, _W.LOST})
+
+
+class IllegalTaskTransition(ValueError):
+    def __init__(self, current: StrEnum, target: StrEnum, what: str = "task") -> None:
+        super().__init__(f"{what} cannot go from {current} to {target}")
+        self.current = current
+        self.target = target
+
+
+def worker_path(current: WorkerState, target: WorkerState) -> list[WorkerState]:
+    """The legal steps from ``current`` to ``target`` (SUCCEEDED after QUEUED fills in RUNNING), or raise."""
+    if current == target:
+        return []
+    if target in WORKER_TRANSITIONS[current]:
+        return [target]
+    if current is _W.QUEUED and target is _W.SUCCEEDED:
+        return [_W.RUNNING, _W.SUCCEEDED]
+    raise IllegalTaskTransition(current, target, "worker")
+
+
+# --- specs of the task types ------------------------------------------------------------------------
+
+
+class ModelRef(_In):
+    """A model the target runs, deployed through §8.2 (``installed["model"]`` in its reported document)."""
+
+    name: ArtifactName
+    version: Version | None = Field(default=None, description="any version when absent")
+
+
+class InferenceSpec(_In):
+    """Serve a model on every placed target: the worker keeps it loaded, answers ``infer`` commands and
+    reports request counts and latencies. Runs for ``duration_s`` (then SUCCEEDS) or until stopped."""
+
+    model: ModelRef
+    duration_s: float | None = Field(default=None, gt=0, le=365 * 86400, description="none: until stopped")
+    report_interval_s: float = Field(default=10, ge=0.2, le=3600)
+
+
+class BatchInferenceSpec(_In):
+    """Run a model over every row of a dataset artefact (kind ``dataset``, format ``npy`` or
+    ``safetensors``), sharded into chunks across the placed targets; outputs are gathered in input order."""
+
+    model: ModelRef
+    inputs: Id = Field(description="id of the dataset artefact; its first axis indexes the inputs")
+    input_name: str | None = Field(default=None, max_length=128, description="the model input fed (default: its only input); for a safetensors dataset also the tensor read")
+    chunk_size: int = Field(default=64, ge=1, le=65536, description="inputs per chunk: the unit of reporting and rescheduling")
+
+
+class AcceleratorRequest(_In):
+    type: AcceleratorType
+    count: int = Field(default=1, ge=1, le=1024)
+    purpose: Literal["training", "inference"] | None = Field(default=None, description="a card whose purpose is declared must match (or be 'both')")
+    min_memory_bytes: int | None = Field(default=None, ge=0, description="per accelerator")
+
+
+class Placement(_In):
+    """Where workers may run. Targets must be ONLINE, their node (for a device: its edge) UNLOCKED."""
+
+    target: TargetKind = TargetKind.DEVICE
+    selector: str | None = Field(default=None, max_length=4096, description="label selector; none: every target of the kind")
+    ids: list[Id] | None = Field(default=None, min_length=1, max_length=10_000)
+    min_nodes: int = Field(default=1, ge=1, le=10_000, description="the task waits in PENDING until this many targets qualify")
+    max_nodes: int | None = Field(default=None, ge=1, le=10_000)
+    accelerators: list[AcceleratorRequest] = Field(default_factory=list, max_length=8, description="every one must be free on a target (standard 7.3.2)")
+    min_memory_bytes: int | None = Field(default=None, ge=0, description="available memory a target must report")
+    capability_weighted: bool = Field(default=True, description="sharded types: a target's share of the inputs follows its free compute (standard 7.2 d 4)")
+
+    @model_validator(mode="after")
+    def _check(self) -> Placement:
+        if self.ids is not None and self.selector is not None:
+            raise ValueError("give at most one of ids or selector")
+        if self.ids is not None and len(set(self.ids)) != len(self.ids):
+            raise ValueError("ids must not repeat")
+        if self.max_nodes is not None and self.max_nodes < self.min_nodes:
+            raise ValueError("max_nodes is below min_nodes")
+        return self
+
+
+class RetryPolicy(_In):
+    """How often one piece of work (a shard's chunk, a service slot) is tried before the task FAILS."""
+
+    max_attempts: int = Field(default=3, ge=1, le=100)
+    backoff_s: float = Field(default=1.0, ge=0, le=3600, description="wait before the 2nd attempt; doubles each time")
+    max_backoff_s: float = Field(default=60.0, ge=0, le=86400)
+
+    def delay(self, attempt: int) -> float:
+        """Seconds to wait before attempt number ``attempt`` (2, 3, ...)."""
+        return min(self.max_backoff_s, self.backoff_s * 2 ** max(0, attempt - 2))
+
+
+@dataclass(frozen=True)
+class TaskTypeInfo:
+    """What the scheduler needs to know of a task type."""
+
+    type: TaskType
+    spec: type[BaseModel] | None
+    """the spec model; None: not runnable on this version"""
+    placement: Literal["each", "shards"]
+    """each: one worker per placed target; shards: the inputs are split in chunks over the placed targets"""
+    on_lost: Literal["reschedule", "continue"]
+    """a worker LOST, TIMED_OUT or FAILED: its work moves to another target, or the task goes on with the rest"""
+    service: bool
+    """runs until stopped (stop SUCCEEDS it) rather than to completion"""
+    targets: frozenset[TargetKind] = frozenset({TargetKind.DEVICE, TargetKind.NODE})
+
+
+TASK_TYPES: dict[TaskType, TaskTypeInfo] = {
+    TaskType.INFERENCE: TaskTypeInfo(TaskType.INFERENCE, InferenceSpec, "each", "reschedule", service=True),
+    TaskType.BATCH_INFERENCE: TaskTypeInfo(TaskType.BATCH_INFERENCE, BatchInferenceSpec, "shards", "reschedule", service=False),
+    TaskType.SPLIT_INFERENCE: TaskTypeInfo(TaskType.SPLIT_INFERENCE, None, "each", "reschedule", service=True),
+    TaskType.INCREMENTAL_TRAINING: TaskTypeInfo(TaskType.INCREMENTAL_TRAINING, None, "each", "reschedule", service=False),
+    TaskType.FEDERATED_TRAINING: TaskTypeInfo(TaskType.FEDERATED_TRAINING, None, "each", "continue", service=False),
+}
+
+
+# --- REST ------------------------------------------------------------------------------------------
+
+
+class TaskCreate(_In):
+    name: str = Field(default="", max_length=128)
+    type: TaskType
+    spec: dict[str, Any] = Field(description="the type's spec (InferenceSpec, BatchInferenceSpec, ...)")
+    placement: Placement = Field(default_factory=Placement)
+    timeout_s: int | None = Field(default=None, ge=1, le=30 * 86400, description="running time (paused time excluded) before TIMED_OUT; none: no limit")
+    worker_timeout_s: float = Field(default=30, ge=1, le=86400, description="a worker silent this long is TIMED_OUT and its work rescheduled")
+    heartbeat_s: float = Field(default=5, ge=0.2, le=3600, description="how often a worker reports while it runs")
+    retry: RetryPolicy = Field(default_factory=RetryPolicy)
+    start: bool = Field(default=True, description="false: the task is held in PENDING until POST /tasks/{id}/start")
+
+    @model_validator(mode="after")
+    def _check(self) -> TaskCreate:
+        if self.heartbeat_s >= self.worker_timeout_s:
+            raise ValueError("heartbeat_s must be below worker_timeout_s")
+        return self
+
+
+class TaskProgress(BaseModel):
+    items_total: int | None = Field(default=None, description="sharded types: inputs in all")
+    items_done: int | None = None
+    chunks_total: int | None = None
+    chunks_done: int | None = None
+    workers: dict[WorkerState, int] = Field(default_factory=dict)
+
+
+class TaskTransition(BaseModel):
+    from_state: str | None
+    to_state: str
+    at: datetime
+    reason: str = ""
+
+
+class TaskPublic(BaseModel):
+    id: str
+    name: str
+    type: TaskType
+    spec: dict[str, Any]
+    placement: Placement
+    timeout_s: int | None
+    worker_timeout_s: float
+    heartbeat_s: float
+    retry: RetryPolicy
+    state: TaskState
+    reason: str = ""
+    held: bool = Field(description="created with start=false and not started yet")
+    attempt: int = Field(description="1, then one more per retry of the whole task")
+    progress: TaskProgress
+    created_at: datetime
+    updated_at: datetime
+    started_at: datetime | None = Field(description="first worker RUNNING")
+    finished_at: datetime | None
+    deadline_at: datetime | None
+
+
+class TaskDetail(TaskPublic):
+    history: list[TaskTransition] = Field(default_factory=list)
+
+
+class WorkerPublic(BaseModel):
+    id: str
+    task_id: str
+    target_kind: TargetKind
+    target_id: str
+    role: str
+    state: WorkerState
+    attempt: int
+    items_assigned: int | None
+    items_done: int | None
+    accelerators: list[AcceleratorRequest] = Field(default_factory=list, description="reserved on the target while the worker is active")
+    detail: str
+    created_at: datetime
+    started_at: datetime | None
+    finished_at: datetime | None
+    last_report_at: datetime | None
+    history: list[TaskTransition] = Field(default_factory=list)
+
+
+class TaskLogLine(BaseModel):
+    id: int = Field(description="increases in the order the hub stored the lines; the SSE event id")
+    task_id: str
+    worker_id: str | None = Field(description="none: a line of the hub's scheduler about this task")
+    target_id: str | None
+    ts: datetime
+    level: Literal["debug", "info", "warning", "error"]
+    text: str
+
+
+class MetricSample(BaseModel):
+    worker_id: str
+    target_id: str
+    ts: datetime
+    values: dict[str, float]
+
+
+class TaskMetrics(BaseModel):
+    task_id: str
+    totals: dict[str, float] = Field(description="sums over the workers' latest samples (rates and counts)")
+    workers: dict[str, MetricSample] = Field(description="each worker's latest sample")
+    series: list[MetricSample] = Field(default_factory=list, description="samples in order (GET ?series=true, newest last)")
+
+
+class TensorInfo(BaseModel):
+    name: str
+    dtype: str
+    shape: list[int]
+
+
+class TaskOutputs(BaseModel):
+    task_id: str
+    state: TaskState
+    complete: bool = Field(description="every input has its output")
+    items_total: int | None
+    items_done: int | None
+    tensors: list[TensorInfo] = Field(default_factory=list, description="sharded types: the gathered outputs (rows in input order)")
+    content_url: str | None = Field(default=None, description="GET it for the gathered outputs as one safetensors file")
+    artifacts: list[str] = Field(default_factory=list, description="ids of artefacts the task produced (models)")
+
+
+# --- orders and reports over MQTT ------------------------------------------------------------------
+
+
+class WorkerAction(StrEnum):
+    RUN = "run"
+    PAUSE = "pause"  # finish the item in hand, then wait (keep reporting)
+
+
+class InputRef(NoNul):
+    """A dataset artefact the worker fetches like an update: signed manifest, path, download token."""
+
+    artifact_id: Id
+    signed_manifest: SignedManifest
+    path: str = Field(min_length=1, max_length=512)
+    token: str = Field(min_length=1, max_length=2048)
+
+
+class WorkerOrder(NoNul):
+    """One entry of ``DesiredBody.tasks``: run this worker. Withdrawn: stop it."""
+
+    worker_id: Id
+    task_id: Id
+    type: TaskType
+    role: str = Field(default="worker", max_length=32)
+    action: WorkerAction = WorkerAction.RUN
+    attempt: int = Field(default=1, ge=1)
+    spec: dict[str, Any]
+    heartbeat_s: float = Field(default=5, gt=0, le=3600)
+    inputs: InputRef | None = None
+    items: int | None = Field(default=None, ge=0, description="sharded: number of inputs in the dataset")
+    chunk_size: int | None = Field(default=None, ge=1)
+    chunks: list[tuple[int, int]] = Field(default_factory=list, max_length=4096, description="sharded: ranges [first, end) of chunk indices this worker owns; may grow")
+
+    def chunk_indices(self) -> list[int]:
+        return [i for first, end in self.chunks for i in range(first, end)]
+
+    def chunk_bounds(self, index: int) -> tuple[int, int]:
+        """Item range [start, end) of chunk ``index``."""
+        assert self.chunk_size is not None and self.items is not None
+        return index * self.chunk_size, min((index + 1) * self.chunk_size, self.items)
+
+
+class WorkerReport(NoNul):
+    """``data`` of a ``TASK_WORKER_EVENT``: the worker's state (RUNNING is also its heartbeat)."""
+
+    worker_id: Id
+    task_id: Id
+    state: Literal[WorkerState.RUNNING, WorkerState.SUCCEEDED, WorkerState.FAILED, WorkerState.REJECTED]
+    detail: str = Field(default="", max_length=2048)
+    paused: bool = False
+    items_done: int | None = Field(default=None, ge=0, description="inputs this worker finished (this run)")
+
+
+class LogLine(NoNul):
+    ts: datetime
+    level: Literal["debug", "info", "warning", "error"] = "info"
+    text: str = Field(max_length=4096)
+
+
+class WorkerLog(NoNul):
+    """``data`` of a ``TASK_LOG_EVENT``: a worker's log lines in order (the hub keeps each once)."""
+
+    worker_id: Id
+    task_id: Id
+    lines: list[LogLine] = Field(min_length=1, max_length=200)
+
+
+class WorkerMetrics(NoNul):
+    """``data`` of a ``TASK_METRICS_EVENT``: one sample of a worker's numbers (counts, rates, latencies)."""
+
+    worker_id: Id
+    task_id: Id
+    ts: datetime
+    values: dict[Annotated[str, Field(min_length=1, max_length=64, pattern=r"^[a-z][a-z0-9_]*$")], float] = Field(max_length=64)
+
+
+class WorkerOutput(NoNul):
+    """``data`` of a ``TASK_OUTPUT_EVENT``: one chunk's outputs. ``data`` is base64 of a safetensors frame, one tensor per model output,
+    first axis = the chunk's inputs in order. The hub keeps the first copy from the chunk's owner."""
+
+    worker_id: Id
+    task_id: Id
+    chunk: int = Field(ge=0)
+    items: int = Field(ge=1)
+    data: str = Field(min_length=1, max_length=MAX_CHUNK_OUTPUT_BYTES * 4 // 3 + 4)
