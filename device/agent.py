@@ -23,6 +23,11 @@ Over-the-air updates (DESIGN §4.2): the desired document's ``deployments`` go t
 ``deployment.execution``, and the reported status carries what is installed (``installed``, by kind). The
 built-in commands ``infer`` (``{"inputs": {name: nested list}}``) and ``models`` use :attr:`Device.models`.
 
+Task workers (DESIGN §4.3): the document's ``tasks`` go to :attr:`Device.tasks` (a
+:class:`~device.tasks.host.WorkerHost`) after its deployments; the workers report on ``events``
+(``task.worker``, ``task.log``, ``task.metrics``, ``task.output``) and fetch their inputs the way the
+updater fetches artefacts. The stored orders run again at the next start.
+
 Threads: paho's network thread runs the callbacks and answers ``ping`` and unknown commands itself (so
 they are answered while a handler is busy); the application's command handlers run one at a time on the
 ``commands`` worker, the desired handler on the ``desired`` worker (the newest document wins).
@@ -61,6 +66,7 @@ from device.identity import Enrolment, IdentityStore
 from device.ota.models import ModelHost, model_commands
 from device.resources import ResourceSampler
 from device.sequence import EventSequence
+from device.tasks import InputFetcher, WorkerHost
 from interfaces import API_PREFIX
 from interfaces.deployments import EXECUTION_EVENT, EXECUTION_FAILURES, INSTALLED_KEY, ExecutionProgress
 from interfaces.messages import (
@@ -183,6 +189,8 @@ class Device:
         self._desired_handler: DesiredHandler | None = None
         self.models = ModelHost(self.data_dir / "ota" / "models")
         self._updater: Updater | None = None
+        fetch_inputs = InputFetcher.through(self.data_dir / "tasks" / "inputs", lambda: self._updater)
+        self.tasks = WorkerHost(self.data_dir / "tasks", self.models, self._task_event, fetch_inputs)
         for name, handler in model_commands(self.models).items():
             self._commands.register_builtin(name, handler)
 
@@ -250,6 +258,7 @@ class Device:
             self._paho_log.addFilter(self._paho_filter)
             self._client = self._make_client(tls)
             self._updater = self._make_updater(enrolment)
+            self._desired_worker.submit(lambda: self.tasks.apply(self._desired.record.tasks))  # what ran before
             log.info("connecting to mqtts://%s:%s as %s", self._host, self._port, self.device_id)
             self._client.connect_async(self._host, self._port, keepalive=self._keepalive_s, clean_start=True)
             self._client.loop_start()
@@ -263,6 +272,9 @@ class Device:
             client = self._client
             if client is None or not first:
                 return
+        if self._updater is not None:
+            self._updater.canceled.set()  # a download in progress stops; it resumes on the next start
+        self.tasks.stop(timeout_s / 2)  # before events close: their last log lines still leave
         with self._event_lock:
             self._accepting_events = False
             assert self._sequence is not None
@@ -271,8 +283,6 @@ class Device:
             except OSError as exc:  # harmless: the reserved ceiling on disk still rules out a repeat
                 log.warning("cannot record the event sequence: %s", exc)
         self._heartbeats.stop(timeout_s)
-        if self._updater is not None:
-            self._updater.canceled.set()  # a download in progress stops; it resumes on the next start
         self._command_worker.close()
         self._desired_worker.close()
         if self._connected.is_set():
@@ -407,6 +417,9 @@ class Device:
             updater.report_boot(self.firmware_boot)
         updater.restore()
         return updater
+
+    def _task_event(self, type: str, data: dict[str, Any], severity: Severity) -> None:
+        self.emit(type, data, severity=severity)
 
     def _send_progress(self, progress: ExecutionProgress) -> None:
         severity: Severity = "error" if progress.state in EXECUTION_FAILURES else "info"
@@ -601,6 +614,8 @@ class Device:
             self._updater.apply(record.deployments)  # reports each execution's progress itself
             if self._stopping.is_set():
                 return  # interrupted: the orders are applied again on the next start
+        if record.tasks_pending:
+            self.tasks.apply(record.tasks)
         try:
             if record.version > record.applied_version:
                 status = self._desired_handler(dict(record.spec)) if self._desired_handler else None
@@ -613,7 +628,7 @@ class Device:
             self._report_error("desired_failed", f"{type(exc).__name__}: {exc}", version=record.version)
             return
         try:
-            self._desired.applied(record.version, report.status, record.deployments_version)
+            self._desired.applied(record.version, report.status, record.deployments_version, record.tasks_version)
         except OSError as exc:
             log.error("cannot record desired version %s as applied: %s", record.version, exc)
             self._report_error("desired_not_stored", str(exc), version=record.version)

@@ -16,6 +16,11 @@ grows across restarts (``DIR/node-event-seq``), through the relay's outbox: stor
 order once the upstream link and the hub are back, so progress survives an outage. After each document
 the node reports again (through the outbox too), its status carrying what is installed
 (``installed``, by kind). ``infer`` and ``models`` are answered from the installed models.
+
+Task workers (DESIGN §4.3): the document's ``tasks`` go to :attr:`NodeDeployments.tasks`, a
+:class:`~device.tasks.host.WorkerHost` over the same models, on the same worker after the deployment
+orders (whenever ``tasks_version`` grows, and at each start). Their events take the same path as the
+progress; their inputs come from the hub like the node's own artefacts (signed manifest, pinned key).
 """
 
 from __future__ import annotations
@@ -24,15 +29,17 @@ import asyncio
 import contextlib
 import logging
 import sqlite3
+import threading
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 from device.commands import Commands
-from device.errors import StoredStateError
+from device.errors import OutboxFull, StoredStateError
 from device.ota.models import ModelHost, model_commands
 from device.ota.updater import Updater
 from device.sequence import EventSequence
+from device.tasks import InputFetcher, WorkerHost
 from interfaces import API_PREFIX
 from interfaces.deployments import (
     EXECUTION_EVENT,
@@ -42,6 +49,7 @@ from interfaces.deployments import (
     ExecutionProgress,
 )
 from interfaces.messages import DesiredBody, EventBody, ReportedBody, envelope
+from interfaces.tasks import WorkerOrder
 from interfaces.topics import NODE_EVENTS, NODE_REPORTED, Topic
 
 if TYPE_CHECKING:
@@ -81,8 +89,13 @@ class NodeDeployments:
             self.commands.register_builtin(name, handler)
         self._sequence = EventSequence(Path(data_dir) / SEQUENCE_FILE)
         self._send_up = send_up
+        self._event_lock = threading.Lock()  # held from taking a seq to storing the event: seqs leave in order
+        fetch_inputs = InputFetcher(Path(data_dir) / "tasks" / "inputs", self.updater.signing_key, self.updater.downloader)
+        self.tasks = WorkerHost(Path(data_dir) / "tasks", self.models, self.emit, fetch_inputs)
         self._version = -1  # the newest desired version seen
+        self._tasks_version = -1  # the newest task orders seen
         self._pending: list[DeploymentOrder] | None = None
+        self._pending_tasks: list[WorkerOrder] | None = None
         self._wake = asyncio.Event()
         self._applying: asyncio.Future[None] | None = None
 
@@ -97,6 +110,10 @@ class NodeDeployments:
         if desired.deployments:
             self._pending = list(desired.deployments)
             self._wake.set()
+        if desired.tasks_version > self._tasks_version:  # the first document after a start always
+            self._tasks_version = desired.tasks_version
+            self._pending_tasks = list(desired.tasks)
+            self._wake.set()
 
     async def run(self) -> None:
         """The worker: load the installed model again, then apply documents as they come, until cancelled."""
@@ -105,17 +122,22 @@ class NodeDeployments:
             await self._wake.wait()
             self._wake.clear()
             orders, self._pending = self._pending, None
-            if not orders:
-                continue
-            self._applying = asyncio.ensure_future(asyncio.to_thread(self.updater.apply, orders))
-            try:
-                await asyncio.shield(self._applying)  # a cancelled worker leaves the thread to close()
-            except Exception:  # a bug in our own code must not end the worker; the next document tries again
-                log.exception("applying the deployment orders failed")
-            self._applying = None
-            if self.updater.canceled.is_set():
-                return  # interrupted: the retained document brings the orders again at the next start
-            self._report()
+            tasks, self._pending_tasks = self._pending_tasks, None
+            if orders:
+                self._applying = asyncio.ensure_future(asyncio.to_thread(self.updater.apply, orders))
+                try:
+                    await asyncio.shield(self._applying)  # a cancelled worker leaves the thread to close()
+                except Exception:  # a bug in our own code must not end the worker; the next document tries again
+                    log.exception("applying the deployment orders failed")
+                self._applying = None
+                if self.updater.canceled.is_set():
+                    return  # interrupted: the retained document brings the orders again at the next start
+                self._report()
+            if tasks is not None:  # after the deployments: a task may need the model just installed
+                try:
+                    await asyncio.to_thread(self.tasks.apply, tasks)
+                except Exception:
+                    log.exception("applying the task orders failed")
 
     async def close(self) -> None:
         """Stop a download in progress (it resumes at the next start), wait for the worker thread and keep
@@ -123,24 +145,27 @@ class NodeDeployments:
         self.updater.canceled.set()
         if self._applying is not None:
             await asyncio.wait([self._applying], timeout=STOP_WAIT_S)
+        await asyncio.to_thread(self.tasks.stop)
         try:
             self._sequence.close()
         except OSError as exc:  # harmless: the reserved ceiling on disk still rules out a repeat
             log.warning("cannot record the event sequence: %s", exc)
 
     # ---- to the hub ---------------------------------------------------------------------------------
+    def emit(self, type: str, data: dict[str, Any], severity: Literal["debug", "info", "warning", "error"] = "info") -> None:
+        """Store an event of the node's own for the hub (any thread); :class:`OutboxFull` when it was dropped."""
+        with self._event_lock:
+            body = EventBody(seq=self._sequence.next(), type=type, severity=severity, data=data)
+            if not self._send(NODE_EVENTS, body):
+                raise OutboxFull(f"the outbox is full; event {type} (seq {body.seq}) dropped")
+
     def _progress(self, progress: ExecutionProgress) -> None:
         """The updater's progress sink (on the worker thread)."""
         severity: Literal["info", "error"] = "error" if progress.state in EXECUTION_FAILURES else "info"
         try:
-            seq = self._sequence.next()
-            body = EventBody(seq=seq, type=EXECUTION_EVENT, severity=severity, data=progress.model_dump(mode="json", exclude_none=True))
-            stored = self._send(NODE_EVENTS, body)
-        except (OSError, StoredStateError, sqlite3.Error) as exc:  # the order is delivered again; a finished one is reported again
+            self.emit(EXECUTION_EVENT, progress.model_dump(mode="json", exclude_none=True), severity)
+        except (OSError, StoredStateError, sqlite3.Error, OutboxFull) as exc:  # the order is delivered again; a finished one is reported again
             log.warning("could not report execution %s %s: %s", progress.execution_id, progress.state.value, exc)
-            return
-        if not stored:
-            log.warning("execution %s %s not reported: the outbox is full", progress.execution_id, progress.state.value)
 
     def _report(self) -> None:
         """Report what is installed now, under the newest desired version."""

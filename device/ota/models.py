@@ -7,6 +7,11 @@ finishes on the model it started with while later requests use the new one. A ne
 run once on zeros before the swap: one that does not load or run raises :class:`ModelLoadError` and the
 old one keeps serving.
 
+Observers (:meth:`ModelHost.add_listener`) hear of every request :meth:`ModelHost.infer` ran: the model's
+name, the seconds it took, the rows of its first input and whether it succeeded (an ``inference`` task
+worker counts requests and latencies with them, whatever the caller: the ``infer`` command, the
+application, a batch worker).
+
 ONNX models run in ONNX Runtime (CPU); TFLite models in LiteRT (``ai_edge_litert``, or the older
 ``tflite_runtime``) when installed. numpy and the runtimes are imported only when a model is loaded.
 """
@@ -17,6 +22,7 @@ import logging
 import os
 import shutil
 import threading
+import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -34,6 +40,10 @@ _ONNX_DTYPES = {
     "tensor(int32)": "int32", "tensor(int16)": "int16", "tensor(int8)": "int8", "tensor(uint8)": "uint8", "tensor(bool)": "bool",
 }  # fmt: skip
 EXTENSIONS = {ArtifactFormat.ONNX: "onnx", ArtifactFormat.TFLITE: "tflite"}
+
+
+InferListener = Callable[[str, float, int, bool], None]
+"""``(model name, seconds, rows, ok)``, called on the requesting thread after each request; keep it cheap."""
 
 
 class ModelLoadError(Exception):
@@ -150,7 +160,8 @@ class ModelHost:
         self._threads = threads
         self._models: dict[str, LoadedModel] = {}
         self._default: str | None = None
-        self._swap = threading.Lock()  # serialises swaps; readers never take it
+        self._swap = threading.Lock()  # serialises swaps and listener changes; readers never take it
+        self._listeners: tuple[InferListener, ...] = ()
 
     # ---- serving ------------------------------------------------------------------------------------
     def get(self, name: str | None = None) -> LoadedModel:
@@ -169,12 +180,36 @@ class ModelHost:
         import numpy as np
 
         model = self.get(name)  # the one reference this request uses, however many swaps follow
-        expected = {t.name: t for t in model.inputs}
-        missing, unknown = set(expected) - set(inputs), set(inputs) - set(expected)
-        if missing or unknown:
-            raise ValueError(f"{model.name} {model.version} takes inputs {sorted(expected)}; missing {sorted(missing)}, unknown {sorted(unknown)}")
-        feeds = {k: np.asarray(v, dtype=expected[k].dtype) for k, v in inputs.items()}
-        return Inference(model.runner.run(feeds), model.name, model.version)
+        started, rows, ok = time.perf_counter(), 0, False
+        try:
+            expected = {t.name: t for t in model.inputs}
+            missing, unknown = set(expected) - set(inputs), set(inputs) - set(expected)
+            if missing or unknown:
+                raise ValueError(f"{model.name} {model.version} takes inputs {sorted(expected)}; missing {sorted(missing)}, unknown {sorted(unknown)}")
+            feeds = {k: np.asarray(v, dtype=expected[k].dtype) for k, v in inputs.items()}
+            first = next(iter(feeds.values()), None)
+            rows = int(first.shape[0]) if first is not None and first.ndim else 1
+            result = Inference(model.runner.run(feeds), model.name, model.version)
+            ok = True
+            return result
+        finally:
+            self._observe(model.name, time.perf_counter() - started, rows, ok)
+
+    def add_listener(self, listener: InferListener) -> None:
+        """Call ``listener`` after every request from now on (see the module docstring)."""
+        with self._swap:
+            self._listeners = (*self._listeners, listener)
+
+    def remove_listener(self, listener: InferListener) -> None:
+        with self._swap:
+            self._listeners = tuple(item for item in self._listeners if item != listener)  # bound methods: equal, not identical
+
+    def _observe(self, name: str, seconds: float, rows: int, ok: bool) -> None:
+        for listener in self._listeners:  # one read of the tuple: a change meanwhile takes effect next time
+            try:
+                listener(name, seconds, rows, ok)
+            except Exception:  # an observer's bug must not fail the request
+                log.exception("an inference listener failed")
 
     def models(self) -> list[dict[str, Any]]:
         return [m.describe() for m in list(self._models.values())]

@@ -131,6 +131,21 @@ class Updater:
         installed = result.installed if result.installed is not None else self.installed().get(ArtifactKind.FIRMWARE.value)
         self._finish(action, ExecutionProgress(execution_id=result.execution_id, state=state, detail=result.detail[:2048], installed=installed))
 
+    def signing_key(self) -> Ed25519PublicKey | None:
+        """The pinned hub key (loaded on first use; ``None``: none is pinned). Raises ``ValueError`` for a
+        key that does not load (:class:`~device.ota.verify.VerificationError` included)."""
+        from device.ota.verify import load_public_key
+
+        if self._signing_key is None and self.signing_key_source is not None:
+            self._signing_key = self.signing_key_source()  # pinned since this updater started (an older edge)
+        if isinstance(self._signing_key, str | bytes):
+            self._signing_key = load_public_key(self._signing_key)
+        return self._signing_key
+
+    def downloader(self) -> Downloader:
+        """The downloader over the artefact source (also what task workers fetch their inputs with)."""
+        return self._downloader_()
+
     # ---- orders -------------------------------------------------------------------------------------
     def apply(self, orders: list[DeploymentOrder]) -> None:
         """Carry out each order not finished yet; a finished one only reports its final state again."""
@@ -195,18 +210,15 @@ class Updater:
 
     def _check_order(self, order: DeploymentOrder) -> None:
         """Signature, kind and downgrade: REJECTED before anything is downloaded."""
-        from device.ota.verify import VerificationError, load_public_key, verify_manifest
+        from device.ota.verify import VerificationError, verify_manifest
 
         signed = order.signed_manifest
         m = signed.manifest
-        if self._signing_key is None and self.signing_key_source is not None:
-            self._signing_key = self.signing_key_source()  # pinned since this updater started (an older edge)
-        if self._signing_key is None:
-            raise _Refused(S.REJECTED, "no hub signing key is pinned on this device (enrolled before signing keys; re-enrol)")
         try:
-            if isinstance(self._signing_key, str | bytes):
-                self._signing_key = load_public_key(self._signing_key)
-            verify_manifest(self._signing_key, signed)
+            key = self.signing_key()
+            if key is None:
+                raise _Refused(S.REJECTED, "no hub signing key is pinned on this device (enrolled before signing keys; re-enrol)")
+            verify_manifest(key, signed)
         except (VerificationError, ValueError) as exc:
             raise _Refused(S.REJECTED, str(exc)) from exc
         if m.format not in FORMATS[m.kind]:
