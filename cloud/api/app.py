@@ -29,6 +29,7 @@ from cloud.db import make_engine, upgrade
 from cloud.desired import DesiredPublisher
 from cloud.ingest import StatusIngest
 from cloud.liveness import mark_silent_nodes_offline
+from cloud.metrics import metrics_router
 from cloud.pki import CertificateAuthority
 from cloud.rollout import RolloutController
 from cloud.scheduler import TaskController
@@ -157,6 +158,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         return PlainTextResponse(request.app.state.ca.ca_pem, media_type="application/x-pem-file")
 
     app.include_router(api)
+    app.include_router(metrics_router())  # GET /metrics beside /healthz (viewer token)
 
     @app.get("/healthz", tags=["meta"])
     def healthz(request: Request) -> dict[str, Any]:

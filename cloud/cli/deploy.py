@@ -33,12 +33,19 @@ class _Hub:
         self.token = token
         self.client = _client(hub_url, token)
 
-    def call(self, method: str, path: str, **kwargs: Any) -> Any:
-        headers = {"Authorization": f"Bearer {self.token}"} if self.token else {}
+    def headers(self, extra: dict[str, str] | None = None) -> dict[str, str]:
+        return {**({"Authorization": f"Bearer {self.token}"} if self.token else {}), **(extra or {})}
+
+    def request(self, method: str, path: str, **kwargs: Any) -> httpx.Response:
+        """The raw response (any status) of ``path`` below the API prefix; only an unreachable hub raises."""
+        headers = self.headers(kwargs.pop("headers", None))
         try:
-            r = self.client.request(method, API_PREFIX + path, headers=headers, **kwargs)
+            return self.client.request(method, API_PREFIX + path, headers=headers, **kwargs)
         except httpx.HTTPError as exc:
             raise click.ClickException(f"cannot reach the hub at {self.url}: {exc}") from exc
+
+    def call(self, method: str, path: str, **kwargs: Any) -> Any:
+        r = self.request(method, path, **kwargs)
         if r.status_code >= 400:
             raise click.ClickException(_problem_line(r))
         return r.json() if r.content else None
@@ -77,9 +84,14 @@ def parse_strategy(text: str) -> dict[str, Any]:
     raise click.BadParameter(f"{text!r}: use all_at_once, rolling:N, canary:P or canary:P:rolling:N", param_hint="--strategy")
 
 
+def hub_options(fn: Any) -> Any:
+    """``--hub`` and ``--token`` (``AISYNERGY_HUB_URL``, ``AISYNERGY_TOKEN``) for a group that talks to the hub's REST API."""
+    fn = click.option("--token", envvar="AISYNERGY_TOKEN", default=None, help="an integrator token (aisynergy hub token create)")(fn)
+    return click.option("--hub", "hub_url", envvar="AISYNERGY_HUB_URL", default="http://127.0.0.1:8000", show_default=True, help="the hub's base URL")(fn)
+
+
 @click.group()
-@click.option("--hub", "hub_url", envvar="AISYNERGY_HUB_URL", default="http://127.0.0.1:8000", show_default=True, help="the hub's base URL")
-@click.option("--token", envvar="AISYNERGY_TOKEN", default=None, help="an integrator token (aisynergy hub token create)")
+@hub_options
 @click.pass_context
 def deploy(ctx: click.Context, hub_url: str, token: str | None) -> None:
     """Artefacts and deployments: upload, roll out, watch, pause, resume, cancel, roll back."""

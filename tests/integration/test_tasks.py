@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import io
 import json
+import os
 import signal
 import sqlite3
 import subprocess
@@ -144,6 +145,28 @@ def test_batch_inference_over_three_devices_matches_the_model(site: tuple[DevSta
     np.testing.assert_allclose(outputs["probabilities"], _direct(inputs), rtol=1e-5, atol=1e-6)
     metrics = _get(stack, f"/tasks/{task['id']}/metrics")
     assert metrics["totals"].get("items_done") == 1000
+
+
+def test_cli_creates_watches_and_follows_a_task(site: tuple[DevStack, list[DeviceProcess]], tmp_path: Path) -> None:
+    """What an integrator types: ``aisynergy task create --inputs x.npy --watch``, then ``logs -f`` and ``outputs --out``."""
+    stack, devices = site
+    inputs = np.random.default_rng(3).standard_normal((300, 128)).astype(np.float32)
+    np.save(tmp_path / "x.npy", inputs, allow_pickle=False)
+    env = {**os.environ, "AISYNERGY_HUB_URL": stack.hub.url, "AISYNERGY_TOKEN": stack.hub.tokens["operator"]}
+    ids = ",".join(d.device_id for d in devices)
+    created = subprocess.run([*AISYNERGY, "task", "create", "--type", "batch_inference", "--model", "mlp:1.0.0", "--inputs", str(tmp_path / "x.npy"),
+                              "--chunk-size", "32", "--ids", ids, "--heartbeat", "1", "--watch"], env=env, capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert created.returncode == 0, created.stdout[-2000:] + created.stderr[-2000:]
+    with stack.hub.client("viewer") as api:
+        task_id = api.get("/tasks", params={"limit": 200}).json()["items"][-1]["id"]
+    assert _get(stack, f"/tasks/{task_id}")["state"] == "SUCCEEDED"
+    logs = subprocess.run([*AISYNERGY, "task", "logs", "-f", task_id], env=env, capture_output=True, text=True, timeout=60)
+    assert logs.returncode == 0, logs.stderr[-2000:]
+    assert "chunk 0:" in logs.stdout and "SUCCEEDED" in logs.stdout + logs.stderr
+    out = subprocess.run([*AISYNERGY, "task", "outputs", task_id, "--out", str(tmp_path / "y.safetensors")], env=env, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr[-2000:]
+    gathered = load((tmp_path / "y.safetensors").read_bytes())["probabilities"]
+    np.testing.assert_allclose(gathered, _direct(inputs), rtol=1e-5, atol=1e-6)
 
 
 def test_kill_9_one_device_mid_task_reschedules_its_shard(site: tuple[DevStack, list[DeviceProcess]]) -> None:
