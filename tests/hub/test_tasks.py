@@ -395,3 +395,29 @@ def test_orders_reach_the_desired_document(fleet: TaskFleet) -> None:
     assert doc.body.tasks_version >= 1 and len(doc.body.tasks) == 1 and doc.body.tasks[0].inputs is not None
     DesiredPublisher(fleet.engine).mark_published([pending[d]])
     assert d not in {p.row_id for p in DesiredPublisher(fleet.engine).pending()}
+
+
+def test_edge_nodes_as_targets_skip_locked_and_offline_ones(fleet: TaskFleet) -> None:
+    from sqlalchemy import update
+
+    from cloud.tables import Node
+    from interfaces.messages import ConnectionState, StateBody
+    from tests.hub.tasks_support import INSTALLED
+
+    ok, locked, offline, never = fleet.node("ok"), fleet.node("locked"), fleet.node("offline"), fleet.node("never", online=False)
+    with Session(fleet.engine) as session:
+        session.execute(update(Node).values(reported={"installed": INSTALLED}))
+        session.commit()
+    fleet.lock(locked)
+    fleet.ingest.offer(offline, StateBody(state=ConnectionState.OFFLINE, reason="will"))
+    fleet.ingest.flush()
+    task = fleet.create("inference", {"model": MODEL}, placement={"target": "node"})
+    fleet.tick()
+    assert [w["target_id"] for w in fleet.workers(task["id"])] == [ok]
+    assert [o.worker_id for o in fleet.orders(ok, Node)] == [fleet.workers(task["id"])[0]["id"]]
+    for other in (locked, offline, never):
+        assert fleet.orders(other, Node) == []
+    # the worker's report comes from the node itself (its own events, not relayed for a device)
+    (w,) = fleet.workers(task["id"])
+    fleet.report(w, "RUNNING")
+    assert fleet.task(task["id"])["state"] == "RUNNING"

@@ -147,6 +147,26 @@ def test_batch_inference_over_three_devices_matches_the_model(site: tuple[DevSta
     assert metrics["totals"].get("items_done") == 1000
 
 
+def test_inference_service_counts_requests_and_ends_after_its_duration(site: tuple[DevStack, list[DeviceProcess]]) -> None:
+    stack, devices = site
+    served = devices[1:]
+    task = _create(stack, type="inference", spec={"model": {"name": "mlp", "version": "1.0.0"}, "duration_s": 4, "report_interval_s": 0.5},
+                   placement={"ids": [d.device_id for d in served]}, heartbeat_s=0.5)  # fmt: skip
+    wait_for(lambda: _get(stack, f"/tasks/{task['id']}")["state"] == "RUNNING", 30, interval=0.1, what="inference task RUNNING")
+    x = np.random.default_rng(4).standard_normal((2, 128)).astype(np.float32)
+    with stack.hub.client("operator") as api:
+        for d in served:
+            for _ in range(3):
+                r = api.post(f"/devices/{d.device_id}/commands", json={"name": "infer", "args": {"inputs": {"x": x.tolist()}}, "timeout_s": 10})
+                assert r.status_code == 200 and r.json()["ok"], r.text
+                np.testing.assert_allclose(np.array(r.json()["result"]["outputs"]["probabilities"], np.float32), _direct(x), rtol=1e-5, atol=1e-6)
+    done = _wait_final(stack, task["id"], timeout=60)
+    assert done["state"] == "SUCCEEDED", done
+    assert {w["state"] for w in _get(stack, f"/tasks/{task['id']}/workers")} == {"SUCCEEDED"}
+    metrics = _get(stack, f"/tasks/{task['id']}/metrics")
+    assert metrics["totals"]["requests"] >= 6 and set(metrics["workers"]) == {w["id"] for w in _get(stack, f"/tasks/{task['id']}/workers")}
+
+
 def test_cli_creates_watches_and_follows_a_task(site: tuple[DevStack, list[DeviceProcess]], tmp_path: Path) -> None:
     """What an integrator types: ``aisynergy task create --inputs x.npy --watch``, then ``logs -f`` and ``outputs --out``."""
     stack, devices = site
