@@ -40,6 +40,7 @@ from sqlalchemy.engine import Engine
 from sqlmodel import Session
 
 from cloud.artifacts import find_by_sha256, offer_delta, signed_manifest
+from cloud.lease import drive_each
 from cloud.convert import utc
 from cloud.services import deployments as svc
 from cloud.signing import SigningKey
@@ -74,19 +75,7 @@ class RolloutController:
                     and_(Deployment.state != DeploymentState.ROLLED_BACK.value, Deployment.id.in_(rolling)),  # type: ignore[attr-defined]
                 )).order_by(Deployment.id)
             ).scalars())  # fmt: skip
-        changed = 0
-        orders_changed = False
-        for dep_id in ids:
-            try:
-                with Session(self.engine, expire_on_commit=False) as session:
-                    did, touched_orders = self._drive(session, dep_id, at)
-                    session.commit()
-                changed += did
-                orders_changed |= touched_orders
-            except Exception:  # noqa: BLE001 - one bad deployment must not stop the others
-                log.exception("rollout of deployment %s failed this tick", dep_id)
-        if orders_changed and self.on_change is not None:
-            self.on_change()
+        changed = drive_each(self.engine, ids, self._drive, at, self.on_change, "rollout of deployment", log)
         self.counters["ticks"] += 1
         return changed
 

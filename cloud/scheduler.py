@@ -20,7 +20,8 @@ One tick, per active task (each in its own transaction, the task row locked):
    Pending chunks past their back-off go to fresh qualifying targets as new workers, or, when there are
    none, to the task's active workers (their orders grow); none at all: they wait (the reason says so).
 5. **Services and per-target work** (type ``each``). A worker that ended badly is replaced on another
-   qualifying target after its back-off while its attempt is below ``max_attempts``; when no worker is
+   qualifying target after its back-off while its attempt is below ``max_attempts`` (a type whose
+   ``on_lost`` is ``continue`` goes on with the workers it still has instead); when no worker is
    active and none will be replaced the task ends: SUCCEEDED if a worker succeeded, else FAILED.
 """
 
@@ -36,6 +37,7 @@ from sqlalchemy.engine import Engine
 from sqlmodel import Session
 
 from cloud import placement
+from cloud.lease import drive_each
 from cloud.convert import utc
 from cloud.services import tasks as svc
 from cloud.services.task_reports import release_chunks
@@ -65,19 +67,7 @@ class TaskController:
             ids = list(session.execute(
                 select(Task.id).where(Task.state.in_([s.value for s in TASK_ACTIVE]), Task.held.is_(False)).order_by(Task.id)  # type: ignore[attr-defined]
             ).scalars())  # fmt: skip
-        changed = 0
-        orders = False
-        for task_id in ids:
-            try:
-                with Session(self.engine, expire_on_commit=False) as session:
-                    did, touched = self._drive(session, task_id, at)
-                    session.commit()
-                changed += did
-                orders |= touched
-            except Exception:  # noqa: BLE001 - one bad task must not stop the others
-                log.exception("scheduling task %s failed this tick", task_id)
-        if orders and self.on_change is not None:
-            self.on_change()
+        changed = drive_each(self.engine, ids, self._drive, at, self.on_change, "scheduling task", log)
         self.counters["ticks"] += 1
         return changed
 
@@ -262,7 +252,13 @@ class TaskController:
             ).order_by(TaskWorker.id)
         ).scalars())  # fmt: skip
         paused = TaskState(task.state) is _T.PAUSED
+        goes_on = svc.type_info(task).on_lost == "continue"
         for worker in ended:
+            if goes_on and svc.active_workers(session, task.id):
+                worker.replaced_by = GAVE_UP  # this type carries on with the workers it has (federated rounds close with k of n)
+                session.add(worker)
+                svc.hub_log(session, task.id, f"worker {worker.id} is not replaced: the task goes on with the others", "warning", at, worker.id)
+                continue
             if worker.attempt >= policy.max_attempts and worker.state != _W.REJECTED.value:
                 worker.replaced_by = GAVE_UP
                 session.add(worker)

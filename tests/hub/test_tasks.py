@@ -421,3 +421,25 @@ def test_edge_nodes_as_targets_skip_locked_and_offline_ones(fleet: TaskFleet) ->
     (w,) = fleet.workers(task["id"])
     fleet.report(w, "RUNNING")
     assert fleet.task(task["id"])["state"] == "RUNNING"
+
+
+def test_a_type_that_goes_on_with_the_rest_does_not_replace_a_lost_worker(fleet: TaskFleet, monkeypatch: pytest.MonkeyPatch) -> None:
+    import dataclasses
+
+    from interfaces import tasks as contract
+
+    # the federated type's rule (k of n), applied to the serving program that runs today
+    monkeypatch.setitem(contract.TASK_TYPES, contract.TaskType.INFERENCE, dataclasses.replace(contract.TASK_TYPES[contract.TaskType.INFERENCE], on_lost="continue"))
+    gw = fleet.node()
+    a, b, c = (fleet.device(gw) for _ in range(3))
+    task = fleet.create("inference", {"model": MODEL}, placement={"max_nodes": 2}, retry={"backoff_s": 0})
+    fleet.tick()
+    placed = fleet.workers(task["id"])
+    for w in placed:
+        fleet.report(w, "RUNNING")
+    fleet.set_offline(placed[0]["target_id"])
+    fleet.tick()
+    fleet.tick()
+    states = [w["state"] for w in fleet.workers(task["id"])]
+    assert states == ["LOST", "RUNNING"] and fleet.task(task["id"])["state"] == "RUNNING"
+    assert {a, b, c} - {w["target_id"] for w in placed}  # a free target existed, and was not used
