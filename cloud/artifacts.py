@@ -30,7 +30,7 @@ from sqlmodel import Session
 from cloud.errors import Conflict, NotFound
 from cloud.services.paging import page
 from cloud.signing import SigningKey
-from cloud.tables import Artifact, ArtifactDelta, Deployment, Execution
+from cloud.tables import Artifact, ArtifactDelta, Deployment, Execution, Task
 from interfaces import API_PREFIX
 from interfaces.deployments import (
     DEPLOYMENT_FINAL, IN_FLIGHT, ArtifactCreate, ArtifactFormat, ArtifactKind, ArtifactManifest, ArtifactPublic, DeltaOffer,
@@ -329,11 +329,17 @@ def artifact_in_use(session: Session, artifact_id: str) -> str | None:
     * a deployment of it is not final (PENDING, RUNNING, PAUSED);
     * an execution of a deployment of it is in flight (QUEUED ... INSTALLING), ACTIVE or ROLLING_BACK;
     * an ACTIVE execution (of any deployment) recorded it as ``previous``, the version a rollback
-      reinstalls: by ``artifact_id``, or by ``sha256`` when no other artefact of that kind has the bytes.
+      reinstalls: by ``artifact_id``, or by ``sha256`` when no other artefact of that kind has the bytes;
+    * a task (any state: a finished one can be retried) reads it as its inputs (delete the task first).
     """
     row = session.get(Artifact, artifact_id)
     if row is None:
         return None
+    if row.kind == ArtifactKind.DATASET.value:
+        spec = Task.__table__.c.spec  # type: ignore[attr-defined]
+        task = session.execute(select(Task.id, Task.state).where(spec["inputs"].as_string() == artifact_id).order_by(Task.id).limit(1)).first()
+        if task is not None:
+            return f"task {task.id} ({task.state}) reads it as its inputs"
     live = [s.value for s in DeploymentState if s not in DEPLOYMENT_FINAL]
     deployment = session.execute(
         select(Deployment).where(Deployment.artifact_id == artifact_id, Deployment.state.in_(live)).order_by(Deployment.id).limit(1)  # type: ignore[attr-defined]

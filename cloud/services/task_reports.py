@@ -117,9 +117,10 @@ def _report(session: Session, task: Task, worker: TaskWorker, data: WorkerReport
         if state is WorkerState.QUEUED:
             move_worker(session, worker, WorkerState.RUNNING, data.detail or "started", at)
             hub_log(session, task.id, f"worker {worker.id} RUNNING on {worker.target_id}", at=at, worker_id=worker.id, target_id=worker.target_id)
-            if task.state == TaskState.SCHEDULED.value:
-                task.started_at = task.started_at or at
-                move_task(session, task, TaskState.RUNNING, "a worker is running", at)
+        if task.started_at is None and task.state in (TaskState.SCHEDULED.value, TaskState.PAUSED.value):
+            task.started_at = at  # a resumed task goes back to RUNNING, not SCHEDULED
+        if task.state == TaskState.SCHEDULED.value:
+            move_task(session, task, TaskState.RUNNING, "a worker is running", at)
         return "applied", False
     detail = data.detail or data.state.value.lower()
     move_worker(session, worker, data.state, detail, at)

@@ -443,3 +443,31 @@ def test_a_type_that_goes_on_with_the_rest_does_not_replace_a_lost_worker(fleet:
     states = [w["state"] for w in fleet.workers(task["id"])]
     assert states == ["LOST", "RUNNING"] and fleet.task(task["id"])["state"] == "RUNNING"
     assert {a, b, c} - {w["target_id"] for w in placed}  # a free target existed, and was not used
+
+
+def test_a_dataset_in_use_by_a_task_cannot_be_deleted(fleet: TaskFleet) -> None:
+    gw = fleet.node()
+    fleet.device(gw)
+    inputs_id, _ = fleet.dataset(rows=10)
+    task = fleet.batch(inputs_id)
+    doc = assert_problem(fleet.hub.request("DELETE", f"/artifacts/{inputs_id}", Role.OPERATOR), 409, "artifact_in_use")
+    assert task["id"] in doc["detail"]
+    fleet.act(task["id"], "cancel")
+    assert fleet.hub.request("DELETE", f"/tasks/{task['id']}", Role.OPERATOR).status_code == 204
+    assert fleet.hub.request("DELETE", f"/artifacts/{inputs_id}", Role.OPERATOR).status_code == 204
+    # and a deployment of a dataset is refused
+    other, _ = fleet.dataset(rows=10, name="other")
+    assert_problem(fleet.hub.request("POST", "/deployments", Role.OPERATOR, json={"artifact_id": other, "target": {"selector": "a=b"}}), 422, "validation_failed")
+
+
+def test_a_task_paused_before_its_workers_start_runs_after_resume(fleet: TaskFleet) -> None:
+    gw = fleet.node()
+    fleet.device(gw)
+    inputs_id, _ = fleet.dataset(rows=10)
+    task = fleet.batch(inputs_id)
+    fleet.tick()
+    fleet.act(task["id"], "pause")
+    (w,) = fleet.workers(task["id"])
+    fleet.report(w, "RUNNING", paused=True)
+    assert fleet.task(task["id"])["state"] == "PAUSED"
+    assert fleet.act(task["id"], "resume")["state"] == "RUNNING"
