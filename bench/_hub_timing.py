@@ -1,8 +1,10 @@
-"""Diagnostics only (``heartbeat_load.py --instrument-hub``): run the unmodified hub CLI, timing two
-background jobs from the outside.
+"""Diagnostics only (``heartbeat_load.py --instrument-hub``, ``tasks.py --instrument-hub``): run the
+unmodified hub CLI, timing background jobs from the outside.
 
-Wraps ``StatusIngest.flush`` (the batched heartbeat write) and the liveness tick, and appends one JSON
-line per call to ``$AISYNERGY_BENCH_TIMINGS``: ``{"t": wall, "job": ..., "ms": duration, "rows": n}``.
+Wraps ``StatusIngest.flush`` (the batched heartbeat write), the liveness tick and the task scheduler's
+``TaskController.tick``, and appends one JSON line per call to ``$AISYNERGY_BENCH_TIMINGS``:
+``{"t": wall, "job": ..., "ms": duration, "rows": n}`` (for the scheduler ``rows`` is the number of tasks
+the tick changed).
 The hub's code is not changed; headline figures come from runs without this wrapper.
 """
 
@@ -20,6 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import cloud.api.app as app_module  # noqa: E402
 from cloud.cli.root import main  # noqa: E402
 from cloud.ingest import StatusIngest  # noqa: E402
+from cloud.scheduler import TaskController  # noqa: E402
 
 _out = open(os.environ["AISYNERGY_BENCH_TIMINGS"], "a", buffering=1)  # noqa: SIM115
 _lock = threading.Lock()
@@ -52,7 +55,18 @@ def liveness_tick(*args: object) -> None:
     _record("liveness", started, None)
 
 
+_tick = TaskController.tick
+
+
+def scheduler_tick(self: TaskController, at: object = None) -> int:
+    started = time.perf_counter()
+    changed = _tick(self, at)  # type: ignore[arg-type]
+    _record("scheduler", started, changed)
+    return changed
+
+
 StatusIngest.flush = flush  # type: ignore[method-assign]
+TaskController.tick = scheduler_tick  # type: ignore[method-assign]
 app_module._liveness_tick = liveness_tick  # type: ignore[assignment]
 
 if __name__ == "__main__":
