@@ -11,9 +11,11 @@ retained payload) so that its edge forgets it.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import Any
 
+from pydantic import ValidationError
 from sqlalchemy import and_, or_, select, update
 from sqlalchemy.engine import Engine
 from sqlmodel import Session
@@ -25,6 +27,7 @@ from interfaces.messages import DesiredBody, envelope
 from interfaces.tasks import WorkerOrder
 from interfaces.topics import NODE_DESIRED, RELAY_DESIRED
 
+log = logging.getLogger("aisynergy.hub.desired")
 CLEARED = -2  # desired_published of a deleted device whose retained document was removed
 BATCH = 500
 
@@ -55,7 +58,9 @@ class DesiredPublisher:
                 ).limit(BATCH)
             ).all()
             for node_id, desired, version, orders, orders_version, tasks, tasks_version in nodes:
-                payload = _payload(version, desired, orders, orders_version, tasks, tasks_version)
+                payload = _payload_or_none("node", node_id, version, desired, orders, orders_version, tasks, tasks_version)
+                if payload is None:
+                    continue
                 out.append(PendingDesired("node", node_id, version, NODE_DESIRED.topic(node_id=node_id), payload, orders_version, tasks_version))
             devices = session.execute(
                 select(Device.id, Device.node_id, Device.desired, Device.desired_version, Device.state, Device.orders, Device.orders_version, Device.tasks, Device.tasks_version).where(
@@ -72,7 +77,9 @@ class DesiredPublisher:
                 if state == NodeState.DELETED.value:
                     out.append(PendingDesired("device", device_id, CLEARED, topic, b""))
                 else:
-                    payload = _payload(version, desired, orders, orders_version, tasks, tasks_version)
+                    payload = _payload_or_none("device", device_id, version, desired, orders, orders_version, tasks, tasks_version)
+                    if payload is None:
+                        continue
                     out.append(PendingDesired("device", device_id, version, topic, payload, orders_version, tasks_version))
         return out
 
@@ -87,6 +94,16 @@ class DesiredPublisher:
                     values["tasks_published"] = item.tasks_version
                 session.execute(update(table).where(table.id == item.row_id).values(**values))
             session.commit()
+
+
+def _payload_or_none(kind: str, row_id: str, *args: Any) -> bytes | None:
+    """The row's document, or None (logged) when it is not one the contract allows: one bad row must not
+    hold back every other target's document."""
+    try:
+        return _payload(*args)
+    except ValidationError as exc:
+        log.error("the desired document of %s %s is invalid and is not published: %s", kind, row_id, str(exc).splitlines()[0:3])
+        return None
 
 
 def _payload(version: int, spec: dict[str, Any], orders: list[dict[str, Any]], orders_version: int, tasks: list[dict[str, Any]], tasks_version: int) -> bytes:

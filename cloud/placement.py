@@ -10,15 +10,18 @@ task waits in PENDING):
 3. it is ONLINE, and for a device its edge is connected too;
 4. it runs the model the spec names (``installed["model"]`` in its reported document, name and version);
 5. it reports at least ``min_memory_bytes`` available;
-6. every requested accelerator is free on it: of the accelerators it reports with that type (and a
+6. no worker of this task was REJECTED there (it said it cannot run it);
+7. it runs fewer than ``MAX_WORKERS_PER_TARGET`` active workers (what one desired document carries);
+8. every requested accelerator is free on it: of the accelerators it reports with that type (and a
    matching declared purpose and enough memory), the count not reserved by another active worker
-   (standard 7.3.2: training cards and inference cards);
-7. no worker of this task was REJECTED there (it said it cannot run it).
+   (standard 7.3.2: training cards and inference cards).
 
 Capability (standard 7.2 d 4): a target's weight is its free compute, ``cores * (1 - utilisation)``
 from its latest heartbeat (at least 5 % of its cores), times ``1 + count`` of the matching accelerators
-it contributes; a sharded task gives each worker a contiguous run of chunks in proportion to its weight
-(largest remainder, at least one chunk each while there are chunks).
+it contributes, shared with the workers it already runs (divided by ``1 + active workers``, so tasks
+placed one after another spread over equal targets); a sharded task gives each worker a contiguous
+run of chunks in proportion to its weight (largest remainder, at least one chunk each while there are
+chunks).
 """
 
 from __future__ import annotations
@@ -38,7 +41,7 @@ from cloud.tables import Device, Node, TaskWorker
 from interfaces.deployments import INSTALLED_KEY, InstalledArtifact, TargetKind
 from interfaces.lifecycle import CONNECTED_STATES, AdminState, NodeState
 from interfaces.resources import Resources
-from interfaces.tasks import WORKER_ACTIVE, AcceleratorRequest, ModelRef, Placement
+from interfaces.tasks import MAX_WORKERS_PER_TARGET, WORKER_ACTIVE, AcceleratorRequest, ModelRef, Placement
 
 MIN_SHARE = 0.05
 
@@ -148,19 +151,24 @@ def find(session: Session, placement: Placement, model: ModelRef | None, rejecte
         if not rows:
             return Candidates([], why or "no target left")
     reserved: dict[str, list[dict[str, Any]]] = defaultdict(list)
-    if placement.accelerators:
-        for target_id, accs in session.execute(
-            select(TaskWorker.target_id, TaskWorker.accelerators).where(
-                TaskWorker.target_id.in_([r.id for r in rows]), TaskWorker.state.in_([s.value for s in WORKER_ACTIVE])  # type: ignore[attr-defined]
-            )
-        ).all():  # fmt: skip
-            reserved[target_id].extend(accs or [])
+    running: dict[str, int] = defaultdict(int)
+    for target_id, accs in session.execute(
+        select(TaskWorker.target_id, TaskWorker.accelerators).where(
+            TaskWorker.target_id.in_([r.id for r in rows]), TaskWorker.state.in_([s.value for s in WORKER_ACTIVE])  # type: ignore[attr-defined]
+        )
+    ).all():  # fmt: skip
+        reserved[target_id].extend(accs or [])
+        running[target_id] += 1
+    rows, reason = step(rows, lambda r: running[r.id] < MAX_WORKERS_PER_TARGET, f"every matching target already runs {MAX_WORKERS_PER_TARGET} workers")
+    if not rows:
+        return Candidates([], why or reason)
     eligible: list[Candidate] = []
     for row in rows:
         res = _resources(row)
         if any(free_accelerators(res, reserved[row.id], req) < req.count for req in placement.accelerators):
             continue
-        eligible.append(Candidate(placement.target, row.id, node_of[row.id], weight(res, placement.accelerators), res, reserved[row.id]))
+        share = weight(res, placement.accelerators) / (1 + running[row.id])
+        eligible.append(Candidate(placement.target, row.id, node_of[row.id], round(share, 6), res, reserved[row.id]))
     if not eligible:
         wanted = ", ".join(f"{r.count} {r.type.value}" for r in placement.accelerators)
         return Candidates([], f"no matching target has {wanted} free")

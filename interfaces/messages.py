@@ -17,7 +17,7 @@ from interfaces.deployments import EXECUTION_EVENT, DeploymentOrder, ExecutionPr
 from interfaces.ids import new_id
 from interfaces.resources import Resources
 from interfaces.tasks import (
-    TASK_LOG_EVENT, TASK_METRICS_EVENT, TASK_OUTPUT_EVENT, TASK_WORKER_EVENT, WorkerLog, WorkerMetrics, WorkerOrder, WorkerOutput, WorkerReport,
+    MAX_WORKERS_PER_TARGET, TASK_LOG_EVENT, TASK_METRICS_EVENT, TASK_OUTPUT_EVENT, TASK_WORKER_EVENT, WorkerLog, WorkerMetrics, WorkerOrder, WorkerOutput, WorkerReport,
 )  # fmt: skip
 from interfaces.text import NoNul
 
@@ -66,7 +66,7 @@ class DesiredBody(_Body):
     spec: dict[str, Any] = Field(default_factory=dict)
     deployments: list[DeploymentOrder] = Field(default_factory=list, max_length=8, description="the rollout controller's orders, at most one per artefact kind (DESIGN §4.2)")
     deployments_version: int = Field(default=0, ge=0, description="goes up whenever the orders change")
-    tasks: list[WorkerOrder] = Field(default_factory=list, max_length=64, description="the task workers this target runs (DESIGN §4.3); a withdrawn one stops")
+    tasks: list[WorkerOrder] = Field(default_factory=list, max_length=MAX_WORKERS_PER_TARGET, description="the task workers this target runs (DESIGN §4.3); a withdrawn one stops")
     tasks_version: int = Field(default=0, ge=0, description="goes up whenever the task orders change")
 
 

@@ -45,6 +45,8 @@ TASK_OUTPUT_EVENT = "task.output"
 """``EventBody.type`` of one finished chunk of outputs; ``data`` is a ``WorkerOutput``."""
 TASK_EVENTS = frozenset({TASK_WORKER_EVENT, TASK_LOG_EVENT, TASK_METRICS_EVENT, TASK_OUTPUT_EVENT})
 
+MAX_WORKERS_PER_TARGET = 64
+"""Worker orders one desired document carries (``DesiredBody.tasks``): a target running this many takes no more."""
 MAX_CHUNK_OUTPUT_BYTES = 180 * 1024
 """Largest safetensors frame one ``WorkerOutput`` carries (base64 and the envelope must fit in one 256 KiB MQTT message)."""
 

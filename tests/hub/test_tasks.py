@@ -471,3 +471,46 @@ def test_a_task_paused_before_its_workers_start_runs_after_resume(fleet: TaskFle
     fleet.report(w, "RUNNING", paused=True)
     assert fleet.task(task["id"])["state"] == "PAUSED"
     assert fleet.act(task["id"], "resume")["state"] == "RUNNING"
+
+
+def test_tasks_placed_one_after_another_spread_over_equal_devices(fleet: TaskFleet) -> None:
+    gw = fleet.node()
+    devices = [fleet.device(gw) for _ in range(3)]
+    for _ in range(6):
+        fleet.create("inference", {"model": MODEL}, placement={"max_nodes": 1})
+        fleet.tick()
+    with Session(fleet.engine) as session:
+        from cloud.tables import TaskWorker
+
+        per_device = [session.execute(select(TaskWorker).where(TaskWorker.target_id == d)).all() for d in devices]
+    assert [len(rows) for rows in per_device] == [2, 2, 2]
+
+
+def test_a_full_target_takes_no_more_workers_and_a_bad_document_blocks_no_other(fleet: TaskFleet, monkeypatch: pytest.MonkeyPatch) -> None:
+    from sqlalchemy import update
+
+    from cloud import placement
+    from cloud.desired import DesiredPublisher
+    from cloud.tables import Device
+
+    monkeypatch.setattr(placement, "MAX_WORKERS_PER_TARGET", 2)
+    gw = fleet.node()
+    d = fleet.device(gw)
+    tasks = [fleet.create("inference", {"model": MODEL}) for _ in range(3)]
+    fleet.tick()
+    assert [len(fleet.workers(t["id"])) for t in tasks] == [1, 1, 0]
+    assert "already runs 2 workers" in fleet.task(tasks[2]["id"])["reason"]
+    fleet.act(tasks[0]["id"], "cancel")
+    fleet.tick()
+    assert len(fleet.workers(tasks[2]["id"])) == 1  # a slot came free
+    # a document the contract refuses (here: 65 orders written behind the scheduler's back) is skipped, alone
+    other = fleet.device(gw)
+    with Session(fleet.engine) as session:
+        row = session.get(Device, d)
+        assert row is not None
+        session.execute(update(Device).where(Device.id == d).values(tasks=row.tasks * 65, tasks_version=row.tasks_version + 1))
+        session.commit()
+    fleet.batch(fleet.dataset(rows=10)[0], placement={"ids": [other]})
+    fleet.tick()
+    pending = {p.row_id for p in DesiredPublisher(fleet.engine).pending()}
+    assert other in pending and d not in pending
