@@ -2,7 +2,9 @@
 
 ``TaskController.tick()`` runs every ``scheduler_interval_s`` (and at once when an API call or a worker
 report asks for it) on the one hub replica that holds the ``scheduler`` lease. Like the rollout
-controller it decides from the rows alone, so a restarted hub resumes every task where it was.
+controller it decides from the rows alone, so a restarted hub resumes every task where it was. A few
+bulk queries first find the tasks that have something due (``due``); a task in a steady state costs
+nothing more.
 
 One tick, per active task (each in its own transaction, the task row locked):
 
@@ -28,11 +30,12 @@ One tick, per active task (each in its own transaction, the task row locked):
 from __future__ import annotations
 
 import logging
+from collections import defaultdict
 from collections.abc import Callable
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
-from sqlalchemy import func, select
+from sqlalchemy import func, or_, select
 from sqlalchemy.engine import Engine
 from sqlmodel import Session
 
@@ -44,7 +47,7 @@ from cloud.services.task_reports import release_chunks
 from cloud.tables import Task, TaskChunk, TaskWorker, WorkerTransitionRow
 from interfaces.ids import new_id
 from interfaces.lifecycle import NodeState
-from interfaces.tasks import TASK_ACTIVE, WORKER_FAILURES, ModelRef, TaskState, WorkerState
+from interfaces.tasks import TASK_ACTIVE, WORKER_ACTIVE, WORKER_FAILURES, ModelRef, TaskState, WorkerState
 
 log = logging.getLogger("aisynergy.hub.scheduler")
 _T, _W = TaskState, WorkerState
@@ -57,19 +60,65 @@ class TaskController:
         self.signing = signing
         self.on_change = on_change
         self.counters: dict[str, int] = {
-            "ticks": 0, "workers_placed": 0, "workers_lost": 0, "workers_timed_out": 0, "tasks_timed_out": 0, "chunks_reassigned": 0,
+            "ticks": 0, "tasks_driven": 0, "workers_placed": 0, "workers_lost": 0, "workers_timed_out": 0, "tasks_timed_out": 0, "chunks_reassigned": 0,
         }  # fmt: skip
 
     def tick(self, at: datetime | None = None) -> int:
-        """Drive every active task one step; returns how many changed."""
+        """Drive every active task that needs it one step; returns how many changed."""
         at = at or datetime.now(UTC)
-        with Session(self.engine) as session:
-            ids = list(session.execute(
-                select(Task.id).where(Task.state.in_([s.value for s in TASK_ACTIVE]), Task.held.is_(False)).order_by(Task.id)  # type: ignore[attr-defined]
-            ).scalars())  # fmt: skip
+        ids = self.due(at)
         changed = drive_each(self.engine, ids, self._drive, at, self.on_change, "scheduling task", log)
         self.counters["ticks"] += 1
+        self.counters["tasks_driven"] += len(ids)
         return changed
+
+    def due(self, at: datetime) -> list[str]:
+        """The active tasks a tick has something to do for, found with a handful of queries however many
+        tasks run: PENDING ones; a deadline to set or passed; an active worker whose target is OFFLINE,
+        deleted or silent past ``worker_timeout_s``; sharded: every chunk done, or chunks waiting past
+        their back-off; per target: a worker to replace, or none left. A steady task costs nothing."""
+        with Session(self.engine) as session:
+            tasks = session.execute(
+                select(Task.id, Task.state, Task.type, Task.deadline_at, Task.timeout_s, Task.worker_timeout_s, Task.chunks_done, Task.chunks_total)
+                .where(Task.state.in_([s.value for s in TASK_ACTIVE]), Task.held.is_(False)).order_by(Task.id)  # type: ignore[attr-defined]
+            ).all()  # fmt: skip
+            if not tasks:
+                return []
+            workers: dict[str, list[Any]] = defaultdict(list)
+            for w in session.execute(
+                select(TaskWorker.task_id, TaskWorker.target_kind, TaskWorker.target_id, TaskWorker.created_at, TaskWorker.last_report_at)
+                .where(TaskWorker.state.in_([s.value for s in WORKER_ACTIVE]))  # type: ignore[attr-defined]
+            ).all():  # fmt: skip
+                workers[w.task_id].append(w)
+            states: dict[tuple[str, str], str] = {}
+            for kind in ("device", "node"):
+                ids = list({w.target_id for ws in workers.values() for w in ws if w.target_kind == kind})
+                table = svc.target_table(kind)
+                for start in range(0, len(ids), 10_000):
+                    for target_id, state in session.execute(select(table.id, table.state).where(table.id.in_(ids[start : start + 10_000]))).all():
+                        states[(kind, target_id)] = state
+            waiting_chunks = set(session.execute(
+                select(TaskChunk.task_id).where(TaskChunk.state == svc.PENDING, or_(TaskChunk.not_before.is_(None), TaskChunk.not_before <= at)).distinct()  # type: ignore[union-attr,operator]
+            ).scalars())  # fmt: skip
+            to_replace = set(session.execute(
+                select(TaskWorker.task_id).where(TaskWorker.state.in_([s.value for s in WORKER_FAILURES]), TaskWorker.replaced_by.is_(None)).distinct()  # type: ignore[attr-defined,union-attr]
+            ).scalars())  # fmt: skip
+        gone = (NodeState.OFFLINE.value, NodeState.DELETED.value, None)
+        due = []
+        for t in tasks:
+            deadline = utc(t.deadline_at)
+            active = workers.get(t.id, [])
+            silent = timedelta(seconds=t.worker_timeout_s)
+            if (
+                t.state == _T.PENDING.value
+                or (deadline is None and t.timeout_s)
+                or (deadline is not None and at >= deadline and t.state != _T.PAUSED.value)
+                or any(states.get((w.target_kind, w.target_id)) in gone or at - (utc(w.last_report_at) or utc(w.created_at)) > silent for w in active)
+                or (t.chunks_total is not None and (t.chunks_done == t.chunks_total or t.id in waiting_chunks))
+                or (t.chunks_total is None and (t.id in to_replace or not active))
+            ):  # fmt: skip
+                due.append(t.id)
+        return due
 
     # --- one task ----------------------------------------------------------------------------------
 

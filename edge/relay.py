@@ -126,6 +126,7 @@ class DeviceRelay:
         self._window = outbox_window
         self._limit = outbox_limit
         self._prefetch = prefetch
+        self._prefetched: dict[str, int] = {}  # device id -> the deployments_version whose orders were prefetched
         self._outbox_ready = asyncio.Event()
         self._loop: asyncio.AbstractEventLoop | None = None  # the pump's, once a session has started
         self._hub_online = asyncio.Event()
@@ -169,7 +170,9 @@ class DeviceRelay:
         except ValidationError as exc:
             self._reject(message.topic.value, exc, device_id=device_id)
             return
-        if self._prefetch is not None:
+        if self._prefetch is not None and request.body.deployments_version > self._prefetched.get(device_id, -1):
+            # only when the orders changed: a document re-sent for a task order still holds the finished ones
+            self._prefetched[device_id] = request.body.deployments_version
             for order in request.body.deployments:
                 try:
                     self._prefetch(order)
