@@ -9,30 +9,17 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
-from fastapi import FastAPI
 from prometheus_client.parser import text_string_to_metric_families
 
 from cloud import tables
-from cloud.api.app import create_app
-from cloud.config import Settings
-from cloud.metrics import metrics_router
 from interfaces.auth import Role
 from interfaces.deployments import DeploymentState, ExecutionState
 from interfaces.lifecycle import AdminState, NodeState
-from tests.hub import conftest
 from tests.hub.conftest import HubUnderTest, assert_problem, hub_settings, running_hub
 
 
-def _app_with_metrics(settings: Settings) -> FastAPI:
-    app = create_app(settings)
-    if not any(getattr(route, "path", None) == "/metrics" for route in app.routes):  # until app.py includes it
-        app.include_router(metrics_router())
-    return app
-
-
 @pytest.fixture
-def mhub(database_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[HubUnderTest]:
-    monkeypatch.setattr(conftest, "create_app", _app_with_metrics)
+def mhub(database_url: str, tmp_path: Path) -> Iterator[HubUnderTest]:
     yield from running_hub(hub_settings(tmp_path, database_url))
 
 
