@@ -18,6 +18,8 @@ tensor shapes times the bytes per element (int8 frames are a quarter of fp32).
 from __future__ import annotations
 
 import threading
+import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 DEVICE_ONLY = "<device>"
@@ -124,3 +126,28 @@ class LinkEstimator:
     def link(self) -> Link:
         with self._lock:
             return Link(self._bandwidth, self._rtt)
+
+
+def probe_link(call: Callable[[bytes], object], estimator: LinkEstimator, pings: int = 3, transfers: int = 3,
+               min_wire_ms: float = 2.0, max_bytes: int = 1 << 20) -> Link:  # fmt: skip
+    """Measure a link through ``call(frame)`` (a request that sends ``frame`` and waits for the answer):
+    ``pings`` empty round trips for the RTT, then transfers of growing size (8 KiB, x4 each time, at most
+    ``max_bytes``) until one spends ``min_wire_ms`` on the wire beyond the round trip, and ``transfers``
+    of that size for the bandwidth. Returns the estimator's link."""
+    for _ in range(pings):
+        started = time.perf_counter()
+        call(b"")
+        estimator.observe_rtt((time.perf_counter() - started) * 1000)
+    size = 8 * 1024
+    while True:
+        started = time.perf_counter()
+        call(bytes(size))
+        wire_ms = (time.perf_counter() - started) * 1000 - estimator.link.rtt_ms
+        if wire_ms >= min_wire_ms or size >= max_bytes:
+            break
+        size = min(size * 4, max_bytes)
+    for _ in range(transfers):
+        started = time.perf_counter()
+        call(bytes(size))
+        estimator.observe(size, time.perf_counter() - started)
+    return estimator.link
