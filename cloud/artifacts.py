@@ -23,14 +23,14 @@ from pathlib import Path
 from typing import BinaryIO, Protocol
 
 import bsdiff4
-from sqlalchemy import func, select
+from sqlalchemy import func, or_, select
 from sqlalchemy.exc import IntegrityError
 from sqlmodel import Session
 
 from cloud.errors import Conflict, NotFound
 from cloud.services.paging import page
 from cloud.signing import SigningKey
-from cloud.tables import Artifact, ArtifactDelta, Deployment, Execution, Task
+from cloud.tables import Artifact, ArtifactDelta, Deployment, Execution, Task, TrainingPlan
 from interfaces import API_PREFIX
 from interfaces.deployments import (
     DEPLOYMENT_FINAL, IN_FLIGHT, ArtifactCreate, ArtifactFormat, ArtifactKind, ArtifactManifest, ArtifactPublic, DeltaOffer,
@@ -330,7 +330,8 @@ def artifact_in_use(session: Session, artifact_id: str) -> str | None:
     * an execution of a deployment of it is in flight (QUEUED ... INSTALLING), ACTIVE or ROLLING_BACK;
     * an ACTIVE execution (of any deployment) recorded it as ``previous``, the version a rollback
       reinstalls: by ``artifact_id``, or by ``sha256`` when no other artefact of that kind has the bytes;
-    * a task (any state: a finished one can be retried) reads it as its inputs (delete the task first).
+    * a task (any state: a finished one can be retried) reads it as its inputs (delete the task first);
+    * an incremental_training task (any state) trains that model or sends that body to its devices.
     """
     row = session.get(Artifact, artifact_id)
     if row is None:
@@ -340,6 +341,12 @@ def artifact_in_use(session: Session, artifact_id: str) -> str | None:
         task = session.execute(select(Task.id, Task.state).where(spec["inputs"].as_string() == artifact_id).order_by(Task.id).limit(1)).first()
         if task is not None:
             return f"task {task.id} ({task.state}) reads it as its inputs"
+    if row.kind == ArtifactKind.MODEL.value:
+        plan = session.execute(
+            select(TrainingPlan.task_id).where(or_(TrainingPlan.model_artifact_id == artifact_id, TrainingPlan.body_artifact_id == artifact_id)).order_by(TrainingPlan.task_id).limit(1)
+        ).first()  # fmt: skip
+        if plan is not None:
+            return f"incremental_training task {plan.task_id} trains with it (delete the task first)"
     live = [s.value for s in DeploymentState if s not in DEPLOYMENT_FINAL]
     deployment = session.execute(
         select(Deployment).where(Deployment.artifact_id == artifact_id, Deployment.state.in_(live)).order_by(Deployment.id).limit(1)  # type: ignore[attr-defined]

@@ -25,6 +25,11 @@ One tick, per active task (each in its own transaction, the task row locked):
    qualifying target after its back-off while its attempt is below ``max_attempts`` (a type whose
    ``on_lost`` is ``continue`` goes on with the workers it still has instead); when no worker is
    active and none will be replaced the task ends: SUCCEEDED if a worker succeeded, else FAILED.
+
+``incremental_training`` (``cloud.incremental``): a device qualifies only while it holds an unused privacy
+reservation of the task; each tick first publishes the trained layers that came back as new model versions
+(``cloud.incremental.results.publish``, which needs ``blobs``), and such a task does not SUCCEED while one
+still waits to be published.
 """
 
 from __future__ import annotations
@@ -40,6 +45,8 @@ from sqlalchemy.engine import Engine
 from sqlmodel import Session
 
 from cloud import placement
+from cloud.incremental import results
+from cloud.incremental import task as training
 from cloud.lease import drive_each
 from cloud.convert import utc
 from cloud.services import tasks as svc
@@ -55,17 +62,24 @@ GAVE_UP = "-"
 
 
 class TaskController:
-    def __init__(self, engine: Engine, signing: Any, on_change: Callable[[], None] | None = None) -> None:
+    def __init__(self, engine: Engine, signing: Any, on_change: Callable[[], None] | None = None, blobs: Any = None) -> None:
         self.engine = engine
         self.signing = signing
+        self.blobs = blobs
         self.on_change = on_change
         self.counters: dict[str, int] = {
             "ticks": 0, "tasks_driven": 0, "workers_placed": 0, "workers_lost": 0, "workers_timed_out": 0, "tasks_timed_out": 0, "chunks_reassigned": 0,
+            "models_published": 0,
         }  # fmt: skip
 
     def tick(self, at: datetime | None = None) -> int:
         """Drive every active task that needs it one step; returns how many changed."""
         at = at or datetime.now(UTC)
+        if self.blobs is not None:
+            try:
+                self.counters["models_published"] += results.publish(self.engine, self.signing, self.blobs)
+            except Exception:  # noqa: BLE001 - the tasks are driven all the same; publishing is tried again next tick
+                log.exception("publishing trained models failed this tick")
         ids = self.due(at)
         changed = drive_each(self.engine, ids, self._drive, at, self.on_change, "scheduling task", log)
         self.counters["ticks"] += 1
@@ -157,6 +171,8 @@ class TaskController:
             select(TaskWorker.target_id).where(TaskWorker.task_id == task.id, TaskWorker.state == _W.REJECTED.value)
         ).scalars())  # fmt: skip
         found = placement.find(session, svc.placement_of(task), self._model(task), rejected, exclude)
+        if training.is_training(task):
+            found = training.only_reserved(session, task.id, found)
         found.eligible.sort(key=lambda c: (-c.weight, c.id))
         return found
 
@@ -334,6 +350,9 @@ class TaskController:
         if waiting is not None:
             return
         succeeded = session.execute(select(TaskWorker.id).where(TaskWorker.task_id == task.id, TaskWorker.state == _W.SUCCEEDED.value)).first()
+        if training.is_training(task) and results.unpublished(session, task.id):
+            self._wait(session, task, "publishing the trained models", at)
+            return
         if succeeded is not None:
             self._orders |= svc.finish(session, task, _T.SUCCEEDED, "every worker finished", at)
         else:

@@ -410,3 +410,72 @@ class TaskMetric(SQLModel, table=True):
     message_id: str = Field(unique=True, max_length=64)
     ts: datetime = _ts(nullable=False)
     values: dict[str, float] = Field(sa_column=Column(JSON, nullable=False))
+
+
+# --- DP incremental training (DESIGN §5) -------------------------------------------------------------
+
+
+class PrivacyBudget(SQLModel, table=True):
+    """What all tasks together may spend of one device's dataset: (ε, δ)-DP under RDP composition."""
+
+    __tablename__ = "privacy_budgets"
+
+    device_id: str = Field(primary_key=True, max_length=64)
+    dataset: str = Field(primary_key=True, max_length=128)
+    epsilon: float
+    delta: float
+    revision: int = Field(default=0, description="goes up with every reservation: the write that serialises admissions")
+    created_at: datetime = _ts(nullable=False)
+    updated_at: datetime = _ts(nullable=False)
+
+
+class PrivacySpendRow(SQLModel, table=True):
+    """One worker run's use of a device's dataset: reserved at admission, settled when the worker ends."""
+
+    __tablename__ = "privacy_spends"
+    __table_args__ = (Index("ix_privacy_spends_budget", "device_id", "dataset", "id"), Index("ix_privacy_spends_task", "task_id", "state"))
+
+    id: int | None = Field(default=None, primary_key=True)
+    device_id: str = Field(max_length=64)
+    dataset: str = Field(max_length=128)
+    task_id: str = Field(max_length=64)
+    worker_id: str | None = Field(default=None, max_length=64)
+    state: str = Field(max_length=16, description="reserved | spent | released")
+    sample_rate: float
+    noise_multiplier: float
+    steps: int = Field(description="reserved: the most steps allowed; settled: the steps taken")
+    max_steps: int
+    delta: float
+    epsilon: float
+    created_at: datetime = _ts(nullable=False)
+    settled_at: datetime | None = _ts(nullable=True)
+
+
+class TrainingPlan(SQLModel, table=True):
+    """How an incremental_training task cut its model: the body artefact and the trainable last layer."""
+
+    __tablename__ = "training_plans"
+
+    task_id: str = Field(primary_key=True, max_length=64)
+    model_artifact_id: str = Field(max_length=64)
+    body_artifact_id: str = Field(max_length=64)
+    layer: dict[str, Any] = Field(sa_column=Column(JSON, nullable=False), description="cloud.incremental.surgery.DenseLayer as JSON")
+    head: bytes = Field(sa_column=Column(LargeBinary, nullable=False), description="safetensors: weight [features, classes], bias [classes]")
+
+
+class TrainingResult(SQLModel, table=True):
+    """A device's trained last layer, kept until the hub has published the new model version."""
+
+    __tablename__ = "training_results"
+    __table_args__ = (Index("ix_training_results_task", "task_id"), Index("ix_training_results_artifact", "artifact_id"))
+
+    worker_id: str = Field(primary_key=True, max_length=64)
+    task_id: str = Field(max_length=64)
+    device_id: str = Field(max_length=64)
+    steps: int
+    data: bytes = Field(sa_column=Column(LargeBinary, nullable=False))
+    artifact_id: str | None = Field(default=None, max_length=64)
+    attempts: int = 0
+    error: str = Field(default="", sa_column=Column(Text, nullable=False, default=""))
+    created_at: datetime = _ts(nullable=False)
+    published_at: datetime | None = _ts(nullable=True)

@@ -28,6 +28,10 @@ Task workers (DESIGN §4.3): the document's ``tasks`` go to :attr:`Device.tasks`
 (``task.worker``, ``task.log``, ``task.metrics``, ``task.output``) and fetch their inputs the way the
 updater fetches artefacts. The stored orders run again at the next start.
 
+Local datasets (DESIGN §5): :attr:`Device.datasets` (a :class:`~device.local_data.LocalDatasets` in
+``<data dir>/datasets``) keeps data that never leaves the device; training workers read it, and the reported
+status describes it under ``datasets`` (rows, row shape), reported again whenever a dataset is added or removed.
+
 Threads: paho's network thread runs the callbacks and answers ``ping`` and unknown commands itself (so
 they are answered while a handler is busy); the application's command handlers run one at a time on the
 ``commands`` worker, the desired handler on the ``desired`` worker (the newest document wins).
@@ -63,6 +67,7 @@ from device.desired import DesiredStore
 from device.errors import ConfigError, IdentityError, NotRunning, OutboxFull
 from device.heartbeat import Heartbeats
 from device.identity import Enrolment, IdentityStore
+from device.local_data import LocalDatasets
 from device.ota.models import ModelHost, model_commands
 from device.resources import ResourceSampler
 from device.sequence import EventSequence
@@ -82,6 +87,7 @@ from interfaces.messages import (
     StateBody,
     envelope,
 )
+from interfaces.privacy import DATASETS_KEY
 from interfaces.topics import (
     DEVICE_CMD,
     DEVICE_CMD_REPLY,
@@ -190,7 +196,8 @@ class Device:
         self.models = ModelHost(self.data_dir / "ota" / "models")
         self._updater: Updater | None = None
         fetch_inputs = InputFetcher.through(self.data_dir / "tasks" / "inputs", lambda: self._updater)
-        self.tasks = WorkerHost(self.data_dir / "tasks", self.models, self._task_event, fetch_inputs)
+        self.datasets = LocalDatasets(self.data_dir / "datasets", on_change=self._report_local_state)
+        self.tasks = WorkerHost(self.data_dir / "tasks", self.models, self._task_event, fetch_inputs, self.datasets)
         for name, handler in model_commands(self.models).items():
             self._commands.register_builtin(name, handler)
 
@@ -429,10 +436,24 @@ class Device:
             log.warning("could not report execution %s %s: %s", progress.execution_id, progress.state, exc)
 
     def _with_installed(self, status: dict[str, Any]) -> dict[str, Any]:
+        """``status`` with what the device runs (``installed``) and the datasets it keeps (``datasets``)."""
         installed = self._updater.installed() if self._updater is not None else {}
-        if not installed:
-            return status
-        return {**status, INSTALLED_KEY: {kind: a.model_dump(mode="json") for kind, a in installed.items()}}
+        if installed:
+            status = {**status, INSTALLED_KEY: {kind: a.model_dump(mode="json") for kind, a in installed.items()}}
+        datasets = self.datasets.describe()
+        if datasets:
+            status = {**status, DATASETS_KEY: datasets}
+        elif DATASETS_KEY in status:
+            status = {k: v for k, v in status.items() if k != DATASETS_KEY}
+        return status
+
+    def _report_local_state(self) -> None:
+        """A dataset was added or removed: report the status again now (else at the next connect)."""
+        if self._client is None or not self._connected.is_set() or self._stopping.is_set():
+            return
+        record = self._desired.record
+        status = record.status if record.applied_version >= 0 else {}
+        self._publish(DEVICE_REPORTED, ReportedBody(version=max(record.applied_version, 0), status=self._with_installed(status)))
 
     def _make_client(self, tls: Any) -> mqtt.Client:
         client = mqtt.Client(CallbackAPIVersion.VERSION2, client_id=self.device_id, protocol=mqtt.MQTTv5)
@@ -493,9 +514,9 @@ class Device:
         record = self._desired.record
         if record.applied_version >= 0:  # say it again: a report queued when the process last ended never left
             self._publish(DEVICE_REPORTED, ReportedBody(version=record.applied_version, status=self._with_installed(record.status)))
-        elif self._updater is not None and self._updater.installed():
-            # no desired document applied yet, but something runs (factory firmware): the hub needs to know
-            # what, to offer deltas and to know what a rollback returns to
+        elif (self._updater is not None and self._updater.installed()) or self.datasets.names():
+            # no desired document applied yet, but something runs (factory firmware) or data is kept: the hub
+            # needs to know what, to offer deltas, to know what a rollback returns to, to account privacy
             self._publish(DEVICE_REPORTED, ReportedBody(version=0, status=self._with_installed({})))
         if record.pending:  # stored but not applied: a crash in between, or the handler failed
             self._desired_worker.submit(self._apply_desired)
@@ -621,7 +642,7 @@ class Device:
                 status = self._desired_handler(dict(record.spec)) if self._desired_handler else None
                 status = record.spec if status is None else status
             else:  # only the orders changed
-                status = {k: v for k, v in record.status.items() if k != INSTALLED_KEY}
+                status = {k: v for k, v in record.status.items() if k not in (INSTALLED_KEY, DATASETS_KEY)}
             report = ReportedBody(version=record.version, status=self._with_installed(status))
         except Exception as exc:  # the application's handler; retried on the next connect or start
             log.exception("applying desired version %s failed", record.version)

@@ -12,6 +12,9 @@ pending slot runs its health check and is committed or rolled back) and hands th
 ``--firmware IMAGE --firmware-manifest M --firmware-public-key P`` provisions a factory image into slot a
 when no firmware is installed yet (ignored afterwards).
 
+``--dataset NAME=PATH.npz`` (repeatable) keeps a local dataset (arrays ``x``, ``y``) on the device for training
+tasks: it is copied into DIR/datasets and its description (never its rows) reported to the hub.
+
 Exit codes:
     0   stopped cleanly (SIGTERM / SIGINT; ``offline`` published)
     1   unexpected error
@@ -36,6 +39,7 @@ import click
 
 from device.agent import Device
 from device.errors import ConfigError, EnrolmentError, EnrolmentUnreachable, NotRunning, OutboxFull, StoredStateError
+from device.local_data import DatasetError
 from device.ota.firmware import BootResult, FirmwareError, FirmwareSlots
 from device.ota.verify import VerificationError, load_public_key, verify_manifest
 from interfaces.deployments import SignedManifest
@@ -75,6 +79,7 @@ def device() -> None:
 @click.option("--firmware", "firmware_image", type=EXISTING_FILE, help="factory firmware image, provisioned when none is installed")
 @click.option("--firmware-manifest", type=EXISTING_FILE, help="the signed manifest of --firmware")
 @click.option("--firmware-public-key", type=EXISTING_FILE, help="the Ed25519 public key (PEM) that signed --firmware-manifest")
+@click.option("--dataset", "datasets", multiple=True, metavar="NAME=PATH", help="keep a local dataset (.npz with x, y) for training tasks; repeatable")
 def run(
     device_id: str,
     data_dir: Path,
@@ -87,16 +92,23 @@ def run(
     firmware_image: Path | None,
     firmware_manifest: Path | None,
     firmware_public_key: Path | None,
+    datasets: tuple[str, ...],
 ) -> None:
     """Enrol if needed, then keep the device online until SIGTERM/SIGINT."""
     factory = (firmware_image, firmware_manifest, firmware_public_key)
     if any(factory) and not all(factory):
         raise click.UsageError("--firmware, --firmware-manifest and --firmware-public-key go together")
+    local = [_dataset_option(text) for text in datasets]
     firmware_boot = _boot_firmware(data_dir / FIRMWARE_DIR, *factory)  # type: ignore[arg-type]
     try:
         agent = Device(
             device_id, data_dir, enrol_url, bootstrap_token, mqtt_url, heartbeat_interval, reboot=_reexecute, firmware_boot=firmware_boot
         )
+        for name, path in local:
+            try:
+                agent.datasets.add(name, path)
+            except DatasetError as exc:
+                raise click.UsageError(f"--dataset {name}={path}: {exc}") from None
         agent.start()
     except ConfigError as exc:
         raise click.UsageError(f"{exc} (see --device-id, --enrol-url, --bootstrap-token, --mqtt-url)") from None
@@ -112,6 +124,15 @@ def run(
         ).start()
     agent.run_forever()
     sys.exit(EXIT_OK)
+
+
+def _dataset_option(text: str) -> tuple[str, Path]:
+    name, sep, path = text.partition("=")
+    if not sep or not name or not path:
+        raise click.UsageError(f"--dataset takes NAME=PATH, not {text!r}")
+    if not Path(path).is_file():
+        raise click.UsageError(f"--dataset {name}: no file {path}")
+    return name, Path(path)
 
 
 def _boot_firmware(root: Path, image: Path | None, manifest: Path | None, public_key: Path | None) -> BootResult:

@@ -10,7 +10,12 @@ The wire contract between the hub, edges and devices for running AI tasks:
   ``TASK_LOG_EVENT`` (log lines), ``TASK_METRICS_EVENT`` (numbers) and ``TASK_OUTPUT_EVENT`` (one finished
   chunk of a sharded task's outputs, as safetensors bytes). The hub keeps each line, sample and chunk once.
 * ``TASK_TYPES`` is the registry: each type's spec model, how it is placed, what happens when a worker is
-  lost, and which targets can run it. A type whose spec model is ``None`` is known to the contract but
+  lost, and which targets can run it.
+* ``incremental_training`` (``IncrementalTrainingSpec``): the hub splits the installed model at the input of
+  its last dense layer; the order's ``training`` (``TrainingOrder``) names the frozen body (a signed model
+  artefact) and carries the last layer's weights, the sample rate and ``max_steps`` (what the device's
+  privacy budget allows, ``interfaces.privacy``). The device trains that layer with DP-SGD on a dataset that
+  never leaves it and sends the new weights as its one ``WorkerOutput`` (chunk 0, ``items`` = steps taken). A type whose spec model is ``None`` is known to the contract but
   not yet runnable (``POST /tasks`` refuses it with a 422).
 
 State machines (the transitions below are the only legal moves)::
@@ -31,7 +36,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from interfaces.deployments import ArtifactName, SignedManifest, TargetKind, Version
+from interfaces.deployments import ArtifactName, Sha256, SignedManifest, TargetKind, Version
+from interfaces.privacy import DatasetName, Delta, Epsilon, PrivacySpend
 from interfaces.resources import AcceleratorType
 from interfaces.text import NoNul
 
@@ -49,6 +55,9 @@ MAX_WORKERS_PER_TARGET = 64
 """Worker orders one desired document carries (``DesiredBody.tasks``): a target running this many takes no more."""
 MAX_CHUNK_OUTPUT_BYTES = 180 * 1024
 """Largest safetensors frame one ``WorkerOutput`` carries (base64 and the envelope must fit in one 256 KiB MQTT message)."""
+MAX_HEAD_BYTES = 64 * 1024
+"""Largest trainable layer (safetensors frame) an ``incremental_training`` order carries inline."""
+MAX_TRAINING_STEPS = 1_000_000
 
 Id = Annotated[str, Field(min_length=1, max_length=64)]
 
@@ -174,6 +183,46 @@ class BatchInferenceSpec(_In):
     chunk_size: int = Field(default=64, ge=1, le=65536, description="inputs per chunk: the unit of reporting and rescheduling")
 
 
+class TrainingOutput(_In):
+    """The model version an ``incremental_training`` task publishes for each device it trained on."""
+
+    name: ArtifactName | None = Field(default=None, description="default: the trained model's name")
+    version: Version | None = Field(
+        default=None,
+        description="default: the next free patch version after the trained one (1.0.0 -> 1.0.1, or 1.0.2 if taken ...), "
+        "one per device; an explicit version needs a placement that resolves to one device",
+    )
+
+
+class IncrementalTrainingSpec(_In):
+    """Fine-tune the last dense layer of an installed model on each placed device's own dataset with DP-SGD
+    (per-example clipping to ``clip_norm``, Gaussian noise ``noise_multiplier * clip_norm``, Poisson sampling at
+    ``batch_size / rows``). The task reserves what it may spend of each device's privacy budget for ``dataset``
+    when it is created (409 ``privacy_budget_exceeded`` if a budget cannot afford it); each device stops after
+    the order's ``max_steps``. The trained layer comes back to the hub, which publishes the new model version."""
+
+    model: ModelRef = Field(description="the installed model to fine-tune; a missing version is resolved (and pinned) at creation")
+    dataset: DatasetName = Field(description="the name of a dataset kept on the device (it never leaves it)")
+    epochs: float | None = Field(default=None, gt=0, le=10_000, description="steps = ceil(epochs * rows / batch_size)")
+    steps: int | None = Field(default=None, ge=1, le=MAX_TRAINING_STEPS)
+    batch_size: int = Field(default=64, ge=1, le=65536, description="expected batch size (Poisson sampling)")
+    learning_rate: float = Field(default=0.1, gt=0, le=1000)
+    clip_norm: float = Field(default=1.0, gt=0, le=1e6, description="C: each example's gradient is clipped to this L2 norm")
+    noise_multiplier: float = Field(default=1.0, gt=0, le=1000, description="σ: Gaussian noise of std σ·C is added to the summed gradients")
+    delta: Delta | None = Field(default=None, description="δ of this task's own ε (default: the device budget's δ)")
+    epsilon: Epsilon | None = Field(default=None, description="the most this task may spend on each device (at delta); training stops before")
+    layer: str | None = Field(default=None, min_length=1, max_length=256, description="the tensor feeding the last dense layer (default: found)")
+    output: TrainingOutput = Field(default_factory=TrainingOutput)
+
+    @model_validator(mode="after")
+    def _check(self) -> IncrementalTrainingSpec:
+        if self.epochs is not None and self.steps is not None:
+            raise ValueError("give epochs or steps, not both")
+        if self.epochs is None and self.steps is None and self.epsilon is None:
+            raise ValueError("give epochs, steps or epsilon (train until the task's epsilon is spent)")
+        return self
+
+
 class AcceleratorRequest(_In):
     type: AcceleratorType
     count: int = Field(default=1, ge=1, le=1024)
@@ -236,7 +285,9 @@ TASK_TYPES: dict[TaskType, TaskTypeInfo] = {
     TaskType.INFERENCE: TaskTypeInfo(TaskType.INFERENCE, InferenceSpec, "each", "reschedule", service=True),
     TaskType.BATCH_INFERENCE: TaskTypeInfo(TaskType.BATCH_INFERENCE, BatchInferenceSpec, "shards", "reschedule", service=False),
     TaskType.SPLIT_INFERENCE: TaskTypeInfo(TaskType.SPLIT_INFERENCE, None, "each", "reschedule", service=True),
-    TaskType.INCREMENTAL_TRAINING: TaskTypeInfo(TaskType.INCREMENTAL_TRAINING, None, "each", "reschedule", service=False),
+    TaskType.INCREMENTAL_TRAINING: TaskTypeInfo(
+        TaskType.INCREMENTAL_TRAINING, IncrementalTrainingSpec, "each", "reschedule", service=False, targets=frozenset({TargetKind.DEVICE}),
+    ),
     TaskType.FEDERATED_TRAINING: TaskTypeInfo(TaskType.FEDERATED_TRAINING, None, "each", "continue", service=False),
 }
 
@@ -361,6 +412,7 @@ class TaskOutputs(BaseModel):
     tensors: list[TensorInfo] = Field(default_factory=list, description="sharded types: the gathered outputs (rows in input order)")
     content_url: str | None = Field(default=None, description="GET it for the gathered outputs as one safetensors file")
     artifacts: list[str] = Field(default_factory=list, description="ids of artefacts the task produced (models)")
+    privacy: list[PrivacySpend] = Field(default_factory=list, description="incremental_training: what each worker run spent of its device's budget")
 
 
 # --- orders and reports over MQTT ------------------------------------------------------------------
@@ -372,12 +424,23 @@ class WorkerAction(StrEnum):
 
 
 class InputRef(NoNul):
-    """A dataset artefact the worker fetches like an update: signed manifest, path, download token."""
+    """An artefact the worker fetches like an update (a dataset; a training body): signed manifest, path, download token."""
 
     artifact_id: Id
     signed_manifest: SignedManifest
     path: str = Field(min_length=1, max_length=512)
     token: str = Field(min_length=1, max_length=2048)
+
+
+class TrainingOrder(NoNul):
+    """What an ``incremental_training`` worker needs beyond its spec (per device: the budget's ``max_steps``)."""
+
+    body: InputRef = Field(description="the frozen body: a signed ONNX model artefact, the model's inputs -> feature")
+    base_sha256: Sha256 = Field(description="the installed model the body was cut from")
+    feature: str = Field(min_length=1, max_length=256, description="the body's output, the last dense layer's input")
+    head: str = Field(min_length=1, max_length=MAX_HEAD_BYTES * 4 // 3 + 4, description="base64 safetensors: weight [features, classes], bias [classes]")
+    max_steps: int = Field(ge=0, le=MAX_TRAINING_STEPS, description="the most DP-SGD steps this worker may take (its privacy reservation)")
+    sample_rate: float = Field(gt=0, le=1, description="Poisson sampling rate q the accountant assumed")
 
 
 class WorkerOrder(NoNul):
@@ -395,6 +458,7 @@ class WorkerOrder(NoNul):
     items: int | None = Field(default=None, ge=0, description="sharded: number of inputs in the dataset")
     chunk_size: int | None = Field(default=None, ge=1)
     chunks: list[tuple[int, int]] = Field(default_factory=list, max_length=4096, description="sharded: ranges [first, end) of chunk indices this worker owns; may grow")
+    training: TrainingOrder | None = Field(default=None, description="incremental_training: the body, the layer to train and the step limit")
 
     def chunk_indices(self) -> list[int]:
         return [i for first, end in self.chunks for i in range(first, end)]

@@ -19,7 +19,7 @@ from sqlalchemy.engine import Engine
 from cloud import lease
 from cloud.api import problems
 from cloud.api.guards import RequestGuard, purge_idempotency
-from cloud.api.routes import artifacts, deployments, devices, nodes
+from cloud.api.routes import artifacts, deployments, devices, nodes, privacy
 from cloud.api.routes import tasks as task_routes
 from cloud.artifacts import FileBlobStore
 from cloud.auth import TokenCache
@@ -111,7 +111,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         rollout = RolloutController(engine, app.state.signing, app.state.blobs, on_change=lambda: _poke(app))
         app.state.rollout = rollout
         tasks.append(asyncio.create_task(_every(settings.rollout_interval_s, _rollout_tick, engine, settings, holder, rollout), name="rollout"))
-        scheduler = TaskController(engine, app.state.signing, on_change=lambda: _poke(app))
+        scheduler = TaskController(engine, app.state.signing, on_change=lambda: _poke(app), blobs=app.state.blobs)
         app.state.scheduler = scheduler
         wake, loop = asyncio.Event(), asyncio.get_running_loop()
         app.state.wake_scheduler = lambda: loop.call_soon_threadsafe(wake.set)
@@ -148,6 +148,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     api = APIRouter(prefix=API_PREFIX)
     api.include_router(nodes.router)
     api.include_router(devices.router)
+    api.include_router(privacy.router)
     api.include_router(artifacts.router)
     api.include_router(deployments.router)
     api.include_router(task_routes.router)

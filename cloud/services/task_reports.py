@@ -12,7 +12,8 @@ speak for another's worker). In arrival order:
 * ``task.output``: the chunk's outputs are kept if the chunk is ASSIGNED to that worker and the worker is
   still active; the frame must be safetensors whose tensors all have the chunk's row count first. Any
   other copy (a duplicate, a late one from a worker that was declared LOST) is refused and counted: no
-  input is ever stored with two outputs.
+  input is ever stored with two outputs. An ``incremental_training`` worker's output is its trained layer
+  (``cloud.incremental.results.accept``); its SUCCEEDED report without one counts as FAILED.
 
 Returns outcome counts (``task_<kind>_<outcome>``) and whether the scheduler should look now.
 """
@@ -31,10 +32,10 @@ from sqlalchemy.dialects import postgresql, sqlite
 from sqlmodel import Session
 
 from cloud.services.tasks import ASSIGNED, DONE, PENDING, decode_chunk, hub_log, move_task, move_worker, retry_of
-from cloud.tables import Task, TaskChunk, TaskLog, TaskMetric, TaskWorker
+from cloud.tables import Task, TaskChunk, TaskLog, TaskMetric, TaskWorker, TrainingResult
 from interfaces.messages import Envelope, EventBody
 from interfaces.tasks import (
-    TASK_LOG_EVENT, TASK_METRICS_EVENT, TASK_OUTPUT_EVENT, TASK_WORKER_EVENT, WORKER_ACTIVE, TaskState, WorkerLog, WorkerMetrics, WorkerOutput,
+    TASK_LOG_EVENT, TASK_METRICS_EVENT, TASK_OUTPUT_EVENT, TASK_WORKER_EVENT, WORKER_ACTIVE, TaskState, TaskType, WorkerLog, WorkerMetrics, WorkerOutput,
     WorkerReport, WorkerState,
 )  # fmt: skip
 
@@ -123,11 +124,14 @@ def _report(session: Session, task: Task, worker: TaskWorker, data: WorkerReport
             move_task(session, task, TaskState.RUNNING, "a worker is running", at)
         return "applied", False
     detail = data.detail or data.state.value.lower()
-    move_worker(session, worker, data.state, detail, at)
-    level = "info" if data.state is WorkerState.SUCCEEDED else "error"
-    hub_log(session, task.id, f"worker {worker.id} on {worker.target_id} {data.state.value}: {detail}", level, at, worker.id, worker.target_id)
-    if data.state is not WorkerState.SUCCEEDED:
-        release_chunks(session, task, worker, f"{data.state.value} on {worker.target_id}: {detail}", at)
+    ended = data.state
+    if ended is WorkerState.SUCCEEDED and task.type == TaskType.INCREMENTAL_TRAINING.value and session.get(TrainingResult, worker.id) is None:
+        ended, detail = WorkerState.FAILED, "reported SUCCEEDED but its trained layer never arrived"
+    move_worker(session, worker, ended, detail, at)
+    level = "info" if ended is WorkerState.SUCCEEDED else "error"
+    hub_log(session, task.id, f"worker {worker.id} on {worker.target_id} {ended.value}: {detail}", level, at, worker.id, worker.target_id)
+    if ended is not WorkerState.SUCCEEDED:
+        release_chunks(session, task, worker, f"{ended.value} on {worker.target_id}: {detail}", at)
     return "applied", True
 
 
@@ -160,6 +164,10 @@ def _metrics(session: Session, task: Task, worker: TaskWorker, message: Envelope
 
 
 def _output(session: Session, task: Task, worker: TaskWorker, data: WorkerOutput, at: datetime) -> tuple[str, bool]:
+    if task.type == TaskType.INCREMENTAL_TRAINING.value:
+        from cloud.incremental.results import accept
+
+        return accept(session, task, worker, data, at)
     chunk = session.get(TaskChunk, (task.id, data.chunk), with_for_update=True)
     if chunk is None:
         return "unknown_chunk", False

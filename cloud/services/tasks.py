@@ -16,6 +16,10 @@ Rules:
   ``current_state``. ``DELETE`` removes a final task with everything it recorded (409 while active).
 * **Orders.** A worker's ``WorkerOrder`` sits in its target's ``tasks`` list (one per worker id) and the
   target's ``tasks_version`` goes up on every change, so the bridge republishes its desired document.
+* **incremental_training** adds its own rules (``cloud.incremental.task``): admission against the devices'
+  privacy budgets at creation and retry (409 ``privacy_budget_exceeded``), the ``training`` part of the
+  orders, settling a worker's reservation when it ends and releasing the rest when the task does; its
+  outputs are the published model versions and what each run spent.
 """
 
 from __future__ import annotations
@@ -42,7 +46,7 @@ from interfaces.errors import ErrorCode
 from interfaces.ids import is_id, new_id
 from interfaces.lifecycle import AdminState, NodeState
 from interfaces.tasks import (
-    TASK_ACTIVE, TASK_FINAL, TASK_TRANSITIONS, TASK_TYPES, WORKER_ACTIVE, BatchInferenceSpec, IllegalTaskTransition, InputRef, MetricSample,
+    TASK_ACTIVE, TASK_FINAL, TASK_TRANSITIONS, TASK_TYPES, WORKER_ACTIVE, BatchInferenceSpec, IllegalTaskTransition, IncrementalTrainingSpec, InputRef, MetricSample,
     Placement, RetryPolicy, TaskAction, TaskCreate, TaskDetail, TaskLogLine, TaskMetrics, TaskOutputs, TaskProgress, TaskPublic, TaskState,
     TaskTransition, TaskType, TaskTypeInfo, TensorInfo, WorkerAction, WorkerOrder, WorkerPublic, WorkerState, worker_path,
 )  # fmt: skip
@@ -110,6 +114,12 @@ def move_worker(session: Session, worker: TaskWorker, target: WorkerState, reaso
     worker.detail = reason[:2048]
     worker.updated_at = at
     session.add(worker)
+    if target not in WORKER_ACTIVE:
+        task = session.get(Task, worker.task_id)
+        if task is not None and task.type == TaskType.INCREMENTAL_TRAINING.value:
+            from cloud.incremental.task import worker_ended
+
+            worker_ended(session, task, worker, target, at)
 
 
 def hub_log(session: Session, task_id: str, text: str, level: str = "info", at: datetime | None = None,
@@ -181,11 +191,16 @@ def build_order(session: Session, task: Task, worker: TaskWorker, signing: Any) 
         token = signing.issue_download_token(artifact.id, artifact.sha256, worker.target_id, ttl_s=TOKEN_TTL_S)
         inputs = InputRef(artifact_id=artifact.id, signed_manifest=signed_manifest(artifact), path=f"/artifacts/{artifact.id}/content", token=token)
         chunks = ranges(owned_chunks(session, worker.id))
+    training = None
+    if task.type == TaskType.INCREMENTAL_TRAINING.value:
+        from cloud.incremental.task import training_order
+
+        training = training_order(session, task, worker, signing)
     paused = TaskState(task.state) is _T.PAUSED
     return WorkerOrder(
         worker_id=worker.id, task_id=task.id, type=TaskType(task.type), role=worker.role, action=WorkerAction.PAUSE if paused else WorkerAction.RUN,
         attempt=worker.attempt, spec=task.spec, heartbeat_s=task.heartbeat_s, inputs=inputs, items=task.items_total, chunk_size=task.chunk_size,
-        chunks=chunks or [],
+        chunks=chunks or [], training=training,
     )  # fmt: skip
 
 
@@ -209,7 +224,12 @@ def active_workers(session: Session, task_id: str) -> list[TaskWorker]:
 def finish(session: Session, task: Task, state: TaskState, reason: str, at: datetime) -> bool:
     """End ``task`` in ``state``; RUNNING workers SUCCEED when the task did, else they are CANCELED."""
     move_task(session, task, state, reason, at)
-    return end_workers(session, task, _W.SUCCEEDED if state is _T.SUCCEEDED else _W.CANCELED, f"task {state.value}: {reason}", at)
+    changed = end_workers(session, task, _W.SUCCEEDED if state is _T.SUCCEEDED else _W.CANCELED, f"task {state.value}: {reason}", at)
+    if task.type == TaskType.INCREMENTAL_TRAINING.value:
+        from cloud.incremental.task import task_ended
+
+        task_ended(session, task, at)
+    return changed
 
 
 # --- creation --------------------------------------------------------------------------------------
@@ -270,7 +290,7 @@ def _check_targets(session: Session, placement: Placement) -> None:
         raise Conflict(f"targets on a LOCKED node: {', '.join(locked[:20])}", code=ErrorCode.TARGET_LOCKED, locked_ids=locked)
 
 
-def create(session: Session, body: TaskCreate, blobs: Any) -> Task:
+def create(session: Session, body: TaskCreate, blobs: Any, signing: Any = None) -> Task:
     info = TASK_TYPES[body.type]
     if info.spec is None:
         raise BadRequest(f"task type {body.type.value} is not available on this hub (runnable: {', '.join(t.value for t, i in TASK_TYPES.items() if i.spec)})", status=422)
@@ -303,6 +323,10 @@ def create(session: Session, body: TaskCreate, blobs: Any) -> Task:
         session.add(task)
         session.flush()
         session.execute(TaskChunk.__table__.insert(), [{"task_id": task.id, "index": i, "state": PENDING, "attempts": 0, "last_error": ""} for i in range(task.chunks_total)])  # type: ignore[attr-defined]
+    elif isinstance(spec, IncrementalTrainingSpec):
+        from cloud.incremental.task import admit
+
+        task.spec = admit(session, task, spec, body.placement, blobs, signing).model_dump(mode="json", exclude_none=True)
     session.add(task)
     session.add(TaskTransitionRow(task_id=task.id, from_state=None, to_state=_T.PENDING.value, at=at, reason="created" + (" (held)" if task.held else "")))
     hub_log(session, task.id, f"created {task.type} task" + (f" over {task.items_total} inputs in {task.chunks_total} chunks" if task.items_total else "") + (" (held until started)" if task.held else ""), at=at)
@@ -363,6 +387,10 @@ def act(session: Session, task_id: str, action: TaskAction) -> tuple[Task, bool]
     elif action is TaskAction.RETRY:
         if state not in (_T.FAILED, _T.CANCELED, _T.TIMED_OUT):
             raise _illegal(task, action)
+        if task.type == TaskType.INCREMENTAL_TRAINING.value:
+            from cloud.incremental.task import readmit
+
+            readmit(session, task, at)
         task.attempt += 1
         task.deadline_at = task.finished_at = task.paused_at = task.not_before = None
         task.scheduled_at = None
@@ -384,6 +412,10 @@ def delete_task(session: Session, task_id: str) -> None:
     session.execute(delete(WorkerTransitionRow).where(WorkerTransitionRow.worker_id.in_(worker_ids)))  # type: ignore[attr-defined]
     for table in (TaskWorker, TaskChunk, TaskLog, TaskMetric, TaskTransitionRow):
         session.execute(delete(table).where(table.task_id == task.id))  # type: ignore[attr-defined]
+    if task.type == TaskType.INCREMENTAL_TRAINING.value:
+        from cloud.incremental.task import forget
+
+        forget(session, task.id)
     session.delete(task)
     session.commit()
 
@@ -525,9 +557,20 @@ def outputs(session: Session, task_id: str) -> TaskOutputs:
         first = session.execute(select(TaskChunk.data).where(TaskChunk.task_id == task.id, TaskChunk.state == DONE).order_by(TaskChunk.index).limit(1)).scalar()
         if first is not None:
             tensors = [TensorInfo(name=k, dtype=str(v.dtype), shape=[task.items_total or 0, *v.shape[1:]]) for k, v in sorted(decode_chunk(first).items())]
+    artifacts, privacy = [], []
+    if task.type == TaskType.INCREMENTAL_TRAINING.value:
+        from cloud.incremental.budgets import spend_to_wire
+        from cloud.incremental.results import unpublished
+        from cloud.tables import PrivacySpendRow, TrainingResult
+
+        results = list(session.execute(select(TrainingResult).where(TrainingResult.task_id == task.id).order_by(TrainingResult.created_at)).scalars())
+        artifacts = [r.artifact_id for r in results if r.artifact_id]
+        spends = session.execute(select(PrivacySpendRow).where(PrivacySpendRow.task_id == task.id).order_by(PrivacySpendRow.id)).scalars()  # type: ignore[arg-type]
+        privacy = [spend_to_wire(r) for r in spends]
+        complete = TaskState(task.state) in TASK_FINAL and bool(artifacts) and not unpublished(session, task.id)
     return TaskOutputs(
         task_id=task.id, state=TaskState(task.state), complete=complete, items_total=task.items_total, items_done=items_done(task, session),
-        tensors=tensors, content_url=f"/tasks/{task.id}/outputs/content" if task.chunks_total else None,
+        tensors=tensors, content_url=f"/tasks/{task.id}/outputs/content" if task.chunks_total else None, artifacts=artifacts, privacy=privacy,
     )  # fmt: skip
 
 

@@ -5,9 +5,11 @@
     desired document (tasks, tasks_version)
         -> WorkerHost.apply(orders)           host.py: one Worker thread per order; withdrawn: stopped
             -> Worker                         worker.py: order, pause/stop, reports, logs, metrics, outputs
-                -> program by TaskType        programs.py: batch.py (batch_inference), serve.py (inference)
+                -> program by TaskType        programs.py: batch.py (batch_inference), serve.py (inference),
+                                              incremental.py (incremental_training: DP-SGD, device.training)
                     -> ModelHost.infer        the target's loaded models (device.ota.models)
-                    -> fetch_inputs(ref)      inputs.py: signed, verified dataset artefacts
+                    -> fetch_inputs(ref)      inputs.py: signed, verified dataset artefacts and training bodies
+                    -> datasets               the device's local datasets (device.local_data)
     events: task.worker, task.log, task.metrics, task.output (interfaces.tasks)
 
 Nothing here imports numpy until a worker runs.

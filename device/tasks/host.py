@@ -30,6 +30,7 @@ from device.tasks.worker import Emit, FetchInputs, Program, Worker, WorkerInfo
 from interfaces.tasks import TASK_WORKER_EVENT, TaskType, WorkerOrder, WorkerReport, WorkerState
 
 if TYPE_CHECKING:
+    from device.local_data import LocalDatasets
     from device.ota.models import ModelHost
 
 log = logging.getLogger("aisynergy.device.tasks")
@@ -53,12 +54,14 @@ class WorkerHost:
     :class:`~device.ota.models.ModelHost`. ``emit(type, data, severity)`` sends an event upstream (it may
     raise; the event is then dropped and logged). ``fetch_inputs(ref)`` returns a verified local file
     (:class:`~device.tasks.inputs.InputFetcher`; with a ``prune`` method, it is told which inputs the
-    orders still name).
+    orders still name: datasets and training bodies). ``datasets``: the device's local datasets, which
+    training workers read.
     """
 
-    def __init__(self, data_dir: str | Path, models: ModelHost, emit: Emit, fetch_inputs: FetchInputs) -> None:
+    def __init__(self, data_dir: str | Path, models: ModelHost, emit: Emit, fetch_inputs: FetchInputs, datasets: LocalDatasets | None = None) -> None:
         self.root = Path(data_dir)
         self.models = models
+        self.datasets = datasets
         self._emit, self._fetch_inputs = emit, fetch_inputs
         self._lock = threading.Lock()  # workers, finished records
         self._workers: dict[str, Worker] = {}
@@ -90,7 +93,8 @@ class WorkerHost:
         prune = getattr(self._fetch_inputs, "prune", None)
         if prune is not None:
             try:
-                prune({o.inputs.signed_manifest.manifest.sha256 for o in orders if o.inputs is not None})
+                prune({o.inputs.signed_manifest.manifest.sha256 for o in orders if o.inputs is not None}
+                      | {o.training.body.signed_manifest.manifest.sha256 for o in orders if o.training is not None})  # fmt: skip
             except OSError as exc:
                 log.warning("cannot remove old task inputs: %s", exc)
 
@@ -109,7 +113,7 @@ class WorkerHost:
                 self._repeated.add(order.worker_id)
                 self._send_again(record.report)
             return
-        worker = Worker(order, _program(order.type), self.models, self._fetch_inputs, self._emit, self._ended, self._poke)
+        worker = Worker(order, _program(order.type), self.models, self._fetch_inputs, self._emit, self._ended, self._poke, self.datasets)
         self._workers[order.worker_id] = worker
         self._start_ticker()
         worker.start()

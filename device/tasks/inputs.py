@@ -1,4 +1,5 @@
-"""Fetching a task's dataset artefact the way an update is fetched (DESIGN §4.2, §6).
+"""Fetching a task's artefacts the way an update is fetched (DESIGN §4.2, §6): datasets (npy, safetensors)
+and the frozen bodies of training tasks (ONNX models).
 
 The manifest's Ed25519 signature is checked against the hub key pinned at enrolment before a byte is
 fetched; the content's size and SHA-256 before it is used. Either failing REJECTS the worker with the
@@ -30,7 +31,11 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("aisynergy.device.tasks")
 
-FORMATS = frozenset({ArtifactFormat.NPY, ArtifactFormat.SAFETENSORS})
+FORMATS = {
+    ArtifactKind.DATASET: frozenset({ArtifactFormat.NPY, ArtifactFormat.SAFETENSORS}),
+    ArtifactKind.MODEL: frozenset({ArtifactFormat.ONNX}),
+}
+"""what a task may fetch: kind -> formats"""
 
 
 class InputFetcher:
@@ -76,8 +81,8 @@ class InputFetcher:
             verify_manifest(key, signed)
         except (VerificationError, ValueError) as exc:
             raise Rejected(f"inputs {ref.artifact_id}: {exc}") from exc
-        if m.kind is not ArtifactKind.DATASET or m.format not in FORMATS:
-            raise Rejected(f"inputs {ref.artifact_id} are a {m.kind.value} in format {m.format.value}, not a dataset (npy, safetensors)")
+        if m.format not in FORMATS.get(m.kind, ()):
+            raise Rejected(f"inputs {ref.artifact_id} are a {m.kind.value} in format {m.format.value}, not a dataset (npy, safetensors) or an onnx model")
         target = self.root / f"{m.sha256}.{m.format.value}"
         with self._lock_for(m.sha256):
             if target.exists():

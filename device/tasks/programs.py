@@ -19,6 +19,7 @@ if TYPE_CHECKING:
 PROGRAMS: dict[TaskType, str] = {
     TaskType.BATCH_INFERENCE: "device.tasks.batch:run",
     TaskType.INFERENCE: "device.tasks.serve:run",
+    TaskType.INCREMENTAL_TRAINING: "device.tasks.incremental:run",
 }
 """type -> ``module:function`` of its program"""
 

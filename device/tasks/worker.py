@@ -50,6 +50,7 @@ from interfaces.tasks import (
 if TYPE_CHECKING:
     from pathlib import Path
 
+    from device.local_data import LocalDatasets
     from device.ota.models import ModelHost
 
 log = logging.getLogger("aisynergy.device.tasks")
@@ -98,9 +99,11 @@ class Worker:
 
     def __init__(
         self, order: WorkerOrder, program: Program, models: ModelHost, fetch_inputs: FetchInputs, emit: Emit,
-        on_end: Callable[[Worker, WorkerReport], None], poke: Callable[[], None],
+        on_end: Callable[[Worker, WorkerReport], None], poke: Callable[[], None], datasets: LocalDatasets | None = None,
     ) -> None:  # fmt: skip
         self.models, self.fetch_inputs = models, fetch_inputs
+        self.datasets = datasets
+        """the target's local datasets (a device's; None on an edge node)"""
         self.items_done = 0
         """inputs finished (this run): the program counts them; reports carry them"""
         self.state, self.detail = WorkerState.QUEUED, ""

@@ -58,7 +58,7 @@ class TaskFleet:
         return self.controller.tick(at)
 
     def fresh_controller(self) -> TaskController:
-        return TaskController(self.engine, self.controller.signing)
+        return TaskController(self.engine, self.controller.signing, blobs=self.blobs)
 
     # --- targets -----------------------------------------------------------------------------------
 
@@ -208,5 +208,5 @@ def running_task_fleet(database_url: str, tmp_path: Path) -> Iterator[TaskFleet]
             time.sleep(0.01)
         hub.app.state.wake_scheduler = lambda: None  # API calls must not wake the background loop mid-test
         blobs = hub.app.state.blobs
-        yield TaskFleet(hub, blobs, TaskController(hub.engine, hub.app.state.signing), StatusIngest(hub.engine))
+        yield TaskFleet(hub, blobs, TaskController(hub.engine, hub.app.state.signing, blobs=blobs), StatusIngest(hub.engine))
 

@@ -34,6 +34,7 @@ WRITE_REQUESTS: dict[tuple[str, str], dict[str, Any] | None] = {
     ("DELETE", "/devices/{device_id}"): None,
     ("PUT", "/devices/{device_id}/twin"): {"desired": {"fps": 5}},
     ("POST", "/devices/{device_id}/bootstrap-token"): {"ttl_s": 600},
+    ("PUT", "/devices/{device_id}/privacy-budgets/{dataset}"): {"epsilon": 1.0, "delta": 1e-5},
     ("PUT", "/nodes/{node_id}/twin"): {"desired": {"log_level": "debug"}},
     ("POST", "/nodes/{node_id}/commands"): {"name": "ping"},
     ("POST", "/devices/{device_id}/commands"): {"name": "ping"},
@@ -58,7 +59,7 @@ def seeded(hub: HubUnderTest) -> dict[str, str]:
     device_id = hub.add_device(node_id, labels={"kind": "camera"})["id"]
     hub.request("PUT", f"/devices/{device_id}/twin", json={"desired": {"fps": 10}})
     return {"node_id": node_id, "device_id": device_id, "bootstrap_token": registered["bootstrap_token"], "deployment_id": "dep-00000000000000000000000000", "artifact_id": "art-00000000000000000000000000",
-            "task_id": "task-00000000000000000000000000"}
+            "task_id": "task-00000000000000000000000000", "dataset": "camera"}
 
 
 @pytest.fixture

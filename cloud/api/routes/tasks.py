@@ -37,7 +37,7 @@ def _wake(request: Request) -> None:
 @router.post("", status_code=status.HTTP_201_CREATED)
 def create_task(body: TaskCreate, request: Request, session: SessionDep, _: Operator, __: IdempotencyKey = None) -> TaskDetail:
     """Create a task; the scheduler places its workers at once (or when started, if ``start`` is false)."""
-    task = service.create(session, body, request.app.state.blobs)
+    task = service.create(session, body, request.app.state.blobs, request.app.state.signing)
     _wake(request)
     return service.detail(session, task)
 
