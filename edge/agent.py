@@ -140,6 +140,7 @@ class EdgeAgent:
             self.artifacts.start()
         if self.proxy is not None:
             self.proxy.start()
+        await self.deployments.restore()  # the installed model serves before the node says it is online
         worker = asyncio.create_task(self.deployments.run())
         try:
             async with asyncio.TaskGroup() as group:

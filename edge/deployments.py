@@ -98,6 +98,7 @@ class NodeDeployments:
         self._pending_tasks: list[WorkerOrder] | None = None
         self._wake = asyncio.Event()
         self._applying: asyncio.Future[None] | None = None
+        self._restored = False
 
     def status(self) -> dict[str, Any]:
         """What the node reports it runs (``ReportedBody.status``)."""
@@ -115,9 +116,17 @@ class NodeDeployments:
             self._pending_tasks = list(desired.tasks)
             self._wake.set()
 
+    async def restore(self) -> None:
+        """Load what is installed (the model serves again); once. The agent awaits it before it connects, so a
+        command that arrives right after a restart finds the model loaded."""
+        if not self._restored:
+            self._restored = True
+            await asyncio.to_thread(self.updater.restore)
+
     async def run(self) -> None:
-        """The worker: load the installed model again, then apply documents as they come, until cancelled."""
-        await asyncio.to_thread(self.updater.restore)
+        """The worker: load the installed model again (unless :meth:`restore` did), then apply documents as
+        they come, until cancelled."""
+        await self.restore()
         while not self.updater.canceled.is_set():
             await self._wake.wait()
             self._wake.clear()

@@ -17,6 +17,7 @@ tensor shapes times the bytes per element (int8 frames are a quarter of fp32).
 
 from __future__ import annotations
 
+import statistics
 import threading
 import time
 from collections.abc import Callable
@@ -128,26 +129,29 @@ class LinkEstimator:
             return Link(self._bandwidth, self._rtt)
 
 
-def probe_link(call: Callable[[bytes], object], estimator: LinkEstimator, pings: int = 3, transfers: int = 3,
-               min_wire_ms: float = 2.0, max_bytes: int = 1 << 20) -> Link:  # fmt: skip
+def probe_link(call: Callable[[bytes], object], estimator: LinkEstimator, pings: int = 5, transfers: int = 3,
+               min_wire_ms: float = 4.0, max_bytes: int = 4 << 20) -> Link:  # fmt: skip
     """Measure a link through ``call(frame)`` (a request that sends ``frame`` and waits for the answer):
-    ``pings`` empty round trips for the RTT, then transfers of growing size (8 KiB, x4 each time, at most
-    ``max_bytes``) until one spends ``min_wire_ms`` on the wire beyond the round trip, and ``transfers``
-    of that size for the bandwidth. Returns the estimator's link."""
-    for _ in range(pings):
+    ``pings`` empty round trips for the RTT, then ``transfers`` transfers of growing size (8 KiB, x4 each
+    time, at most ``max_bytes``) until their median spends ``min_wire_ms`` on the wire beyond the median
+    round trip; those transfers give the bandwidth. Medians, so one stall does not end the probing early.
+    Returns the estimator's link."""
+
+    def timed(frame: bytes) -> float:
         started = time.perf_counter()
-        call(b"")
-        estimator.observe_rtt((time.perf_counter() - started) * 1000)
+        call(frame)
+        return time.perf_counter() - started
+
+    rtts = [timed(b"") for _ in range(pings)]
+    for seconds in rtts:
+        estimator.observe_rtt(seconds * 1000)
+    rtt_s = statistics.median(rtts)
     size = 8 * 1024
     while True:
-        started = time.perf_counter()
-        call(bytes(size))
-        wire_ms = (time.perf_counter() - started) * 1000 - estimator.link.rtt_ms
-        if wire_ms >= min_wire_ms or size >= max_bytes:
+        times = [timed(bytes(size)) for _ in range(transfers)]
+        if (statistics.median(times) - rtt_s) * 1000 >= min_wire_ms or size >= max_bytes:
             break
         size = min(size * 4, max_bytes)
-    for _ in range(transfers):
-        started = time.perf_counter()
-        call(bytes(size))
-        estimator.observe(size, time.perf_counter() - started)
+    for seconds in times:
+        estimator.observe(size, seconds)
     return estimator.link
