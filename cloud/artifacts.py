@@ -30,7 +30,7 @@ from sqlmodel import Session
 from cloud.errors import Conflict, NotFound
 from cloud.services.paging import page
 from cloud.signing import SigningKey
-from cloud.tables import Artifact, ArtifactDelta, Deployment, Execution, Task, TrainingPlan
+from cloud.tables import Artifact, ArtifactDelta, Deployment, Execution, SplitPartRow, SplitPlan, Task, TrainingPlan
 from interfaces import API_PREFIX
 from interfaces.deployments import (
     DEPLOYMENT_FINAL, IN_FLIGHT, ArtifactCreate, ArtifactFormat, ArtifactKind, ArtifactManifest, ArtifactPublic, DeltaOffer,
@@ -323,6 +323,35 @@ def create_artifact(session: Session, signing: SigningKey, blobs: BlobStore, bod
     return row
 
 
+def store_derived_model(session: Session, signing: SigningKey, blobs: BlobStore, name: str, version: str, data: bytes) -> Artifact:
+    """An ONNX model the hub cut from another (a training body, a split head or tail) as the model artefact
+    ``name`` ``version``, reused when stored already; a different cut under that identity gets the version
+    ``<version>-cut.<sha>``. Stored in a transaction of its own (``create_artifact`` commits)."""
+    sha = hashlib.sha256(data).hexdigest()
+    with Session(session.get_bind(), expire_on_commit=False) as own:
+        existing = find_by_identity(own, ArtifactKind.MODEL.value, name, version)
+        if existing is not None and existing.sha256 != sha:
+            version = f"{version}{'.' if '-' in version else '-'}cut.{sha[:12]}"
+            if len(version) > 64:
+                version = f"0-cut.{sha[:16]}"
+            existing = find_by_identity(own, ArtifactKind.MODEL.value, name, version)
+        if existing is None:
+            same = find_by_sha256(own, sha, ArtifactKind.MODEL.value)
+            existing = same if same is not None and same.name == name else None
+        if existing is not None:
+            return existing
+        body = ArtifactCreate(kind=ArtifactKind.MODEL, name=name, version=version, format=ArtifactFormat.ONNX)
+        with blobs.writer() as writer:
+            writer.write(data)
+            try:
+                return create_artifact(own, signing, blobs, body, writer)
+            except Conflict:  # another admission stored it meanwhile
+                stored = find_by_identity(own, ArtifactKind.MODEL.value, name, version)
+                if stored is None:
+                    raise
+                return stored
+
+
 def artifact_in_use(session: Session, artifact_id: str) -> str | None:
     """Why the artefact may not be deleted, or None. It is in use while
 
@@ -331,7 +360,8 @@ def artifact_in_use(session: Session, artifact_id: str) -> str | None:
     * an ACTIVE execution (of any deployment) recorded it as ``previous``, the version a rollback
       reinstalls: by ``artifact_id``, or by ``sha256`` when no other artefact of that kind has the bytes;
     * a task (any state: a finished one can be retried) reads it as its inputs (delete the task first);
-    * an incremental_training task (any state) trains that model or sends that body to its devices.
+    * an incremental_training task (any state) trains that model or sends that body to its devices;
+    * a split_inference task (any state) was cut from that model or sends that head or tail.
     """
     row = session.get(Artifact, artifact_id)
     if row is None:
@@ -347,6 +377,13 @@ def artifact_in_use(session: Session, artifact_id: str) -> str | None:
         ).first()  # fmt: skip
         if plan is not None:
             return f"incremental_training task {plan.task_id} trains with it (delete the task first)"
+        split = session.execute(
+            select(SplitPlan.task_id).where(SplitPlan.model_artifact_id == artifact_id).union(
+                select(SplitPartRow.task_id).where(or_(SplitPartRow.head_artifact_id == artifact_id, SplitPartRow.tail_artifact_id == artifact_id))
+            ).limit(1)
+        ).first()  # fmt: skip
+        if split is not None:
+            return f"split_inference task {split[0]} runs it or a part cut from it (delete the task first)"
     live = [s.value for s in DeploymentState if s not in DEPLOYMENT_FINAL]
     deployment = session.execute(
         select(Deployment).where(Deployment.artifact_id == artifact_id, Deployment.state.in_(live)).order_by(Deployment.id).limit(1)  # type: ignore[attr-defined]

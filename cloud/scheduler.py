@@ -30,6 +30,10 @@ One tick, per active task (each in its own transaction, the task row locked):
 reservation of the task; each tick first publishes the trained layers that came back as new model versions
 (``cloud.incremental.results.publish``, which needs ``blobs``), and such a task does not SUCCEED while one
 still waits to be published.
+
+``split_inference`` (``cloud.split_inference``): the placed devices run ``head`` workers; each tick puts one
+``tail`` worker on every edge node under a head (when it is ONLINE and UNLOCKED, replacing one that ended) and
+withdraws tails with no head under them. Tails do not count for the task's end.
 """
 
 from __future__ import annotations
@@ -48,13 +52,15 @@ from cloud import placement
 from cloud.incremental import results
 from cloud.incremental import task as training
 from cloud.lease import drive_each
+from cloud import split_inference as split
 from cloud.convert import utc
 from cloud.services import tasks as svc
 from cloud.services.task_reports import release_chunks
 from cloud.tables import Task, TaskChunk, TaskWorker, WorkerTransitionRow
+from interfaces.deployments import TargetKind
 from interfaces.ids import new_id
 from interfaces.lifecycle import NodeState
-from interfaces.tasks import TASK_ACTIVE, WORKER_ACTIVE, WORKER_FAILURES, ModelRef, TaskState, WorkerState
+from interfaces.tasks import SPLIT_TAIL, TASK_ACTIVE, WORKER_ACTIVE, WORKER_FAILURES, ModelRef, TaskState, WorkerState
 
 log = logging.getLogger("aisynergy.hub.scheduler")
 _T, _W = TaskState, WorkerState
@@ -100,7 +106,7 @@ class TaskController:
                 return []
             workers: dict[str, list[Any]] = defaultdict(list)
             for w in session.execute(
-                select(TaskWorker.task_id, TaskWorker.target_kind, TaskWorker.target_id, TaskWorker.created_at, TaskWorker.last_report_at)
+                select(TaskWorker.task_id, TaskWorker.target_kind, TaskWorker.target_id, TaskWorker.created_at, TaskWorker.last_report_at, TaskWorker.role)
                 .where(TaskWorker.state.in_([s.value for s in WORKER_ACTIVE]))  # type: ignore[attr-defined]
             ).all():  # fmt: skip
                 workers[w.task_id].append(w)
@@ -129,7 +135,7 @@ class TaskController:
                 or (deadline is not None and at >= deadline and t.state != _T.PAUSED.value)
                 or any(states.get((w.target_kind, w.target_id)) in gone or at - (utc(w.last_report_at) or utc(w.created_at)) > silent for w in active)
                 or (t.chunks_total is not None and (t.chunks_done == t.chunks_total or t.id in waiting_chunks))
-                or (t.chunks_total is None and (t.id in to_replace or not active))
+                or (t.chunks_total is None and (t.id in to_replace or not any(w.role != SPLIT_TAIL for w in active)))
             ):  # fmt: skip
                 due.append(t.id)
         return due
@@ -159,6 +165,8 @@ class TaskController:
                 self._drive_shards(session, task, at)
             else:
                 self._drive_each(session, task, at)
+        if split.is_split(task) and TaskState(task.state) in TASK_ACTIVE:
+            self._tails(session, task, at)
         session.add(task)
         return self._changed or before != (task.state, task.reason, task.chunks_done), self._orders
 
@@ -208,11 +216,14 @@ class TaskController:
         task.scheduled_at = at
         svc.move_task(session, task, _T.SCHEDULED, f"{len(chosen)} workers placed", at)
 
-    def _new_worker(self, session: Session, task: Task, candidate: placement.Candidate, chunks: list[int], attempt: int, at: datetime) -> TaskWorker:
+    def _new_worker(
+        self, session: Session, task: Task, candidate: placement.Candidate, chunks: list[int], attempt: int, at: datetime, role: str | None = None,
+    ) -> TaskWorker:  # fmt: skip
         rules = svc.placement_of(task)
         worker = TaskWorker(
             id=new_id("w"), task_id=task.id, target_kind=candidate.kind.value, target_id=candidate.id, state=_W.QUEUED.value, attempt=attempt,
-            weight=candidate.weight, accelerators=[r.model_dump(mode="json", exclude_none=True) for r in rules.accelerators], created_at=at, updated_at=at,
+            weight=candidate.weight, accelerators=[r.model_dump(mode="json", exclude_none=True) for r in rules.accelerators] if role is None else [],
+            role=role or split.worker_role(task), created_at=at, updated_at=at,
         )  # fmt: skip
         session.add(worker)
         session.add(WorkerTransitionRow(worker_id=worker.id, from_state=None, to_state=_W.QUEUED.value, at=at, reason=f"placed on {candidate.id}"))
@@ -220,6 +231,7 @@ class TaskController:
         session.flush()
         svc.put_worker_order(session, worker.target_kind, worker.target_id, svc.build_order(session, task, worker, self.signing))
         what = f" with {len(chunks)} chunks" if chunks else ""
+        what += f" as {worker.role}" if worker.role != "worker" else ""
         svc.hub_log(session, task.id, f"worker {worker.id} placed on {candidate.id} (weight {candidate.weight:g}){what}", at=at, worker_id=worker.id, target_id=candidate.id)
         self.counters["workers_placed"] += 1
         self._orders = True
@@ -309,17 +321,50 @@ class TaskController:
         self.counters["chunks_reassigned"] += len(pending)
         self._changed = True
 
+    @staticmethod
+    def _counting(session: Session, task: Task) -> list[TaskWorker]:
+        """The active workers the task's end waits for (a split task's tails serve its heads; they do not count)."""
+        return [w for w in svc.active_workers(session, task.id) if w.role != SPLIT_TAIL]
+
+    def _tails(self, session: Session, task: Task, at: datetime) -> None:
+        """split_inference: a tail on every edge node under a head, none elsewhere (``cloud.split_inference``)."""
+        session.flush()
+        changes = split.tail_changes(session, svc.active_workers(session, task.id))
+        for worker in changes.withdraw:
+            svc.move_worker(session, worker, _W.CANCELED, "no head worker runs under its node any more", at)
+            self._orders |= svc.withdraw_worker_order(session, worker.target_kind, worker.target_id, worker.id)
+            svc.hub_log(session, task.id, f"tail {worker.id} on {worker.target_id} withdrawn: no head runs under it", at=at, worker_id=worker.id, target_id=worker.target_id)
+            worker.replaced_by = GAVE_UP
+            self._changed = True
+        ended = list(session.execute(
+            select(TaskWorker).where(
+                TaskWorker.task_id == task.id, TaskWorker.role == SPLIT_TAIL, TaskWorker.state.in_([s.value for s in WORKER_FAILURES]),  # type: ignore[attr-defined]
+                TaskWorker.replaced_by.is_(None),  # type: ignore[union-attr]
+            ).order_by(TaskWorker.id)
+        ).scalars())  # fmt: skip
+        for node_id in changes.place:
+            new = self._new_worker(session, task, placement.Candidate(TargetKind.NODE, node_id, node_id, 1.0), [], 1, at, role=SPLIT_TAIL)
+            for old in ended:
+                if old.target_id == node_id:
+                    old.replaced_by = new.id
+        for old in ended:  # an ended tail whose node needs no new one (no head under it, or a tail runs there): done with
+            if old.replaced_by is None and (old.target_id not in changes.wanted or old.target_id in changes.covered):
+                old.replaced_by = GAVE_UP
+        for old in ended:
+            session.add(old)
+
     def _drive_each(self, session: Session, task: Task, at: datetime) -> None:
         policy = svc.retry_of(task)
         ended = list(session.execute(
             select(TaskWorker).where(
-                TaskWorker.task_id == task.id, TaskWorker.state.in_([s.value for s in WORKER_FAILURES]), TaskWorker.replaced_by.is_(None)  # type: ignore[attr-defined,union-attr]
+                TaskWorker.task_id == task.id, TaskWorker.state.in_([s.value for s in WORKER_FAILURES]), TaskWorker.replaced_by.is_(None),  # type: ignore[attr-defined,union-attr]
+                TaskWorker.role != SPLIT_TAIL,
             ).order_by(TaskWorker.id)
         ).scalars())  # fmt: skip
         paused = TaskState(task.state) is _T.PAUSED
         goes_on = svc.type_info(task).on_lost == "continue"
         for worker in ended:
-            if goes_on and svc.active_workers(session, task.id):
+            if goes_on and self._counting(session, task):
                 worker.replaced_by = GAVE_UP  # this type carries on with the workers it has (federated rounds close with k of n)
                 session.add(worker)
                 svc.hub_log(session, task.id, f"worker {worker.id} is not replaced: the task goes on with the others", "warning", at, worker.id)
@@ -342,10 +387,13 @@ class TaskController:
             worker.replaced_by = new.id
             session.add(worker)
         session.flush()
-        if svc.active_workers(session, task.id):
+        if self._counting(session, task):
             return
         waiting = session.execute(
-            select(TaskWorker.id).where(TaskWorker.task_id == task.id, TaskWorker.state.in_([s.value for s in WORKER_FAILURES]), TaskWorker.replaced_by.is_(None))  # type: ignore[attr-defined,union-attr]
+            select(TaskWorker.id).where(
+                TaskWorker.task_id == task.id, TaskWorker.state.in_([s.value for s in WORKER_FAILURES]), TaskWorker.replaced_by.is_(None),  # type: ignore[attr-defined,union-attr]
+                TaskWorker.role != SPLIT_TAIL,
+            )
         ).first()  # fmt: skip
         if waiting is not None:
             return

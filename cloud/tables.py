@@ -463,6 +463,28 @@ class TrainingPlan(SQLModel, table=True):
     head: bytes = Field(sa_column=Column(LargeBinary, nullable=False), description="safetensors: weight [features, classes], bias [classes]")
 
 
+class SplitPlan(SQLModel, table=True):
+    """How a split_inference task cut its model (the parts are ``split_parts`` rows)."""
+
+    __tablename__ = "split_plans"
+
+    task_id: str = Field(primary_key=True, max_length=64)
+    model_artifact_id: str = Field(max_length=64)
+    input: str = Field(max_length=256, description="the model's one input")
+
+
+class SplitPartRow(SQLModel, table=True):
+    """One cut of a split_inference task's model: its head and tail, each a model artefact."""
+
+    __tablename__ = "split_parts"
+
+    task_id: str = Field(primary_key=True, max_length=64)
+    position: int = Field(primary_key=True, description="1, 2, ... in the model's order (the head's cut_index metric)")
+    cut: str = Field(max_length=256)
+    head_artifact_id: str = Field(max_length=64)
+    tail_artifact_id: str = Field(max_length=64)
+
+
 class TrainingResult(SQLModel, table=True):
     """A device's trained last layer, kept until the hub has published the new model version."""
 

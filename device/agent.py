@@ -70,6 +70,7 @@ from device.identity import Enrolment, IdentityStore
 from device.local_data import LocalDatasets
 from device.ota.models import ModelHost, model_commands
 from device.resources import ResourceSampler
+from device.split.channel import InferChannel
 from device.sequence import EventSequence
 from device.tasks import InputFetcher, WorkerHost
 from interfaces import API_PREFIX
@@ -94,6 +95,7 @@ from interfaces.topics import (
     DEVICE_DESIRED,
     DEVICE_EVENTS,
     DEVICE_HEARTBEAT,
+    DEVICE_INFER_REPLY,
     DEVICE_REPORTED,
     DEVICE_STATE,
     Topic,
@@ -197,7 +199,9 @@ class Device:
         self._updater: Updater | None = None
         fetch_inputs = InputFetcher.through(self.data_dir / "tasks" / "inputs", lambda: self._updater)
         self.datasets = LocalDatasets(self.data_dir / "datasets", on_change=self._report_local_state)
-        self.tasks = WorkerHost(self.data_dir / "tasks", self.models, self._task_event, fetch_inputs, self.datasets)
+        self.infer = InferChannel(device_id, self._publish_raw)
+        """split inference: requests to the edge's tail workers (a ``split_inference`` head worker uses it)"""
+        self.tasks = WorkerHost(self.data_dir / "tasks", self.models, self._task_event, fetch_inputs, self.datasets, infer=self.infer)
         for name, handler in model_commands(self.models).items():
             self._commands.register_builtin(name, handler)
 
@@ -509,7 +513,7 @@ class Device:
         log.info("connected to %s:%s as %s", self._host, self._port, self.device_id)
         self._attempt = 0
         self._connected.set()
-        client.subscribe([(t.topic(device_id=self.device_id), t.qos) for t in (DEVICE_DESIRED, DEVICE_CMD)])
+        client.subscribe([(t.topic(device_id=self.device_id), t.qos) for t in (DEVICE_DESIRED, DEVICE_CMD, DEVICE_INFER_REPLY)])
         self._publish(DEVICE_STATE, self._state(ConnectionState.ONLINE))
         record = self._desired.record
         if record.applied_version >= 0:  # say it again: a report queued when the process last ended never left
@@ -574,6 +578,18 @@ class Device:
                 self._messages_out += 1
         return info
 
+    def _publish_raw(self, topic: str, payload: bytes, qos: int, properties: Properties) -> bool:
+        """Publish bytes as they are (a binary channel: ``infer``); False when not connected."""
+        client = self._client
+        if client is None or not self._connected.is_set():
+            return False
+        info = client.publish(topic, payload, qos=qos, properties=properties)
+        if info.rc != MQTTErrorCode.MQTT_ERR_SUCCESS:
+            return False
+        with self._stats_lock:
+            self._messages_out += 1
+        return True
+
     def _send_heartbeat(self, body: HeartbeatBody) -> None:
         self._publish(DEVICE_HEARTBEAT, body)
 
@@ -586,6 +602,8 @@ class Device:
                 self._on_desired(message)
             elif message.topic == DEVICE_CMD.topic(device_id=self.device_id):
                 self._on_command(message)
+            elif message.topic == self.infer.reply_topic:
+                self.infer.on_reply(message.payload, message.properties)
             else:
                 log.debug("ignoring a message on %s", message.topic)
         except Exception:  # an exception here would end paho's network thread

@@ -6,6 +6,7 @@
                     NodeService (own state, heartbeats, desired, commands)
                     NodeDeployments (the node's own models and apps, DIR/ota)
                     DeviceRelay (RELAY_* <-> DEVICE_*, outbox)            EnrolmentProxy (HTTP, devices)
+                                         TailRouter (devices' infer -> split-inference tails)
                                          EdgeStore (DIR/edge.db)           ArtifactCache (DIR/artifacts)
 
 When the devices use the hub's broker the agent keeps ONE connection for both roles: the broker takes the
@@ -30,6 +31,7 @@ from edge.identity import IdentityStore
 from edge.link import Link, LinkSettings, parse_mqtt_url, tls_context
 from edge.node import NodeService
 from edge.relay import DeviceRelay
+from edge.split import TailRouter
 from edge.store import EdgeStore, LearnedFrom
 
 log = logging.getLogger("aisynergy.edge")
@@ -81,6 +83,8 @@ class EdgeAgent:
             )
             self.down = Link("downstream", downstream_url, config.node_id, tls, down_settings)
         self.store = EdgeStore(Path(config.data_dir) / STORE_FILE)
+        self.split = TailRouter()  # split inference: the devices' requests to this node's tail workers
+        self.split.attach(self.down)
         self.artifacts: ArtifactCache | None = None
         try:
             sampler = sampler or ResourceSampler(Path(config.data_dir))
@@ -91,6 +95,7 @@ class EdgeAgent:
                 config.hub_url,
                 lambda topic, payload, kind: self.relay.enqueue(topic, payload, kind),
                 signing_key_source=self.identity.load_signing_key,  # an older identity pins it later
+                infer=self.split,
             )
             self.node = NodeService(config.node_id, self.store, sampler, config.heartbeat_interval_s, self.deployments)
             self.node.attach(self.up)
@@ -150,6 +155,7 @@ class EdgeAgent:
             worker.cancel()
             await asyncio.gather(worker, return_exceptions=True)
             await self.deployments.close()
+            await self.split.close()
             await self.node.close()
             await self.relay.close()
             if self.proxy is not None:

@@ -15,8 +15,12 @@ The wire contract between the hub, edges and devices for running AI tasks:
   its last dense layer; the order's ``training`` (``TrainingOrder``) names the frozen body (a signed model
   artefact) and carries the last layer's weights, the sample rate and ``max_steps`` (what the device's
   privacy budget allows, ``interfaces.privacy``). The device trains that layer with DP-SGD on a dataset that
-  never leaves it and sends the new weights as its one ``WorkerOutput`` (chunk 0, ``items`` = steps taken). A type whose spec model is ``None`` is known to the contract but
-  not yet runnable (``POST /tasks`` refuses it with a 422).
+  never leaves it and sends the new weights as its one ``WorkerOutput`` (chunk 0, ``items`` = steps taken).
+* ``split_inference`` (``SplitInferenceSpec``): the hub cuts the model into heads and tails (signed artefacts);
+  each placed device gets a ``head`` worker, its edge node one ``tail`` worker for the task (the order's
+  ``split``, ``SplitOrder``). Requests cross on the ``infer`` channel (``interfaces.topics.DEVICE_INFER``).
+  A type whose spec model is ``None`` is known to the contract but not yet runnable (``POST /tasks`` refuses
+  it with a 422).
 
 State machines (the transitions below are the only legal moves)::
 
@@ -223,6 +227,53 @@ class IncrementalTrainingSpec(_In):
         return self
 
 
+SPLIT_DEVICE_ONLY = "<device>"
+"""A split plan's cut meaning: the whole model on the device, nothing crosses the link."""
+SPLIT_EDGE_ONLY = "<edge>"
+"""A split plan's cut meaning: the raw input crosses, the whole model runs on the edge."""
+SPLIT_HEAD, SPLIT_TAIL = "head", "tail"
+"""Worker roles of a ``split_inference`` task: heads on the devices, one tail per edge node serving them."""
+MAX_SPLIT_CUTS = 8
+TensorName = Annotated[str, Field(min_length=1, max_length=256)]
+
+
+class SplitInferenceSpec(_In):
+    """Serve a model on each placed device split with its edge node: the device runs the head up to a cut
+    tensor, the activation crosses on ``infer`` as a safetensors frame (int8 when ``quantize``), the edge runs
+    the tail and answers. A planner on the device picks the cut from what it measures (its own part latencies,
+    the edge's, the activation size, the link's bandwidth and round trip) and moves it when the link changes.
+    When the edge does not answer within ``timeout_ms`` the request runs on the device on the whole model
+    (which the device must run) and counts as a fallback; the edge is tried again after ``retry_after_s``.
+    Requests arrive the usual way (the ``infer`` command, the application calling the model host). Runs for
+    ``duration_s`` (then SUCCEEDS) or until stopped."""
+
+    model: ModelRef = Field(description="the model the devices run (ONNX, one input); a missing version is resolved (and pinned) at creation")
+    cuts: list[TensorName] | None = Field(
+        default=None, min_length=1, max_length=MAX_SPLIT_CUTS,
+        description=f"tensors the planner may cut at (default: the model's candidate cuts, at most {MAX_SPLIT_CUTS} spread over its depth); "
+        "device-only and edge-only are always options",
+    )  # fmt: skip
+    cut: TensorName | None = Field(
+        default=None, description=f"pin the plan to this cut (a tensor, {SPLIT_DEVICE_ONLY!r} or {SPLIT_EDGE_ONLY!r}); the planner only measures",
+    )  # fmt: skip
+    quantize: bool = Field(default=False, description="send activations as int8 (per-tensor scale and zero point): a quarter of the bytes")
+    timeout_ms: float = Field(default=1000, gt=0, le=60_000, description="how long the device waits for the edge before it runs the whole model itself")
+    retry_after_s: float = Field(default=5, ge=0.05, le=3600, description="after the edge failed to answer, requests stay on the device this long")
+    probe_interval_s: float = Field(default=30, ge=0.5, le=86400, description="the link is measured again this often while no request crosses it")
+    duration_s: float | None = Field(default=None, gt=0, le=365 * 86400, description="none: until stopped")
+    report_interval_s: float = Field(default=10, ge=0.2, le=3600)
+
+    @model_validator(mode="after")
+    def _check(self) -> SplitInferenceSpec:
+        if self.cut is not None and self.cuts is not None:
+            raise ValueError("give cuts (the planner's options) or cut (a pinned plan), not both")
+        if self.cuts is not None and len(set(self.cuts)) != len(self.cuts):
+            raise ValueError("cuts must not repeat")
+        if self.cuts is not None and {SPLIT_DEVICE_ONLY, SPLIT_EDGE_ONLY} & set(self.cuts):
+            raise ValueError("cuts name tensors; device-only and edge-only are always options")
+        return self
+
+
 class AcceleratorRequest(_In):
     type: AcceleratorType
     count: int = Field(default=1, ge=1, le=1024)
@@ -284,7 +335,9 @@ class TaskTypeInfo:
 TASK_TYPES: dict[TaskType, TaskTypeInfo] = {
     TaskType.INFERENCE: TaskTypeInfo(TaskType.INFERENCE, InferenceSpec, "each", "reschedule", service=True),
     TaskType.BATCH_INFERENCE: TaskTypeInfo(TaskType.BATCH_INFERENCE, BatchInferenceSpec, "shards", "reschedule", service=False),
-    TaskType.SPLIT_INFERENCE: TaskTypeInfo(TaskType.SPLIT_INFERENCE, None, "each", "reschedule", service=True),
+    TaskType.SPLIT_INFERENCE: TaskTypeInfo(
+        TaskType.SPLIT_INFERENCE, SplitInferenceSpec, "each", "reschedule", service=True, targets=frozenset({TargetKind.DEVICE}),
+    ),
     TaskType.INCREMENTAL_TRAINING: TaskTypeInfo(
         TaskType.INCREMENTAL_TRAINING, IncrementalTrainingSpec, "each", "reschedule", service=False, targets=frozenset({TargetKind.DEVICE}),
     ),
@@ -443,6 +496,23 @@ class TrainingOrder(NoNul):
     sample_rate: float = Field(gt=0, le=1, description="Poisson sampling rate q the accountant assumed")
 
 
+class SplitPart(NoNul):
+    """One cut of a ``split_inference`` order: the head (a device's order) or the tail (an edge's) cut there."""
+
+    cut: TensorName
+    head: InputRef | None = Field(default=None, description="device orders: the model's inputs -> the cut tensor (a signed ONNX artefact)")
+    tail: InputRef | None = Field(default=None, description="edge orders: the cut tensor -> the model's outputs")
+
+
+class SplitOrder(NoNul):
+    """What a ``split_inference`` worker needs beyond its spec: the parts the hub cut, as signed artefacts."""
+
+    base_sha256: Sha256 = Field(description="the whole model the parts were cut from (the device runs it for device-only and fallbacks)")
+    input: TensorName = Field(description="the model's one input (what crosses for edge-only)")
+    parts: list[SplitPart] = Field(default_factory=list, max_length=MAX_SPLIT_CUTS)
+    whole: InputRef | None = Field(default=None, description="edge orders: the whole model, for edge-only")
+
+
 class WorkerOrder(NoNul):
     """One entry of ``DesiredBody.tasks``: run this worker. Withdrawn: stop it."""
 
@@ -459,6 +529,17 @@ class WorkerOrder(NoNul):
     chunk_size: int | None = Field(default=None, ge=1)
     chunks: list[tuple[int, int]] = Field(default_factory=list, max_length=4096, description="sharded: ranges [first, end) of chunk indices this worker owns; may grow")
     training: TrainingOrder | None = Field(default=None, description="incremental_training: the body, the layer to train and the step limit")
+    split: SplitOrder | None = Field(default=None, description="split_inference: the parts of the model this worker runs")
+
+    def input_refs(self) -> list[InputRef]:
+        """Every artefact this order makes the worker fetch (the worker host keeps their files, no others)."""
+        refs = [self.inputs] if self.inputs is not None else []
+        if self.training is not None:
+            refs.append(self.training.body)
+        if self.split is not None:
+            refs += [r for p in self.split.parts for r in (p.head, p.tail) if r is not None]
+            refs += [self.split.whole] if self.split.whole is not None else []
+        return refs
 
     def chunk_indices(self) -> list[int]:
         return [i for first, end in self.chunks for i in range(first, end)]

@@ -14,6 +14,7 @@ from typing import Generic, TypeVar
 
 from pydantic import BaseModel
 
+from interfaces.infer import InferReply, InferRequest
 from interfaces.messages import (
     CommandBody,
     CommandResultBody,
@@ -51,6 +52,8 @@ class Channel(StrEnum):
     CMD = "cmd"
     CMD_REPLY = "cmd/reply"
     EVENTS = "events"
+    INFER = "infer"
+    INFER_REPLY = "infer/reply"
 
 
 _PLACEHOLDER = re.compile(r"\{([a-z_]+)\}")
@@ -65,6 +68,9 @@ class Topic(Generic[P]):
     qos: int = 1
     retain: bool = False
     description: str = ""
+    binary: bool = False
+    """the payload is raw bytes (a safetensors frame) described by MQTT 5 user properties; ``payload`` is the
+    model of those properties, not of the bytes"""
     _regex: re.Pattern[str] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -130,6 +136,26 @@ NODE_CMD, DEVICE_CMD = _pair(Channel.CMD, CommandBody, False, 1, False, "request
 NODE_CMD_REPLY, DEVICE_CMD_REPLY = _pair(Channel.CMD_REPLY, CommandResultBody, True, 1, False, "answers to cmd (the response topic)")
 NODE_EVENTS, DEVICE_EVENTS = _pair(Channel.EVENTS, EventBody, True, 1, False, "task progress, logs, metrics, errors")
 
+DEVICE_INFER = Topic(
+    f"{PREFIX}/{Tier.DEVICE}/{{device_id}}/{Channel.INFER}",
+    InferRequest,
+    Direction.DEVICE_TO_EDGE,
+    0,
+    False,
+    "split inference: the activation at the cut (safetensors), for the edge's tail; response topic + correlation data",
+    binary=True,
+)
+DEVICE_INFER_REPLY = Topic(
+    f"{PREFIX}/{Tier.DEVICE}/{{device_id}}/{Channel.INFER_REPLY}",
+    InferReply,
+    Direction.EDGE_TO_DEVICE,
+    0,
+    False,
+    "split inference: the tail's outputs (safetensors) or an error, with the request's correlation data",
+    binary=True,
+)
+
+
 def _relay(channel: Channel, body: type[BaseModel], up: bool, qos: int, retain: bool, what: str) -> Topic:
     """A device's channel relayed by its edge under the edge's own subtree (so the edge's ACL suffices)."""
     return Topic(
@@ -163,6 +189,7 @@ TOPICS: tuple[Topic, ...] = (
     HUB_STATE,
     NODE_STATE, NODE_HEARTBEAT, NODE_DESIRED, NODE_REPORTED, NODE_CMD, NODE_CMD_REPLY, NODE_EVENTS,
     DEVICE_STATE, DEVICE_HEARTBEAT, DEVICE_DESIRED, DEVICE_REPORTED, DEVICE_CMD, DEVICE_CMD_REPLY, DEVICE_EVENTS,
+    DEVICE_INFER, DEVICE_INFER_REPLY,
     RELAY_STATE, RELAY_HEARTBEAT, RELAY_DESIRED, RELAY_REPORTED, RELAY_CMD, RELAY_CMD_REPLY, RELAY_EVENTS,
 )  # fmt: skip
 
@@ -188,8 +215,11 @@ def topic_table_markdown() -> str:
         "|---|---|---|---|---|---|",
     ]
     for t in TOPICS:
-        body = t.payload.model_fields["body"].annotation.__name__  # type: ignore[union-attr]
-        lines.append(f"| `{t.pattern}` | `Envelope[{body}]` | {t.direction} | {t.qos} | {'yes' if t.retain else 'no'} | {t.description} |")
+        if t.binary:
+            payload = f"safetensors bytes; user properties `{t.payload.__name__}`"
+        else:
+            payload = f"`Envelope[{t.payload.model_fields['body'].annotation.__name__}]`"  # type: ignore[union-attr]
+        lines.append(f"| `{t.pattern}` | {payload} | {t.direction} | {t.qos} | {'yes' if t.retain else 'no'} | {t.description} |")
     lines += [
         "",
         "Access: an identity whose certificate CN is `X` may publish and subscribe only under",

@@ -676,7 +676,7 @@ def task(ctx: click.Context, hub_url: str, token: str | None) -> None:
 @click.option("--inputs", default=None, metavar="FILE|ARTIFACT_ID", help="batch_inference: a .npy or .safetensors file, uploaded once as a dataset artefact (or the id of one)")
 @click.option("--chunk-size", type=int, default=None, help="batch_inference: inputs per chunk")
 @click.option("--input-name", default=None, help="batch_inference: the model input fed (and the tensor read from a safetensors dataset)")
-@click.option("--duration", type=DURATION, default=None, help="inference: how long to serve (90s, 30m, 2h); none: until stopped")
+@click.option("--duration", type=DURATION, default=None, help="inference, split_inference: how long to serve (90s, 30m, 2h); none: until stopped")
 @click.option("--selector", default=None, help="targets by label selector, e.g. zone=a,tier!=x")
 @click.option("--ids", default=None, help="targets by comma-separated ids")
 @click.option("--nodes", is_flag=True, help="place on nodes (edges) instead of devices")

@@ -244,38 +244,10 @@ def plan_steps(session: Session, spec: IncrementalTrainingSpec, targets: list[Ta
 
 
 def store_body(session: Session, signing: Any, blobs: Any, prepared: Prepared) -> Artifact:
-    """The body as a model artefact ``<model>.body`` (same version; another cut of it gets ``-cut.<sha>``),
-    reused when stored already. Stored in a transaction of its own (``create_artifact`` commits)."""
-    import hashlib
+    """The body as a model artefact ``<model>.body`` (:func:`cloud.artifacts.store_derived_model`)."""
+    from cloud.artifacts import store_derived_model
 
-    from cloud.artifacts import create_artifact, find_by_identity, find_by_sha256
-    from interfaces.deployments import ArtifactCreate
-
-    sha = hashlib.sha256(prepared.body).hexdigest()
-    name = f"{prepared.model.name[:123]}.body"
-    version = prepared.model.version
-    with Session(session.get_bind(), expire_on_commit=False) as own:
-        existing = find_by_identity(own, ArtifactKind.MODEL.value, name, version)
-        if existing is not None and existing.sha256 != sha:
-            version = f"{version}{'.' if '-' in version else '-'}cut.{sha[:12]}"
-            if len(version) > 64:
-                version = f"0-cut.{sha[:16]}"
-            existing = find_by_identity(own, ArtifactKind.MODEL.value, name, version)
-        if existing is None:
-            same = find_by_sha256(own, sha, ArtifactKind.MODEL.value)
-            existing = same if same is not None and same.name == name else None
-        if existing is not None:
-            return existing
-        body = ArtifactCreate(kind=ArtifactKind.MODEL, name=name, version=version, format=ArtifactFormat.ONNX)
-        with blobs.writer() as writer:
-            writer.write(prepared.body)
-            try:
-                return create_artifact(own, signing, blobs, body, writer)
-            except Conflict:  # another admission stored it meanwhile
-                stored = find_by_identity(own, ArtifactKind.MODEL.value, name, version)
-                if stored is None:
-                    raise
-                return stored
+    return store_derived_model(session, signing, blobs, f"{prepared.model.name[:123]}.body", prepared.model.version, prepared.body)
 
 
 # --- placement and orders --------------------------------------------------------------------------

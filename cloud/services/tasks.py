@@ -20,6 +20,9 @@ Rules:
   privacy budgets at creation and retry (409 ``privacy_budget_exceeded``), the ``training`` part of the
   orders, settling a worker's reservation when it ends and releasing the rest when the task does; its
   outputs are the published model versions and what each run spent.
+* **split_inference** (``cloud.split_inference``): the model is cut at creation (its heads and tails stored
+  as signed artefacts), devices run ``head`` workers, their edge nodes ``tail`` workers, both with the
+  ``split`` part of their orders.
 """
 
 from __future__ import annotations
@@ -46,7 +49,7 @@ from interfaces.errors import ErrorCode
 from interfaces.ids import is_id, new_id
 from interfaces.lifecycle import AdminState, NodeState
 from interfaces.tasks import (
-    TASK_ACTIVE, TASK_FINAL, TASK_TRANSITIONS, TASK_TYPES, WORKER_ACTIVE, BatchInferenceSpec, IllegalTaskTransition, IncrementalTrainingSpec, InputRef, MetricSample,
+    TASK_ACTIVE, TASK_FINAL, TASK_TRANSITIONS, TASK_TYPES, WORKER_ACTIVE, BatchInferenceSpec, IllegalTaskTransition, IncrementalTrainingSpec, InputRef, MetricSample, SplitInferenceSpec,
     Placement, RetryPolicy, TaskAction, TaskCreate, TaskDetail, TaskLogLine, TaskMetrics, TaskOutputs, TaskProgress, TaskPublic, TaskState,
     TaskTransition, TaskType, TaskTypeInfo, TensorInfo, WorkerAction, WorkerOrder, WorkerPublic, WorkerState, worker_path,
 )  # fmt: skip
@@ -191,16 +194,20 @@ def build_order(session: Session, task: Task, worker: TaskWorker, signing: Any) 
         token = signing.issue_download_token(artifact.id, artifact.sha256, worker.target_id, ttl_s=TOKEN_TTL_S)
         inputs = InputRef(artifact_id=artifact.id, signed_manifest=signed_manifest(artifact), path=f"/artifacts/{artifact.id}/content", token=token)
         chunks = ranges(owned_chunks(session, worker.id))
-    training = None
+    training = split = None
     if task.type == TaskType.INCREMENTAL_TRAINING.value:
         from cloud.incremental.task import training_order
 
         training = training_order(session, task, worker, signing)
+    elif task.type == TaskType.SPLIT_INFERENCE.value:
+        from cloud.split_inference import split_order
+
+        split = split_order(session, task, worker, signing)
     paused = TaskState(task.state) is _T.PAUSED
     return WorkerOrder(
         worker_id=worker.id, task_id=task.id, type=TaskType(task.type), role=worker.role, action=WorkerAction.PAUSE if paused else WorkerAction.RUN,
         attempt=worker.attempt, spec=task.spec, heartbeat_s=task.heartbeat_s, inputs=inputs, items=task.items_total, chunk_size=task.chunk_size,
-        chunks=chunks or [], training=training,
+        chunks=chunks or [], training=training, split=split,
     )  # fmt: skip
 
 
@@ -327,6 +334,10 @@ def create(session: Session, body: TaskCreate, blobs: Any, signing: Any = None) 
         from cloud.incremental.task import admit
 
         task.spec = admit(session, task, spec, body.placement, blobs, signing).model_dump(mode="json", exclude_none=True)
+    elif isinstance(spec, SplitInferenceSpec):
+        from cloud.split_inference import admit as admit_split
+
+        task.spec = admit_split(session, task, spec, body.placement, blobs, signing).model_dump(mode="json", exclude_none=True)
     session.add(task)
     session.add(TaskTransitionRow(task_id=task.id, from_state=None, to_state=_T.PENDING.value, at=at, reason="created" + (" (held)" if task.held else "")))
     hub_log(session, task.id, f"created {task.type} task" + (f" over {task.items_total} inputs in {task.chunks_total} chunks" if task.items_total else "") + (" (held until started)" if task.held else ""), at=at)
@@ -416,6 +427,10 @@ def delete_task(session: Session, task_id: str) -> None:
         from cloud.incremental.task import forget
 
         forget(session, task.id)
+    elif task.type == TaskType.SPLIT_INFERENCE.value:
+        from cloud.split_inference import forget as forget_split
+
+        forget_split(session, task.id)
     session.delete(task)
     session.commit()
 

@@ -98,12 +98,19 @@ class LoadedModel:
 
 
 class Inference(NamedTuple):
-    """One request's answer: the outputs by name, and which model (name, version) computed them. (A named tuple:
-    immutable, and cheaper to make on every request than a frozen dataclass.)"""
+    """One request's answer: the outputs by name, which model (name, version) computed them and how: ``local``
+    (here, the usual way) or what a route said (a split-inference worker: ``split:<cut>``, ``edge``, ``device``,
+    ``fallback``). (A named tuple: immutable, and cheaper to make on every request than a frozen dataclass.)"""
 
     outputs: dict[str, np.ndarray]
     name: str
     version: str
+    route: str = "local"
+
+
+Route = Callable[[LoadedModel, dict[str, Any]], tuple[dict[str, Any], str]]
+"""``route(model, feeds) -> (outputs, how)``: serves a model's requests instead of running it here (split
+inference); ``feeds`` are already checked and converted; it may run ``model.runner`` itself (a fallback)."""
 
 
 class ModelHost:
@@ -116,6 +123,7 @@ class ModelHost:
         self._default: str | None = None
         self._swap = threading.Lock()  # serialises swaps and listener changes; readers never take it
         self._listeners: tuple[InferListener, ...] = ()
+        self._routes: dict[str, Route] = {}
 
     # ---- serving ------------------------------------------------------------------------------------
     def get(self, name: str | None = None) -> LoadedModel:
@@ -145,7 +153,12 @@ class ModelHost:
             for key, value in inputs.items():
                 dtype = dtypes[key]
                 feeds[key] = value if type(value) is ndarray and value.dtype == dtype else asarray(value, dtype=dtype)
-            result = Inference(model.runner.run(feeds), model.name, model.version)
+            route = self._routes.get(model.name) if self._routes else None
+            if route is None:
+                result = Inference(model.runner.run(feeds), model.name, model.version)
+            else:
+                outputs, how = route(model, feeds)
+                result = Inference(outputs, model.name, model.version, how)
             ok = True
             return result
         finally:
@@ -160,6 +173,22 @@ class ModelHost:
     def remove_listener(self, listener: InferListener) -> None:
         with self._swap:
             self._listeners = tuple(item for item in self._listeners if item != listener)  # bound methods: equal, not identical
+
+    def set_route(self, name: str, route: Route) -> None:
+        """Serve the requests to model ``name`` through ``route`` from now on (one route per name)."""
+        with self._swap:
+            if name in self._routes and self._routes[name] != route:
+                raise ValueError(f"model {name} is already routed elsewhere (another split_inference worker serves it)")
+            self._routes = {**self._routes, name: route}
+
+    def clear_route(self, name: str, route: Route) -> None:
+        """Stop routing ``name`` through ``route`` (requests run here again); nothing if another route took over."""
+        with self._swap:
+            if self._routes.get(name) == route:
+                self._routes = {k: v for k, v in self._routes.items() if k != name}
+
+    def routed(self, name: str) -> bool:
+        return name in self._routes
 
     def _observe(self, name: str, seconds: float, rows: int, ok: bool) -> None:
         for listener in self._listeners:  # one read of the tuple: a change meanwhile takes effect next time
@@ -235,7 +264,9 @@ def model_commands(host: ModelHost) -> dict[str, Callable[[dict[str, Any]], dict
         if not isinstance(inputs, dict):
             raise TypeError('give {"inputs": {input name: nested list}}')
         result = host.infer(inputs, args.get("model"))
-        return {"outputs": {k: v.tolist() for k, v in result.outputs.items()}, "model": {"name": result.name, "version": result.version}}
+        return {
+            "outputs": {k: v.tolist() for k, v in result.outputs.items()}, "model": {"name": result.name, "version": result.version}, "route": result.route,
+        }  # fmt: skip
 
     def models(args: dict[str, Any]) -> dict[str, Any]:
         return {"models": host.models()}

@@ -20,7 +20,7 @@ import logging
 import threading
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from pydantic import BaseModel, ValidationError
 
@@ -54,14 +54,18 @@ class WorkerHost:
     :class:`~device.ota.models.ModelHost`. ``emit(type, data, severity)`` sends an event upstream (it may
     raise; the event is then dropped and logged). ``fetch_inputs(ref)`` returns a verified local file
     (:class:`~device.tasks.inputs.InputFetcher`; with a ``prune`` method, it is told which inputs the
-    orders still name: datasets and training bodies). ``datasets``: the device's local datasets, which
-    training workers read.
+    orders still name: datasets, training bodies, split parts). ``datasets``: the device's local datasets, which
+    training workers read. ``infer``: the split-inference channel (a device's
+    :class:`~device.split.channel.InferChannel`, an edge's :class:`~edge.split.TailRouter`).
     """
 
-    def __init__(self, data_dir: str | Path, models: ModelHost, emit: Emit, fetch_inputs: FetchInputs, datasets: LocalDatasets | None = None) -> None:
+    def __init__(
+        self, data_dir: str | Path, models: ModelHost, emit: Emit, fetch_inputs: FetchInputs, datasets: LocalDatasets | None = None, infer: Any = None,
+    ) -> None:  # fmt: skip
         self.root = Path(data_dir)
         self.models = models
         self.datasets = datasets
+        self.infer = infer
         self._emit, self._fetch_inputs = emit, fetch_inputs
         self._lock = threading.Lock()  # workers, finished records
         self._workers: dict[str, Worker] = {}
@@ -93,8 +97,7 @@ class WorkerHost:
         prune = getattr(self._fetch_inputs, "prune", None)
         if prune is not None:
             try:
-                prune({o.inputs.signed_manifest.manifest.sha256 for o in orders if o.inputs is not None}
-                      | {o.training.body.signed_manifest.manifest.sha256 for o in orders if o.training is not None})  # fmt: skip
+                prune({ref.signed_manifest.manifest.sha256 for o in orders for ref in o.input_refs()})
             except OSError as exc:
                 log.warning("cannot remove old task inputs: %s", exc)
 
@@ -113,7 +116,7 @@ class WorkerHost:
                 self._repeated.add(order.worker_id)
                 self._send_again(record.report)
             return
-        worker = Worker(order, _program(order.type), self.models, self._fetch_inputs, self._emit, self._ended, self._poke, self.datasets)
+        worker = Worker(order, _program(order.type), self.models, self._fetch_inputs, self._emit, self._ended, self._poke, self.datasets, self.infer)
         self._workers[order.worker_id] = worker
         self._start_ticker()
         worker.start()

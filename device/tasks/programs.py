@@ -20,6 +20,7 @@ PROGRAMS: dict[TaskType, str] = {
     TaskType.BATCH_INFERENCE: "device.tasks.batch:run",
     TaskType.INFERENCE: "device.tasks.serve:run",
     TaskType.INCREMENTAL_TRAINING: "device.tasks.incremental:run",
+    TaskType.SPLIT_INFERENCE: "device.tasks.split:run",
 }
 """type -> ``module:function`` of its program"""
 

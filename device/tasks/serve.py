@@ -72,11 +72,11 @@ class _Requests:
             }  # fmt: skip
             self._since, self._since_requests = now, self.requests
         if latencies:
-            values["latency_p50_ms"] = 1000 * _percentile(latencies, 0.50)
-            values["latency_p99_ms"] = 1000 * _percentile(latencies, 0.99)
+            values["latency_p50_ms"] = 1000 * percentile(latencies, 0.50)
+            values["latency_p99_ms"] = 1000 * percentile(latencies, 0.99)
         return values
 
 
-def _percentile(ordered: list[float], q: float) -> float:
+def percentile(ordered: list[float], q: float) -> float:
     """Nearest-rank percentile of a sorted, non-empty list."""
     return ordered[min(len(ordered), max(1, math.ceil(q * len(ordered)))) - 1]

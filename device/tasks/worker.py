@@ -99,11 +99,13 @@ class Worker:
 
     def __init__(
         self, order: WorkerOrder, program: Program, models: ModelHost, fetch_inputs: FetchInputs, emit: Emit,
-        on_end: Callable[[Worker, WorkerReport], None], poke: Callable[[], None], datasets: LocalDatasets | None = None,
+        on_end: Callable[[Worker, WorkerReport], None], poke: Callable[[], None], datasets: LocalDatasets | None = None, infer: Any = None,
     ) -> None:  # fmt: skip
         self.models, self.fetch_inputs = models, fetch_inputs
         self.datasets = datasets
         """the target's local datasets (a device's; None on an edge node)"""
+        self.infer = infer
+        """the split-inference channel: a device's ``InferChannel`` (requests), an edge's ``TailRouter`` (answers)"""
         self.items_done = 0
         """inputs finished (this run): the program counts them; reports carry them"""
         self.state, self.detail = WorkerState.QUEUED, ""
@@ -234,6 +236,12 @@ class Worker:
                 self._control.wait(timeout_s)
             self._changed = False
             return not self._stop
+
+    def wake(self) -> None:
+        """Cut the program's :meth:`wait` short (from another thread: something it must look at happened)."""
+        with self._control:
+            self._changed = True
+            self._control.notify_all()
 
     def log(self, text: str, level: Severity = "info") -> None:
         """A line for the task's log (sent in order, in batches)."""

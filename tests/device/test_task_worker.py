@@ -395,12 +395,12 @@ def test_inputs_that_do_not_fit_the_model_fail_with_the_runtime_message(
 
 def test_an_order_of_a_type_without_a_program_is_rejected(make_host: Callable[..., tuple[WorkerHost, Events]]) -> None:
     host, events = make_host()
-    order = WorkerOrder(worker_id="wk-split", task_id="tk-split", type=TaskType.SPLIT_INFERENCE, spec={})
+    order = WorkerOrder(worker_id="wk-fl", task_id="tk-fl", type=TaskType.FEDERATED_TRAINING, spec={})
 
     host.apply([order])
 
-    final = events.final("wk-split")
-    assert final.state == "REJECTED" and final.detail == "this target has no worker program for type split_inference"
+    final = events.final("wk-fl")
+    assert final.state == "REJECTED" and final.detail == "this target has no worker program for type federated_training"
 
 
 def test_a_finished_worker_is_reported_again_after_a_restart_not_run_again(

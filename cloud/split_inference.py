@@ -1,0 +1,216 @@
+"""The ``split_inference`` task type on the hub (DESIGN §5): admission (the cut model), orders, tail workers.
+
+**Admission** (:func:`admit`, from ``POST /tasks``): the model is the stored artefact the spec names; a missing
+version is resolved from the placement's devices that run the model (one version among them, else 422) and
+pinned in the stored spec, so that placement sticks to it. It must be ONNX with one float32 input (422
+otherwise). The cuts: the pinned ``cut`` (a candidate tensor, or device-only / edge-only), the spec's ``cuts``
+(each a candidate: 422 naming the candidates otherwise), or the model's candidate cuts
+(:func:`cloud.ml.partition.candidate_cuts`), at most ``MAX_SPLIT_CUTS`` spread evenly over its depth. Each is
+split into a head and a tail (both checked by the ONNX checker) and stored as signed model artefacts
+``<model>.split<k>.head`` / ``.tail`` (``k``: the cut's place among the model's candidates; the model's version;
+reused when the same bytes are stored), recorded in ``split_plans`` / ``split_parts`` with the task. None of
+them can be deleted while the task exists.
+
+**Workers**: each placed device runs a ``head`` worker (placement as for ``inference``: the device must run
+the model); every edge node with a device running a head gets one ``tail`` worker (:func:`tail_changes`, each
+scheduler tick): placed when its node is ONLINE and UNLOCKED, withdrawn (CANCELED) when no head runs under it,
+replaced when it ended while heads still need it. Tails do not count for the task's end: the task ends with
+its heads (SUCCEEDED when a head succeeded, ``duration_s``), and then its tails end with it.
+
+**Orders** (:func:`split_order`): a head's order carries the heads (one per cut), a tail's the tails and the
+whole model (for edge-only), each an ``InputRef`` (signed manifest, download token for that target).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+from sqlalchemy import delete, select
+from sqlmodel import Session
+
+from cloud.errors import BadRequest
+from cloud.services.labels import selector_clause
+from cloud.services.paging import parse_selector_or_400
+from cloud.tables import Artifact, Device, Node, SplitPartRow, SplitPlan, Task, TaskWorker
+from interfaces.deployments import INSTALLED_KEY, ArtifactFormat, ArtifactKind, InstalledArtifact
+from interfaces.lifecycle import AdminState, NodeState
+from interfaces.tasks import (
+    MAX_SPLIT_CUTS, SPLIT_DEVICE_ONLY, SPLIT_EDGE_ONLY, SPLIT_HEAD, SPLIT_TAIL, InputRef, Placement, SplitInferenceSpec, SplitOrder, SplitPart,
+    TaskType,
+)  # fmt: skip
+
+log = logging.getLogger("aisynergy.hub.split")
+TYPE = TaskType.SPLIT_INFERENCE.value
+TOKEN_TTL_S = 7 * 86400
+
+
+def is_split(task: Task) -> bool:
+    return task.type == TYPE
+
+
+def worker_role(task: Task) -> str:
+    """The role of a worker the scheduler places from the task's placement."""
+    return SPLIT_HEAD if is_split(task) else "worker"
+
+
+# --- admission -------------------------------------------------------------------------------------
+
+
+def admit(session: Session, task: Task, spec: SplitInferenceSpec, placement: Placement, blobs: Any, signing: Any) -> SplitInferenceSpec:
+    """Cut the model and store its parts (see the module docstring); adds the plan to ``session`` (the caller
+    commits it with the task) and returns the spec with its model version pinned."""
+    import onnx
+
+    from cloud.artifacts import find_by_identity, read_blob, store_derived_model
+    from cloud.ml.partition import candidate_cuts, split_model
+
+    if blobs is None or signing is None:
+        raise RuntimeError("admitting a split_inference task needs the blob store and the signing key")
+    version = spec.model.version or _resolve_version(session, spec, placement)
+    spec = spec.model_copy(update={"model": spec.model.model_copy(update={"version": version})})
+    model = find_by_identity(session, ArtifactKind.MODEL.value, spec.model.name, version)
+    if model is None:
+        raise BadRequest(f"model {spec.model.name} {version} is not an artefact of this hub; upload it first", status=422)
+    if model.format != ArtifactFormat.ONNX.value:
+        raise BadRequest(f"model {model.name} {model.version} is {model.format}; split inference cuts ONNX models", status=422)
+    try:
+        graph = onnx.load_from_string(read_blob(blobs, model.sha256))
+    except Exception as exc:  # noqa: BLE001 - a stored ONNX artefact that does not parse
+        raise BadRequest(f"model {model.name} {model.version} does not load as ONNX: {exc}", status=422) from None
+    initializers = {i.name for i in graph.graph.initializer}
+    inputs = [i for i in graph.graph.input if i.name not in initializers]
+    if len(inputs) != 1 or inputs[0].type.tensor_type.elem_type != onnx.TensorProto.FLOAT:
+        what = [(i.name, onnx.TensorProto.DataType.Name(i.type.tensor_type.elem_type)) for i in inputs]
+        raise BadRequest(f"split inference needs a model with one float32 input; {model.name} {model.version} takes {what}", status=422)
+    candidates = candidate_cuts(graph)
+    cuts = _cuts(spec, candidates, f"{model.name} {model.version}")
+    parts = []
+    base = model.name[:100]
+    for cut in cuts:
+        k = candidates.index(cut) + 1
+        try:
+            head, tail = split_model(graph, cut)
+        except ValueError as exc:
+            raise BadRequest(f"cannot cut {model.name} {model.version} at {cut}: {exc}", status=422) from None
+        head_row = store_derived_model(session, signing, blobs, f"{base}.split{k}.head", model.version, head.SerializeToString())
+        tail_row = store_derived_model(session, signing, blobs, f"{base}.split{k}.tail", model.version, tail.SerializeToString())
+        parts.append((cut, head_row.id, tail_row.id))
+    session.add(SplitPlan(task_id=task.id, model_artifact_id=model.id, input=inputs[0].name))
+    for position, (cut, head_id, tail_id) in enumerate(parts, start=1):
+        session.add(SplitPartRow(task_id=task.id, position=position, cut=cut, head_artifact_id=head_id, tail_artifact_id=tail_id))
+    return spec
+
+
+def _cuts(spec: SplitInferenceSpec, candidates: list[str], what: str) -> list[str]:
+    def named() -> str:
+        shown = ", ".join(candidates[:40]) + (" ..." if len(candidates) > 40 else "")
+        return f"the candidate cuts of {what} are: {shown or 'none'}"
+
+    if spec.cut is not None:
+        if spec.cut in (SPLIT_DEVICE_ONLY, SPLIT_EDGE_ONLY):
+            return []
+        if spec.cut not in candidates:
+            raise BadRequest(f"{spec.cut!r} is not a clean cut; {named()}", status=422)
+        return [spec.cut]
+    if spec.cuts is not None:
+        unknown = [c for c in spec.cuts if c not in candidates]
+        if unknown:
+            raise BadRequest(f"not clean cuts: {', '.join(map(repr, unknown))}; {named()}", status=422)
+        return sorted(spec.cuts, key=candidates.index)
+    return spread(candidates, MAX_SPLIT_CUTS)
+
+
+def spread(items: list[str], most: int) -> list[str]:
+    """At most ``most`` of ``items``, evenly spaced, first and last included, in order."""
+    if len(items) <= most:
+        return list(items)
+    picks = sorted({round(i * (len(items) - 1) / (most - 1)) for i in range(most)})
+    return [items[i] for i in picks]
+
+
+def _resolve_version(session: Session, spec: SplitInferenceSpec, placement: Placement) -> str:
+    query = select(Device).where(Device.state != NodeState.DELETED.value)
+    if placement.ids is not None:
+        query = query.where(Device.id.in_(placement.ids))  # type: ignore[attr-defined]
+    elif placement.selector:
+        query = query.where(*selector_clause(Device.id, parse_selector_or_400(placement.selector)))
+    versions = set()
+    for device in session.execute(query).scalars():
+        entry = (device.reported or {}).get(INSTALLED_KEY)
+        entry = entry.get("model") if isinstance(entry, dict) else None
+        try:
+            installed = InstalledArtifact.model_validate(entry) if isinstance(entry, dict) else None
+        except ValueError:
+            installed = None
+        if installed is not None and installed.name == spec.model.name:
+            versions.add(installed.version)
+    if len(versions) != 1:
+        why = "no device of the placement runs it" if not versions else f"the devices run {', '.join(sorted(versions))}"
+        raise BadRequest(f"say which version of {spec.model.name} to split: {why}", status=422)
+    return versions.pop()
+
+
+def forget(session: Session, task_id: str) -> None:
+    """A deleted task's plan (its artefacts stay; they can be deleted now)."""
+    session.execute(delete(SplitPartRow).where(SplitPartRow.task_id == task_id))  # type: ignore[arg-type]
+    session.execute(delete(SplitPlan).where(SplitPlan.task_id == task_id))  # type: ignore[arg-type]
+
+
+# --- orders ----------------------------------------------------------------------------------------
+
+
+def split_order(session: Session, task: Task, worker: TaskWorker, signing: Any) -> SplitOrder:
+    """The ``SplitOrder`` of a head or tail worker (``LookupError`` when the plan or an artefact is gone)."""
+    from cloud.artifacts import signed_manifest
+
+    plan = session.get(SplitPlan, task.id)
+    if plan is None:
+        raise LookupError(f"task {task.id} has no split plan")
+    rows = list(session.execute(select(SplitPartRow).where(SplitPartRow.task_id == task.id).order_by(SplitPartRow.position)).scalars())  # type: ignore[arg-type]
+
+    def ref(artifact_id: str) -> InputRef:
+        artifact = session.get(Artifact, artifact_id)
+        if artifact is None:
+            raise LookupError(f"artefact {artifact_id} of task {task.id}'s split plan is gone")
+        token = signing.issue_download_token(artifact.id, artifact.sha256, worker.target_id, ttl_s=TOKEN_TTL_S)
+        return InputRef(artifact_id=artifact.id, signed_manifest=signed_manifest(artifact), path=f"/artifacts/{artifact.id}/content", token=token)
+
+    model = session.get(Artifact, plan.model_artifact_id)
+    if model is None:
+        raise LookupError(f"the model of task {task.id}'s split plan is gone")
+    if worker.role == SPLIT_TAIL:
+        parts = [SplitPart(cut=r.cut, tail=ref(r.tail_artifact_id)) for r in rows]
+        return SplitOrder(base_sha256=model.sha256, input=plan.input, parts=parts, whole=ref(model.id))
+    return SplitOrder(base_sha256=model.sha256, input=plan.input, parts=[SplitPart(cut=r.cut, head=ref(r.head_artifact_id)) for r in rows])
+
+
+# --- tail workers ----------------------------------------------------------------------------------
+
+
+@dataclass
+class TailChanges:
+    wanted: set[str]
+    """edge nodes with a head under them"""
+    covered: set[str]
+    """edge nodes with an active tail"""
+    place: list[str]
+    """wanted nodes without a tail that can take one now (ONLINE, UNLOCKED)"""
+    withdraw: list[TaskWorker]
+    """active tails on nodes without heads"""
+
+
+def tail_changes(session: Session, active: list[TaskWorker]) -> TailChanges:
+    """What the task's tails should become, given its active workers (see the module docstring)."""
+    heads = [w for w in active if w.role == SPLIT_HEAD]
+    tails = {w.target_id: w for w in active if w.role == SPLIT_TAIL}
+    device_ids = [w.target_id for w in heads]
+    node_of = dict(session.execute(select(Device.id, Device.node_id).where(Device.id.in_(device_ids))).all()) if device_ids else {}  # type: ignore[attr-defined]
+    wanted = set(node_of.values())
+    missing = sorted(wanted - tails.keys())
+    ready = {
+        n.id for n in session.execute(select(Node).where(Node.id.in_(missing))).scalars()  # type: ignore[attr-defined]
+        if n.state == NodeState.ONLINE.value and n.admin_state == AdminState.UNLOCKED.value
+    } if missing else set()  # fmt: skip
+    return TailChanges(wanted, set(tails), [n for n in missing if n in ready], [w for node, w in sorted(tails.items()) if node not in wanted])

@@ -1,0 +1,460 @@
+"""The ``split_inference`` worker programs (``SplitInferenceSpec`` + the order's ``SplitOrder``), by role.
+
+**tail** (the edge node, one per task): fetches the tails the hub cut (and the whole model, for edge-only), each a
+signed artefact verified like any download, and answers the task's requests on ``infer``
+(:class:`edge.split.TailRouter`): decode the activation frame, run the tail named by the request's cut, send the
+outputs back with its compute time. A probe is answered at once, empty. Metrics: ``requests``, ``errors``,
+``probes``, ``tail_ms_p50``. It runs until its order is withdrawn (the hub withdraws it with the last head).
+
+**head** (each device): checks that the model it runs is the one the hub cut (``base_sha256``, one float32
+input), fetches the heads, then routes every request to that model through itself
+(:meth:`~device.ota.models.ModelHost.set_route`: the ``infer`` command and the application alike):
+
+* the plan's cut: run the head, send the activation (int8 when ``quantize``), the edge answers with the outputs;
+  ``edge``: the raw input crosses; ``device``: the whole model runs here;
+* the edge does not answer within ``timeout_ms`` (or is not connected, or says it cannot): the whole model runs
+  here and the request counts as a **fallback**; for ``retry_after_s`` every request does, then the edge is
+  measured again.
+
+The plan comes from :class:`~device.split.planner.Planner`: at start (and after the edge failed) the worker
+*calibrates*: it times each head and the whole model here on a one-row input, sends each cut's activation to
+the edge a few times (the edge reports its compute time per cut), and probes the link
+(:func:`~device.split.planner.probe_link`). Every request that crosses refines the link estimate (its time less
+the edge's compute time, its bytes); the planner moves the cut when the link moved by more than a quarter.
+While no request crosses, the link is probed again every ``probe_interval_s``. Until the first calibration
+succeeds, requests run on the device (``device``; not fallbacks: nothing was promised yet). A pinned ``cut``
+skips the planner (the measurements are still reported).
+
+Metrics every ``report_interval_s``: ``requests``, ``errors``, ``split`` (answered through a cut), ``edge``,
+``device``, ``fallbacks``, ``replans``, ``link_mbps``, ``rtt_ms``, ``cut_index`` (-1 device, 0 edge, i the
+i-th part), ``estimate_ms`` (the plan's), ``latency_p50_ms``, ``latency_p99_ms``. Paused, requests run on the
+device the usual way (``local``) until resumed.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import statistics
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from device.split.planner import DEVICE_ONLY, EDGE_ONLY, CutCost, Link, LinkEstimator, Plan, Planner, choose, probe_link
+from device.tasks.programs import require_model
+from device.tasks.serve import percentile
+from device.tasks.worker import Failed, Rejected, Worker
+from interfaces.infer import InferReply, InferRequest
+from interfaces.tasks import SPLIT_HEAD, SPLIT_TAIL, SplitInferenceSpec, SplitOrder, WorkerAction
+
+if TYPE_CHECKING:
+    import numpy as np
+
+    from device.ota.models import LoadedModel
+    from device.runtime import Runtime
+
+log = logging.getLogger("aisynergy.device.split")
+
+CALIBRATION_RUNS = 5  # timed runs of each part here (after one warm-up); their median counts
+EDGE_RUNS = 3  # requests per cut to the edge at calibration; the median of the edge's compute times counts
+MAX_PROBE_BYTES = 1 << 20
+INITIAL_LINK = Link(10e6, 5.0)  # before anything is measured (never planned with: calibration comes first)
+MAX_LATENCIES = 100_000
+
+
+def run(worker: Worker) -> None:
+    role = worker.order.role
+    if role == SPLIT_HEAD:
+        _Head(worker).run()
+    elif role == SPLIT_TAIL:
+        _tail(worker)
+    else:
+        raise Rejected(f"a split_inference worker is a {SPLIT_HEAD} (device) or a {SPLIT_TAIL} (edge), not {role!r}")
+
+
+def _split_order(worker: Worker) -> SplitOrder:
+    if worker.order.split is None:
+        raise Rejected("a split_inference order must carry its split part (the cut model)")
+    return worker.order.split
+
+
+def _open(worker: Worker, ref: Any, what: str) -> Runtime:
+    from device.runtime import open_model
+
+    path = worker.fetch_inputs(ref)
+    try:
+        return open_model(path, threads=1)
+    except Exception as exc:  # noqa: BLE001 - a file that verified but does not load: the hub cut it wrong
+        raise Rejected(f"the {what} does not load: {exc}") from None
+
+
+# --- the edge ----------------------------------------------------------------------------------------
+
+
+def _tail(worker: Worker) -> None:
+    spec = worker.spec(SplitInferenceSpec)
+    split = _split_order(worker)
+    router = worker.infer
+    if router is None or not hasattr(router, "serve"):
+        raise Rejected("this target serves no split-inference tails (it is not an edge node)")
+    tails: dict[str, Runtime] = {}
+    for part in split.parts:
+        if part.tail is None:
+            raise Rejected(f"the order's part at {part.cut} has no tail")
+        tails[part.cut] = _open(worker, part.tail, f"tail at {part.cut}")
+    if split.whole is not None:
+        tails[EDGE_ONLY] = _open(worker, split.whole, "whole model")
+    stats = _TailStats()
+
+    def answer(request: InferRequest, payload: bytes) -> tuple[InferReply, bytes]:
+        if request.kind == "probe":
+            stats.count(probe=True)
+            return InferReply(status="ok"), b""
+        from safetensors.numpy import save
+
+        from device.tensors import decode_activation
+
+        runner = tails.get(request.cut)
+        if runner is None:
+            stats.count(error=True)
+            return InferReply(status="error", error=f"this edge has no tail at {request.cut!r} for task {worker.task_id}"), b""
+        started = time.perf_counter()
+        try:
+            x = decode_activation(payload)
+            outputs = runner.run({runner.inputs[0].name: x})
+        except Exception as exc:  # noqa: BLE001 - a bad frame or a shape the tail refuses: the device falls back
+            stats.count(error=True)
+            return InferReply(status="error", error=f"{type(exc).__name__}: {exc}"[:500]), b""
+        seconds = time.perf_counter() - started
+        stats.count(seconds=seconds)
+        return InferReply(status="ok", tail_ms=seconds * 1000), save({k: _contiguous(v) for k, v in outputs.items()})
+
+    router.serve(worker.task_id, answer)
+    try:
+        worker.metrics_source(stats.sample, spec.report_interval_s)
+        worker.running()
+        worker.log(f"serving {len(tails)} tails of {spec.model.name} ({', '.join(tails)})")
+        while worker.checkpoint():
+            worker.wait()
+    finally:
+        router.unserve(worker.task_id, answer)
+
+
+def _contiguous(array: Any) -> Any:
+    import numpy as np
+
+    return np.ascontiguousarray(array)
+
+
+class _TailStats:
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.requests = self.errors = self.probes = 0
+        self._seconds: deque[float] = deque(maxlen=MAX_LATENCIES)
+
+    def count(self, seconds: float | None = None, error: bool = False, probe: bool = False) -> None:
+        with self._lock:
+            self.probes += probe
+            self.requests += not probe
+            self.errors += error
+            if seconds is not None:
+                self._seconds.append(seconds)
+
+    def sample(self) -> dict[str, float]:
+        with self._lock:
+            values = {"requests": self.requests, "errors": self.errors, "probes": self.probes}
+            seconds, self._seconds = sorted(self._seconds), deque(maxlen=MAX_LATENCIES)
+        if seconds:
+            values["tail_ms_p50"] = 1000 * percentile(seconds, 0.5)
+        return values
+
+
+# --- the device --------------------------------------------------------------------------------------
+
+
+@dataclass
+class _Part:
+    cut: str
+    head: Runtime | None  # None: edge-only (the raw input crosses)
+    index: int
+
+
+class _Head:
+    """One head worker: its parts, its plan and its route; see the module docstring."""
+
+    def __init__(self, worker: Worker) -> None:
+        self.worker = worker
+        self.spec = worker.spec(SplitInferenceSpec)
+        self.split = _split_order(worker)
+        self.channel = worker.infer
+        if self.channel is None or not hasattr(self.channel, "call"):
+            raise Rejected("this target cannot send split-inference requests (it has no infer channel)")
+        self.model = require_model(worker.models, self.spec.model)
+        if self.model.sha256 != self.split.base_sha256:
+            raise Rejected(f"the loaded {self.model.name} {self.model.version} ({self.model.sha256[:12]}) is not the model the hub cut ({self.split.base_sha256[:12]})")
+        inputs = self.model.inputs
+        if len(inputs) != 1 or inputs[0].name != self.split.input or inputs[0].dtype != "float32":
+            raise Rejected(f"split inference feeds one float32 input {self.split.input!r}; {self.model.name} takes {[(t.name, t.dtype) for t in inputs]}")
+        self.parts: dict[str, _Part] = {EDGE_ONLY: _Part(EDGE_ONLY, None, 0)}
+        for i, part in enumerate(self.split.parts, start=1):
+            if part.head is None:
+                raise Rejected(f"the order's part at {part.cut} has no head")
+            self.parts[part.cut] = _Part(part.cut, _open(worker, part.head, f"head at {part.cut}"), i)
+        pinned = self.spec.cut
+        if pinned is not None and pinned != DEVICE_ONLY and pinned not in self.parts:
+            raise Rejected(f"the pinned cut {pinned!r} is not one of the order's parts ({', '.join(p.cut for p in self.split.parts)})")
+        self.pinned = pinned
+        self.stats = _HeadStats()
+        self.estimator = LinkEstimator(INITIAL_LINK)
+        self.planner: Planner | None = None
+        self.plan_cut = DEVICE_ONLY  # until calibrated
+        self.down_until = 0.0  # the edge failed: requests stay here until then
+        self.last_crossed = 0.0  # monotonic time of the last request that crossed the link
+        self._failed_model: str | None = None
+
+    # ---- the worker's thread ------------------------------------------------------------------------
+    def run(self) -> None:
+        w, spec, models = self.worker, self.spec, self.worker.models
+        try:
+            models.set_route(self.model.name, self.route)
+        except ValueError as exc:
+            raise Rejected(str(exc)) from None
+        try:
+            w.metrics_source(self._sample, spec.report_interval_s)
+            w.running()
+            options = "pinned to " + self.spec.cut if self.pinned else f"{len(self.parts) + 1} options"
+            w.log(f"serving {self.model.name} {self.model.version} split with the edge ({options}; activations {'int8' if spec.quantize else 'float32'})")
+            left = spec.duration_s
+            next_look = 0.0
+            while left is None or left > 0:
+                if w.order.action is WorkerAction.PAUSE:
+                    models.clear_route(self.model.name, self.route)
+                if not w.checkpoint():
+                    return
+                models.set_route(self.model.name, self.route)
+                if self._failed_model is not None:
+                    raise Failed(self._failed_model)
+                now = time.monotonic()
+                if now >= next_look:
+                    self._look(now)
+                    next_look = time.monotonic() + self._look_interval()
+                started = time.monotonic()
+                wait = max(0.05, next_look - started)
+                w.wait(wait if left is None else min(wait, left))
+                if left is not None:
+                    left -= time.monotonic() - started
+            w.log(f"served {self.stats.requests} requests: {self.stats.split} split, {self.stats.edge} on the edge, "
+                  f"{self.stats.device} on the device, {self.stats.fallbacks} fallbacks")  # fmt: skip
+        finally:
+            models.clear_route(self.model.name, self.route)
+
+    def _look_interval(self) -> float:
+        return min(self.spec.retry_after_s, self.spec.probe_interval_s) if self.planner is None else min(self.spec.probe_interval_s, 1.0)
+
+    def _look(self, now: float) -> None:
+        """Calibrate when there is no plan yet or the edge failed; probe the link when nothing crossed lately."""
+        if self.pinned == DEVICE_ONLY:
+            if self.planner is None:
+                self._calibrate()
+        elif self.planner is None or (self.down_until and now >= self.down_until):
+            self._calibrate()
+        elif self.pinned is None and now - self.last_crossed >= self.spec.probe_interval_s:
+            try:
+                link = probe_link(self._probe, self.estimator, max_bytes=MAX_PROBE_BYTES)
+            except Exception as exc:  # noqa: BLE001 - SplitUnavailable and the runtime's own errors
+                self._edge_failed(f"the link probe failed: {exc}")
+                return
+            self.last_crossed = time.monotonic()
+            self._replanned(self.planner.update(link))
+
+    def _calibrate(self) -> None:
+        from device.tensors import encode_activation
+
+        w, spec = self.worker, self.spec
+        x = _sample_input(self.model)
+        device_ms = _timed(lambda: self.model.runner.run({self.split.input: x}))
+        costs = [CutCost(DEVICE_ONLY, device_ms, 0.0, 0)]
+        try:
+            for part in self.parts.values():
+                if self.pinned not in (None, part.cut):
+                    continue
+                activation = x if part.head is None else self._head(part, x)
+                head_ms = 0.0 if part.head is None else _timed(lambda p=part: self._head(p, x))
+                frame, meta = encode_activation(activation, spec.quantize)
+                request = InferRequest(task_id=w.task_id, cut=part.cut, encoding=meta["encoding"], shape=meta["shape"])
+                tail = [self.channel.call(request, frame, spec.timeout_ms / 1000)[0].tail_ms for _ in range(EDGE_RUNS)]
+                costs.append(CutCost(part.cut, head_ms, statistics.median(tail), len(frame)))
+            link = self.estimator.link if self.pinned == DEVICE_ONLY else probe_link(self._probe, self.estimator, max_bytes=MAX_PROBE_BYTES)
+        except Exception as exc:  # noqa: BLE001 - the edge is not there (yet), or the runtime refused
+            self._edge_failed(f"calibration failed: {exc}")
+            return
+        self.last_crossed = time.monotonic()
+        self.down_until = 0.0
+        first = self.planner is None
+        self.planner = Planner(costs, link)
+        plan = self._pinned_plan(costs, link) if self.pinned else self.planner.plan
+        ranking = ", ".join(f"{cut} {ms:.2f} ms" for cut, ms in choose(costs, link).ranking)
+        w.log(f"{'calibrated' if first else 'edge back; calibrated again'}: link {link.bandwidth_bps / 1e6:.2f} Mbit/s, rtt {link.rtt_ms:.2f} ms; "
+              f"estimates {ranking}; cut at {plan.cut}")  # fmt: skip
+        self._use(plan)
+
+    def _pinned_plan(self, costs: list[CutCost], link: Link) -> Plan:
+        cost = next((c for c in costs if c.cut == self.pinned), costs[0])
+        return Plan(cost.cut, cost.estimate_ms(link), link)
+
+    def _probe(self, frame: bytes) -> object:
+        return self.channel.call(InferRequest(task_id=self.worker.task_id, kind="probe"), frame, self.spec.timeout_ms / 1000)
+
+    def _head(self, part: _Part, x: np.ndarray) -> np.ndarray:
+        assert part.head is not None
+        outputs = part.head.run({part.head.inputs[0].name: x})
+        return outputs[part.cut] if part.cut in outputs else next(iter(outputs.values()))
+
+    def _use(self, plan: Plan) -> None:
+        self.plan_cut = plan.cut
+        self.stats.plan(plan, -1 if plan.cut == DEVICE_ONLY else self.parts[plan.cut].index)
+
+    def _replanned(self, plan: Plan) -> None:
+        if plan.cut != self.plan_cut and not self.pinned:
+            self.stats.replans += 1
+            self.worker.log(f"cut moved from {self.plan_cut} to {plan.cut}: link {plan.link.bandwidth_bps / 1e6:.2f} Mbit/s, "
+                            f"rtt {plan.link.rtt_ms:.2f} ms (estimate {plan.estimate_ms:.2f} ms)")  # fmt: skip
+            self._use(plan)
+        else:
+            self.stats.plan(plan, self.stats.cut_index)
+
+    def _edge_failed(self, why: str) -> None:
+        first = not self.down_until
+        self.down_until = time.monotonic() + self.spec.retry_after_s
+        if first:
+            what = "requests run on the device" + (" (fallbacks)" if self.planner is not None else "")
+            self.worker.log(f"the edge did not answer ({why}); {what} for {self.spec.retry_after_s:g} s, then it is tried again", "warning")
+
+    # ---- requests (the caller's thread) -------------------------------------------------------------
+    def route(self, model: LoadedModel, feeds: dict[str, Any]) -> tuple[dict[str, Any], str]:
+        started = time.perf_counter()
+        ok = False
+        try:
+            outputs, how = self._serve(model, feeds)
+            ok = True
+            return outputs, how
+        finally:
+            self.stats.observe(time.perf_counter() - started, ok)
+
+    def _serve(self, model: LoadedModel, feeds: dict[str, Any]) -> tuple[dict[str, Any], str]:
+        if model.sha256 != self.split.base_sha256:  # a deployment swapped the model: the parts do not fit it
+            self._failed_model = f"{model.name} now runs {model.version} ({model.sha256[:12]}); the parts were cut from {self.split.base_sha256[:12]}"
+            self.worker.wake()
+            return model.runner.run(feeds), "local"
+        cut = self.plan_cut
+        if self.planner is None or cut == DEVICE_ONLY:
+            self.stats.count("device")
+            return model.runner.run(feeds), "device"
+        if self.down_until and time.monotonic() < self.down_until:
+            self.stats.count("fallbacks")
+            return model.runner.run(feeds), "fallback"
+        from device.split.channel import SplitUnavailable
+        from device.tensors import encode_activation
+
+        part = self.parts[cut]
+        x = feeds[self.split.input]
+        activation = x if part.head is None else self._head(part, x)
+        frame, meta = encode_activation(activation, self.spec.quantize)
+        request = InferRequest(task_id=self.worker.task_id, cut=cut, encoding=meta["encoding"], shape=meta["shape"])
+        sent = time.perf_counter()
+        try:
+            reply, payload = self.channel.call(request, frame, self.spec.timeout_ms / 1000)
+            outputs = _outputs(payload, model)
+        except (SplitUnavailable, ValueError) as exc:
+            self._edge_failed(str(exc))
+            self.stats.count("fallbacks")
+            return model.runner.run(feeds), "fallback"
+        seconds = time.perf_counter() - sent
+        self.last_crossed = time.monotonic()
+        self.estimator.observe(len(frame) + len(payload), max(1e-6, seconds - reply.tail_ms / 1000))
+        if self.planner is not None and not self.pinned:
+            self._replanned(self.planner.update(self.estimator.link))
+        if part.head is None:
+            self.stats.count("edge")
+            return outputs, "edge"
+        self.stats.count("split")
+        return outputs, f"split:{cut}"
+
+    def _sample(self) -> dict[str, float]:
+        values = self.stats.sample()
+        link = self.estimator.link
+        values.update(link_mbps=link.bandwidth_bps / 1e6, rtt_ms=link.rtt_ms)
+        return values
+
+
+def _outputs(payload: bytes, model: LoadedModel) -> dict[str, Any]:
+    """The edge's answer as the model's outputs; ``ValueError`` when it is not that."""
+    from safetensors.numpy import load
+
+    try:
+        outputs = load(payload)
+    except Exception as exc:  # noqa: BLE001 - safetensors raises its own error types
+        raise ValueError(f"the edge's answer is not a safetensors frame: {exc}") from None
+    expected = {t.name for t in model.outputs}
+    if set(outputs) != expected:
+        raise ValueError(f"the edge answered {sorted(outputs)}; the model's outputs are {sorted(expected)}")
+    return outputs
+
+
+def _sample_input(model: LoadedModel) -> np.ndarray:
+    import numpy as np
+
+    info = model.inputs[0]
+    shape = tuple(d if isinstance(d, int) and d > 0 else 1 for d in info.shape)
+    return np.random.default_rng(0).standard_normal(shape).astype(np.float32)
+
+
+def _timed(fn: Any) -> float:
+    fn()
+    samples = []
+    for _ in range(CALIBRATION_RUNS):
+        started = time.perf_counter()
+        fn()
+        samples.append((time.perf_counter() - started) * 1000)
+    return statistics.median(samples)
+
+
+class _HeadStats:
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.requests = self.errors = self.split = self.edge = self.device = self.fallbacks = self.replans = 0
+        self.cut_index = -1
+        self.estimate_ms = math.nan
+        self._latencies: deque[float] = deque(maxlen=MAX_LATENCIES)
+
+    def count(self, how: str) -> None:
+        with self._lock:
+            setattr(self, how, getattr(self, how) + 1)
+
+    def observe(self, seconds: float, ok: bool) -> None:
+        with self._lock:
+            self.requests += 1
+            self.errors += not ok
+            self._latencies.append(seconds)
+
+    def plan(self, plan: Plan, index: int) -> None:
+        with self._lock:
+            self.cut_index, self.estimate_ms = index, plan.estimate_ms
+
+    def sample(self) -> dict[str, float]:
+        with self._lock:
+            values = {
+                "requests": self.requests, "errors": self.errors, "split": self.split, "edge": self.edge, "device": self.device,
+                "fallbacks": self.fallbacks, "replans": self.replans, "cut_index": self.cut_index,
+            }  # fmt: skip
+            if not math.isnan(self.estimate_ms):
+                values["estimate_ms"] = self.estimate_ms
+            latencies, self._latencies = sorted(self._latencies), deque(maxlen=MAX_LATENCIES)
+        if latencies:
+            values["latency_p50_ms"] = 1000 * percentile(latencies, 0.50)
+            values["latency_p99_ms"] = 1000 * percentile(latencies, 0.99)
+        return values
+
+
