@@ -323,6 +323,18 @@ def create_artifact(session: Session, signing: SigningKey, blobs: BlobStore, bod
     return row
 
 
+def onnx_model_artifact(session: Session, name: str, version: str, purpose: str) -> Artifact:
+    """The stored ONNX model artefact ``name`` ``version`` that ``purpose`` needs; a 422 when there is none or it is another format."""
+    from cloud.errors import BadRequest
+
+    model = find_by_identity(session, ArtifactKind.MODEL.value, name, version)
+    if model is None:
+        raise BadRequest(f"model {name} {version} is not an artefact of this hub; upload it first", status=422)
+    if model.format != ArtifactFormat.ONNX.value:
+        raise BadRequest(f"model {model.name} {model.version} is {model.format}; {purpose} cuts ONNX models", status=422)
+    return model
+
+
 def store_derived_model(session: Session, signing: SigningKey, blobs: BlobStore, name: str, version: str, data: bytes) -> Artifact:
     """An ONNX model the hub cut from another (a training body, a split head or tail) as the model artefact
     ``name`` ``version``, reused when stored already; a different cut under that identity gets the version

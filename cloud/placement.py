@@ -81,16 +81,44 @@ def _resources(row: Any) -> Resources | None:
         return None
 
 
-def _runs_model(row: Any, model: ModelRef) -> bool:
+def installed_model(row: Any) -> InstalledArtifact | None:
+    """The model a device or node reports installed (``installed["model"]``), or None."""
     entry = (row.reported or {}).get(INSTALLED_KEY, {})
     entry = entry.get("model") if isinstance(entry, dict) else None
     if not isinstance(entry, dict):
-        return False
+        return None
     try:
-        installed = InstalledArtifact.model_validate(entry)
+        return InstalledArtifact.model_validate(entry)
     except ValidationError:
-        return False
-    return installed.name == model.name and (model.version is None or installed.version == model.version)
+        return None
+
+
+def _runs_model(row: Any, model: ModelRef) -> bool:
+    installed = installed_model(row)
+    return installed is not None and installed.name == model.name and (model.version is None or installed.version == model.version)
+
+
+def matching_devices(session: Session, placement: Placement) -> list[Device]:
+    """The devices a placement's ``ids`` or ``selector`` names (every device when neither), not DELETED, by id."""
+    query = select(Device).where(Device.state != NodeState.DELETED.value)
+    if placement.ids is not None:
+        query = query.where(Device.id.in_(placement.ids))  # type: ignore[attr-defined]
+    elif placement.selector:
+        query = query.where(*selector_clause(Device.id, parse_selector_or_400(placement.selector)))
+    return list(session.execute(query.order_by(Device.id)).scalars())
+
+
+def installed_version(session: Session, placement: Placement, name: str, keep: Any = None) -> str:
+    """The one version of model ``name`` the placement's devices run (those ``keep(device)`` accepts);
+    a 422 when they run none or several."""
+    from cloud.errors import BadRequest
+
+    versions = sorted({m.version for d in matching_devices(session, placement) if (m := installed_model(d)) is not None and m.name == name
+                       and (keep is None or keep(d))})  # fmt: skip
+    if len(versions) != 1:
+        why = "no device of the placement runs it" if not versions else f"the devices run {', '.join(versions)}"
+        raise BadRequest(f"say which version of {name} to use: {why}", status=422)
+    return versions[0]
 
 
 def _matches(acc: Any, req: AcceleratorRequest) -> bool:

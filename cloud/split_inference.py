@@ -31,10 +31,8 @@ from sqlalchemy import delete, select
 from sqlmodel import Session
 
 from cloud.errors import BadRequest
-from cloud.services.labels import selector_clause
-from cloud.services.paging import parse_selector_or_400
+from cloud.placement import installed_version
 from cloud.tables import Artifact, Device, Node, SplitPartRow, SplitPlan, Task, TaskWorker
-from interfaces.deployments import INSTALLED_KEY, ArtifactFormat, ArtifactKind, InstalledArtifact
 from interfaces.lifecycle import AdminState, NodeState
 from interfaces.tasks import (
     MAX_SPLIT_CUTS, SPLIT_DEVICE_ONLY, SPLIT_EDGE_ONLY, SPLIT_HEAD, SPLIT_TAIL, InputRef, Placement, SplitInferenceSpec, SplitOrder, SplitPart,
@@ -63,18 +61,14 @@ def admit(session: Session, task: Task, spec: SplitInferenceSpec, placement: Pla
     commits it with the task) and returns the spec with its model version pinned."""
     import onnx
 
-    from cloud.artifacts import find_by_identity, read_blob, store_derived_model
+    from cloud.artifacts import onnx_model_artifact, read_blob, store_derived_model
     from cloud.ml.partition import candidate_cuts, split_model
 
     if blobs is None or signing is None:
         raise RuntimeError("admitting a split_inference task needs the blob store and the signing key")
-    version = spec.model.version or _resolve_version(session, spec, placement)
+    version = spec.model.version or installed_version(session, placement, spec.model.name)
     spec = spec.model_copy(update={"model": spec.model.model_copy(update={"version": version})})
-    model = find_by_identity(session, ArtifactKind.MODEL.value, spec.model.name, version)
-    if model is None:
-        raise BadRequest(f"model {spec.model.name} {version} is not an artefact of this hub; upload it first", status=422)
-    if model.format != ArtifactFormat.ONNX.value:
-        raise BadRequest(f"model {model.name} {model.version} is {model.format}; split inference cuts ONNX models", status=422)
+    model = onnx_model_artifact(session, spec.model.name, version, "split inference")
     try:
         graph = onnx.load_from_string(read_blob(blobs, model.sha256))
     except Exception as exc:  # noqa: BLE001 - a stored ONNX artefact that does not parse
@@ -128,28 +122,6 @@ def spread(items: list[str], most: int) -> list[str]:
         return list(items)
     picks = sorted({round(i * (len(items) - 1) / (most - 1)) for i in range(most)})
     return [items[i] for i in picks]
-
-
-def _resolve_version(session: Session, spec: SplitInferenceSpec, placement: Placement) -> str:
-    query = select(Device).where(Device.state != NodeState.DELETED.value)
-    if placement.ids is not None:
-        query = query.where(Device.id.in_(placement.ids))  # type: ignore[attr-defined]
-    elif placement.selector:
-        query = query.where(*selector_clause(Device.id, parse_selector_or_400(placement.selector)))
-    versions = set()
-    for device in session.execute(query).scalars():
-        entry = (device.reported or {}).get(INSTALLED_KEY)
-        entry = entry.get("model") if isinstance(entry, dict) else None
-        try:
-            installed = InstalledArtifact.model_validate(entry) if isinstance(entry, dict) else None
-        except ValueError:
-            installed = None
-        if installed is not None and installed.name == spec.model.name:
-            versions.add(installed.version)
-    if len(versions) != 1:
-        why = "no device of the placement runs it" if not versions else f"the devices run {', '.join(sorted(versions))}"
-        raise BadRequest(f"say which version of {spec.model.name} to split: {why}", status=422)
-    return versions.pop()
 
 
 def forget(session: Session, task_id: str) -> None:

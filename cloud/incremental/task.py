@@ -46,12 +46,10 @@ from sqlmodel import Session
 
 from cloud.errors import BadRequest, Conflict
 from cloud.incremental import accounting, budgets, surgery
-from cloud.services.labels import selector_clause
-from cloud.services.paging import parse_selector_or_400
-from cloud.tables import Artifact, Device, PrivacySpendRow, Task, TaskWorker, TrainingPlan, TrainingResult
-from interfaces.deployments import INSTALLED_KEY, ArtifactFormat, ArtifactKind, InstalledArtifact
+from cloud.placement import installed_model, installed_version, matching_devices
+from cloud.tables import Artifact, PrivacySpendRow, Task, TaskWorker, TrainingPlan, TrainingResult
+from interfaces.deployments import ArtifactKind
 from interfaces.errors import ErrorCode
-from interfaces.lifecycle import NodeState
 from interfaces.privacy import SpendState
 from interfaces.tasks import (
     MAX_HEAD_BYTES, MAX_TRAINING_STEPS, TASK_ACTIVE, WORKER_FAILURES, IncrementalTrainingSpec, InputRef, Placement, TaskState, TaskType,
@@ -118,15 +116,11 @@ def readmit(session: Session, task: Task, at: datetime) -> None:
 
 
 def prepare(session: Session, spec: IncrementalTrainingSpec, placement: Placement, blobs: Any) -> Prepared:
-    from cloud.artifacts import find_by_identity, read_blob
+    from cloud.artifacts import find_by_identity, onnx_model_artifact, read_blob
 
     version = spec.model.version or _resolve_version(session, spec, placement)
     spec = spec.model_copy(update={"model": spec.model.model_copy(update={"version": version})})
-    model = find_by_identity(session, ArtifactKind.MODEL.value, spec.model.name, version)
-    if model is None:
-        raise BadRequest(f"model {spec.model.name} {version} is not an artefact of this hub; upload it first", status=422)
-    if model.format != ArtifactFormat.ONNX.value:
-        raise BadRequest(f"model {model.name} {model.version} is {model.format}; incremental training cuts ONNX models", status=422)
+    model = onnx_model_artifact(session, spec.model.name, version, "incremental training")
     targets = _targets(session, spec, placement, model)
     if spec.output.version is not None:
         if len(targets) != 1:
@@ -150,39 +144,16 @@ def prepare(session: Session, spec: IncrementalTrainingSpec, placement: Placemen
     return Prepared(spec, model, layer, head, body, targets)
 
 
-def _matching_devices(session: Session, placement: Placement) -> list[Device]:
-    query = select(Device).where(Device.state != NodeState.DELETED.value)
-    if placement.ids is not None:
-        query = query.where(Device.id.in_(placement.ids))  # type: ignore[attr-defined]
-    elif placement.selector:
-        query = query.where(*selector_clause(Device.id, parse_selector_or_400(placement.selector)))
-    return list(session.execute(query.order_by(Device.id)).scalars())
-
-
-def _installed_model(device: Device) -> InstalledArtifact | None:
-    entry = (device.reported or {}).get(INSTALLED_KEY)
-    entry = entry.get("model") if isinstance(entry, dict) else None
-    try:
-        return InstalledArtifact.model_validate(entry) if isinstance(entry, dict) else None
-    except ValueError:
-        return None
-
-
 def _resolve_version(session: Session, spec: IncrementalTrainingSpec, placement: Placement) -> str:
-    versions = sorted({m.version for d in _matching_devices(session, placement) if (m := _installed_model(d)) is not None and m.name == spec.model.name
-                       and budgets.reported_dataset(d, spec.dataset) is not None})  # fmt: skip
-    if len(versions) != 1:
-        why = "no device of the placement that keeps the dataset runs it" if not versions else f"the devices run {', '.join(versions)}"
-        raise BadRequest(f"say which version of {spec.model.name} to train: {why}", status=422)
-    return versions[0]
+    return installed_version(session, placement, spec.model.name, keep=lambda d: budgets.reported_dataset(d, spec.dataset) is not None)
 
 
 def _targets(session: Session, spec: IncrementalTrainingSpec, placement: Placement, model: Artifact) -> list[Target]:
     """The devices of the placement that keep the dataset and run exactly ``model`` (422 when none, or a named one does not)."""
     found, why_not = [], {}
-    for device in _matching_devices(session, placement):
+    for device in matching_devices(session, placement):
         data = budgets.reported_dataset(device, spec.dataset)
-        installed = _installed_model(device)
+        installed = installed_model(device)
         if data is None:
             why_not[device.id] = f"reports no dataset {spec.dataset}"
         elif data.rows < 1:
