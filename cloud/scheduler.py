@@ -111,12 +111,15 @@ class TaskController:
             ).all():  # fmt: skip
                 workers[w.task_id].append(w)
             states: dict[tuple[str, str], str] = {}
+            node_of: dict[str, str] = {}  # target -> its edge node (a node: itself)
             for kind in ("device", "node"):
                 ids = list({w.target_id for ws in workers.values() for w in ws if w.target_kind == kind})
                 table = svc.target_table(kind)
+                edge = table.node_id if kind == "device" else table.id
                 for start in range(0, len(ids), 10_000):
-                    for target_id, state in session.execute(select(table.id, table.state).where(table.id.in_(ids[start : start + 10_000]))).all():
+                    for target_id, state, node_id in session.execute(select(table.id, table.state, edge).where(table.id.in_(ids[start : start + 10_000]))).all():
                         states[(kind, target_id)] = state
+                        node_of[target_id] = node_id
             waiting_chunks = set(session.execute(
                 select(TaskChunk.task_id).where(TaskChunk.state == svc.PENDING, or_(TaskChunk.not_before.is_(None), TaskChunk.not_before <= at)).distinct()  # type: ignore[union-attr,operator]
             ).scalars())  # fmt: skip
@@ -136,6 +139,7 @@ class TaskController:
                 or any(states.get((w.target_kind, w.target_id)) in gone or at - (utc(w.last_report_at) or utc(w.created_at)) > silent for w in active)
                 or (t.chunks_total is not None and (t.chunks_done == t.chunks_total or t.id in waiting_chunks))
                 or (t.chunks_total is None and (t.id in to_replace or not any(w.role != SPLIT_TAIL for w in active)))
+                or (t.type == split.TYPE and {w.target_id for w in active if w.role == SPLIT_TAIL} != {node_of.get(w.target_id) for w in active if w.role != SPLIT_TAIL})
             ):  # fmt: skip
                 due.append(t.id)
         return due
@@ -342,11 +346,29 @@ class TaskController:
                 TaskWorker.replaced_by.is_(None),  # type: ignore[union-attr]
             ).order_by(TaskWorker.id)
         ).scalars())  # fmt: skip
+        policy = svc.retry_of(task)
+        failed = (_W.FAILED.value, _W.TIMED_OUT.value, _W.REJECTED.value)  # a node going OFFLINE (LOST) is not the tail's fault
+        failures: dict[str, list[TaskWorker]] = defaultdict(list)
+        if changes.place:
+            for old in session.execute(
+                select(TaskWorker).where(TaskWorker.task_id == task.id, TaskWorker.role == SPLIT_TAIL, TaskWorker.state.in_(failed))  # type: ignore[attr-defined]
+            ).scalars():  # fmt: skip
+                failures[old.target_id].append(old)
         for node_id in changes.place:
-            new = self._new_worker(session, task, placement.Candidate(TargetKind.NODE, node_id, node_id, 1.0), [], 1, at, role=SPLIT_TAIL)
-            for old in ended:
-                if old.target_id == node_id:
-                    old.replaced_by = new.id
+            before = [old for old in ended if old.target_id == node_id]
+            attempt = 1 + len(failures[node_id])
+            if attempt > policy.max_attempts:  # its heads fall back to the whole model on their devices
+                if before:
+                    svc.hub_log(session, task.id, f"no new tail on {node_id}: {attempt - 1} failed (max_attempts={policy.max_attempts}); its heads run on their devices", "warning", at)
+                for old in before:
+                    old.replaced_by = GAVE_UP
+                continue
+            last = max((utc(old.finished_at) or at for old in failures[node_id]), default=None)
+            if last is not None and at < last + timedelta(seconds=policy.delay(attempt)):
+                continue  # the back-off after the tail that failed there
+            new = self._new_worker(session, task, placement.Candidate(TargetKind.NODE, node_id, node_id, 1.0), [], attempt, at, role=SPLIT_TAIL)
+            for old in before:
+                old.replaced_by = new.id
         for old in ended:  # an ended tail whose node needs no new one (no head under it, or a tail runs there): done with
             if old.replaced_by is None and (old.target_id not in changes.wanted or old.target_id in changes.covered):
                 old.replaced_by = GAVE_UP

@@ -217,10 +217,8 @@ class _Head:
     # ---- the worker's thread ------------------------------------------------------------------------
     def run(self) -> None:
         w, spec, models = self.worker, self.spec, self.worker.models
-        try:
-            models.set_route(self.model.name, self.route)
-        except ValueError as exc:
-            raise Rejected(str(exc)) from None
+        if not self._take_route():
+            return
         try:
             w.metrics_source(self._sample, spec.report_interval_s)
             w.running()
@@ -231,9 +229,8 @@ class _Head:
             while left is None or left > 0:
                 if w.order.action is WorkerAction.PAUSE:
                     models.clear_route(self.model.name, self.route)
-                if not w.checkpoint():
+                if not w.checkpoint() or not self._take_route():
                     return
-                models.set_route(self.model.name, self.route)
                 if self._failed_model is not None:
                     raise Failed(self._failed_model)
                 now = time.monotonic()
@@ -249,6 +246,20 @@ class _Head:
                   f"{self.stats.device} on the device, {self.stats.fallbacks} fallbacks")  # fmt: skip
         finally:
             models.clear_route(self.model.name, self.route)
+
+    def _take_route(self) -> bool:
+        """Route the model's requests through this worker; a head being replaced (withdrawn, stopping) lets go of
+        the route when it sees its stop, within about one ``timeout_ms``: wait that long for it, then REJECT."""
+        deadline = time.monotonic() + max(2.0, 2 * self.spec.timeout_ms / 1000)
+        while True:
+            try:
+                self.worker.models.set_route(self.model.name, self.route)
+                return True
+            except ValueError as exc:
+                if time.monotonic() >= deadline:
+                    raise Rejected(str(exc)) from None
+                if not self.worker.wait(0.05):
+                    return False
 
     def _look_interval(self) -> float:
         return min(self.spec.retry_after_s, self.spec.probe_interval_s) if self.planner is None else min(self.spec.probe_interval_s, 1.0)
@@ -278,6 +289,8 @@ class _Head:
         costs = [CutCost(DEVICE_ONLY, device_ms, 0.0, 0)]
         try:
             for part in self.parts.values():
+                if self.worker.stopping:
+                    return
                 if self.pinned not in (None, part.cut):
                     continue
                 activation = x if part.head is None else self._head(part, x)
@@ -373,6 +386,7 @@ class _Head:
             return model.runner.run(feeds), "fallback"
         seconds = time.perf_counter() - sent
         self.last_crossed = time.monotonic()
+        self.down_until = 0.0
         self.estimator.observe(len(frame) + len(payload), max(1e-6, seconds - reply.tail_ms / 1000))
         if self.planner is not None and not self.pinned:
             self._replanned(self.planner.update(self.estimator.link))
