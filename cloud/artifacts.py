@@ -30,7 +30,7 @@ from sqlmodel import Session
 from cloud.errors import Conflict, NotFound
 from cloud.services.paging import page
 from cloud.signing import SigningKey
-from cloud.tables import Artifact, ArtifactDelta, Deployment, Execution, SplitPartRow, SplitPlan, Task, TrainingPlan
+from cloud.tables import Artifact, ArtifactDelta, Deployment, Execution, FlPlan, SplitPartRow, SplitPlan, Task, TrainingPlan
 from interfaces import API_PREFIX
 from interfaces.deployments import (
     DEPLOYMENT_FINAL, IN_FLIGHT, ArtifactCreate, ArtifactFormat, ArtifactKind, ArtifactManifest, ArtifactPublic, DeltaOffer,
@@ -373,7 +373,8 @@ def artifact_in_use(session: Session, artifact_id: str) -> str | None:
       reinstalls: by ``artifact_id``, or by ``sha256`` when no other artefact of that kind has the bytes;
     * a task (any state: a finished one can be retried) reads it as its inputs (delete the task first);
     * an incremental_training task (any state) trains that model or sends that body to its devices;
-    * a split_inference task (any state) was cut from that model or sends that head or tail.
+    * a split_inference task (any state) was cut from that model or sends that head or tail;
+    * a federated_training task (any state) trains that model, sends that body or its open round's global layer.
     """
     row = session.get(Artifact, artifact_id)
     if row is None:
@@ -396,6 +397,11 @@ def artifact_in_use(session: Session, artifact_id: str) -> str | None:
         ).first()  # fmt: skip
         if split is not None:
             return f"split_inference task {split[0]} runs it or a part cut from it (delete the task first)"
+        fl = session.execute(
+            select(FlPlan.task_id).where(or_(FlPlan.model_artifact_id == artifact_id, FlPlan.body_artifact_id == artifact_id, FlPlan.weights_artifact_id == artifact_id)).limit(1)
+        ).first()  # fmt: skip
+        if fl is not None:
+            return f"federated_training task {fl[0]} trains it or sends it to its devices (delete the task first)"
     live = [s.value for s in DeploymentState if s not in DEPLOYMENT_FINAL]
     deployment = session.execute(
         select(Deployment).where(Deployment.artifact_id == artifact_id, Deployment.state.in_(live)).order_by(Deployment.id).limit(1)  # type: ignore[attr-defined]

@@ -240,3 +240,31 @@ def ranges(indices: list[int]) -> list[tuple[int, int]]:
         else:
             out.append((i, i + 1))
     return out
+
+
+@dataclass
+class CompanionChanges:
+    wanted: set[str]
+    """edge nodes with a device worker under them"""
+    covered: set[str]
+    """edge nodes with an active companion"""
+    place: list[str]
+    """wanted nodes without a companion that can take one now (ONLINE, UNLOCKED)"""
+    withdraw: list[TaskWorker]
+    """active companions on nodes without device workers"""
+
+
+def companion_changes(session: Session, active: list[TaskWorker], device_role: str, node_role: str) -> CompanionChanges:
+    """A task whose device workers (``device_role``) need one worker on their edge node (``node_role``: a split
+    inference tail, a federated aggregator): what to place and withdraw, given its active workers."""
+    heads = [w for w in active if w.role == device_role and w.target_kind == TargetKind.DEVICE.value]
+    companions = {w.target_id: w for w in active if w.role == node_role}
+    device_ids = [w.target_id for w in heads]
+    node_of = dict(session.execute(select(Device.id, Device.node_id).where(Device.id.in_(device_ids))).all()) if device_ids else {}  # type: ignore[attr-defined]
+    wanted = set(node_of.values())
+    missing = sorted(wanted - companions.keys())
+    ready = {
+        n.id for n in session.execute(select(Node).where(Node.id.in_(missing))).scalars()  # type: ignore[attr-defined]
+        if n.state == NodeState.ONLINE.value and n.admin_state == AdminState.UNLOCKED.value
+    } if missing else set()  # fmt: skip
+    return CompanionChanges(wanted, set(companions), [n for n in missing if n in ready], [w for node, w in sorted(companions.items()) if node not in wanted])

@@ -53,6 +53,8 @@ from cloud.incremental import results
 from cloud.incremental import task as training
 from cloud.lease import drive_each
 from cloud import split_inference as split
+from cloud.fl import rounds as fl_rounds
+from cloud.fl import task as fl
 from cloud.convert import utc
 from cloud.services import tasks as svc
 from cloud.services.task_reports import release_chunks
@@ -60,11 +62,13 @@ from cloud.tables import Task, TaskChunk, TaskWorker, WorkerTransitionRow
 from interfaces.deployments import TargetKind
 from interfaces.ids import new_id
 from interfaces.lifecycle import NodeState
-from interfaces.tasks import SPLIT_TAIL, TASK_ACTIVE, WORKER_ACTIVE, WORKER_FAILURES, ModelRef, TaskState, WorkerState
+from interfaces.tasks import FL_AGGREGATOR, SPLIT_HEAD, SPLIT_TAIL, TASK_ACTIVE, WORKER_ACTIVE, WORKER_FAILURES, ModelRef, TaskState, WorkerState
 
 log = logging.getLogger("aisynergy.hub.scheduler")
 _T, _W = TaskState, WorkerState
 GAVE_UP = "-"
+NODE_ROLES = frozenset({SPLIT_TAIL, FL_AGGREGATOR})
+"""workers that serve a task's device workers from their edge node; the task's end does not wait for them"""
 
 
 class TaskController:
@@ -75,8 +79,9 @@ class TaskController:
         self.on_change = on_change
         self.counters: dict[str, int] = {
             "ticks": 0, "tasks_driven": 0, "workers_placed": 0, "workers_lost": 0, "workers_timed_out": 0, "tasks_timed_out": 0, "chunks_reassigned": 0,
-            "models_published": 0,
+            "models_published": 0, "fl_rounds_closed": 0, "fl_models_stored": 0,
         }  # fmt: skip
+        self.rounds_closed: set[str] = set()
 
     def tick(self, at: datetime | None = None) -> int:
         """Drive every active task that needs it one step; returns how many changed."""
@@ -86,11 +91,25 @@ class TaskController:
                 self.counters["models_published"] += results.publish(self.engine, self.signing, self.blobs)
             except Exception:  # noqa: BLE001 - the tasks are driven all the same; publishing is tried again next tick
                 log.exception("publishing trained models failed this tick")
+        self._prepare_fl()
         ids = self.due(at)
+        self.rounds_closed: set[str] = set()
         changed = drive_each(self.engine, ids, self._drive, at, self.on_change, "scheduling task", log)
+        if self.rounds_closed:  # the next round opens now, not a tick later: store its global layer, then drive again
+            again = sorted(self.rounds_closed)
+            self._prepare_fl()
+            changed += drive_each(self.engine, again, self._drive, at, self.on_change, "scheduling task", log)
         self.counters["ticks"] += 1
         self.counters["tasks_driven"] += len(ids)
         return changed
+
+    def _prepare_fl(self) -> None:
+        if self.blobs is None:
+            return
+        try:
+            self.counters["fl_models_stored"] += fl_rounds.prepare(self.engine, self.signing, self.blobs)
+        except Exception:  # noqa: BLE001 - tried again next tick
+            log.exception("storing federated models failed this tick")
 
     def due(self, at: datetime) -> list[str]:
         """The active tasks a tick has something to do for, found with a handful of queries however many
@@ -123,6 +142,7 @@ class TaskController:
             waiting_chunks = set(session.execute(
                 select(TaskChunk.task_id).where(TaskChunk.state == svc.PENDING, or_(TaskChunk.not_before.is_(None), TaskChunk.not_before <= at)).distinct()  # type: ignore[union-attr,operator]
             ).scalars())  # fmt: skip
+            fl_due = fl_rounds.round_due(session, at)
             to_replace = set(session.execute(
                 select(TaskWorker.task_id).where(TaskWorker.state.in_([s.value for s in WORKER_FAILURES]), TaskWorker.replaced_by.is_(None)).distinct()  # type: ignore[attr-defined,union-attr]
             ).scalars())  # fmt: skip
@@ -138,8 +158,9 @@ class TaskController:
                 or (deadline is not None and at >= deadline and t.state != _T.PAUSED.value)
                 or any(states.get((w.target_kind, w.target_id)) in gone or at - (utc(w.last_report_at) or utc(w.created_at)) > silent for w in active)
                 or (t.chunks_total is not None and (t.chunks_done == t.chunks_total or t.id in waiting_chunks))
-                or (t.chunks_total is None and (t.id in to_replace or not any(w.role != SPLIT_TAIL for w in active)))
+                or (t.chunks_total is None and (t.id in to_replace or not any(w.role not in NODE_ROLES for w in active)))
                 or (t.type == split.TYPE and {w.target_id for w in active if w.role == SPLIT_TAIL} != {node_of.get(w.target_id) for w in active if w.role != SPLIT_TAIL})
+                or t.id in fl_due
             ):  # fmt: skip
                 due.append(t.id)
         return due
@@ -169,8 +190,10 @@ class TaskController:
                 self._drive_shards(session, task, at)
             else:
                 self._drive_each(session, task, at)
-        if split.is_split(task) and TaskState(task.state) in TASK_ACTIVE:
-            self._tails(session, task, at)
+        if TaskState(task.state) in TASK_ACTIVE and (roles := self._companion_roles(task)) is not None:
+            self._companions(session, task, at, *roles)
+        if fl.is_fl(task) and TaskState(task.state) in TASK_ACTIVE - {_T.PAUSED} and TaskState(task.state) is not _T.PENDING:
+            self._rounds(session, task, at)
         session.add(task)
         return self._changed or before != (task.state, task.reason, task.chunks_done), self._orders
 
@@ -185,6 +208,8 @@ class TaskController:
         found = placement.find(session, svc.placement_of(task), self._model(task), rejected, exclude)
         if training.is_training(task):
             found = training.only_reserved(session, task.id, found)
+        elif fl.is_fl(task):
+            found = fl.keeping_dataset(session, task, found)
         found.eligible.sort(key=lambda c: (-c.weight, c.id))
         return found
 
@@ -328,21 +353,51 @@ class TaskController:
     @staticmethod
     def _counting(session: Session, task: Task) -> list[TaskWorker]:
         """The active workers the task's end waits for (a split task's tails serve its heads; they do not count)."""
-        return [w for w in svc.active_workers(session, task.id) if w.role != SPLIT_TAIL]
+        return [w for w in svc.active_workers(session, task.id) if w.role not in NODE_ROLES]
 
-    def _tails(self, session: Session, task: Task, at: datetime) -> None:
-        """split_inference: a tail on every edge node under a head, none elsewhere (``cloud.split_inference``)."""
+    @staticmethod
+    def _companion_roles(task: Task) -> tuple[str, str] | None:
+        """(device role, node role) of a task whose devices need a worker on their edge node, else None."""
+        if split.is_split(task):
+            return SPLIT_HEAD, SPLIT_TAIL
+        if fl.is_fl(task) and fl.via_edge(fl.spec_of(task)):
+            return "worker", FL_AGGREGATOR
+        return None
+
+    def _rounds(self, session: Session, task: Task, at: datetime) -> None:
+        """federated_training: open, close or retry the round (``cloud.fl.rounds``)."""
         session.flush()
-        changes = split.tail_changes(session, svc.active_workers(session, task.id))
+
+        def put_orders() -> bool:
+            changed = False
+            for worker in svc.active_workers(session, task.id):
+                changed |= svc.put_worker_order(session, worker.target_kind, worker.target_id, svc.build_order(session, task, worker, self.signing))
+            return changed
+
+        def finish(state: TaskState, reason: str) -> None:
+            self._orders |= svc.finish(session, task, state, reason, at)
+
+        done = fl_rounds.drive(session, task, at, put_orders, finish, lambda reason: self._wait(session, task, reason, at))
+        self._orders |= done.orders
+        self._changed |= done.changed
+        if done.closed:
+            self.rounds_closed.add(task.id)
+            self.counters["fl_rounds_closed"] += 1
+
+    def _companions(self, session: Session, task: Task, at: datetime, device_role: str, node_role: str) -> None:
+        """A companion (split tail, federated aggregator) on every edge node under the task's device workers, none
+        elsewhere; a failed one is replaced after the back-off, at most ``max_attempts`` times per node."""
+        session.flush()
+        changes = placement.companion_changes(session, svc.active_workers(session, task.id), device_role, node_role)
         for worker in changes.withdraw:
-            svc.move_worker(session, worker, _W.CANCELED, "no head worker runs under its node any more", at)
+            svc.move_worker(session, worker, _W.CANCELED, f"no {device_role} worker runs under its node any more", at)
             self._orders |= svc.withdraw_worker_order(session, worker.target_kind, worker.target_id, worker.id)
-            svc.hub_log(session, task.id, f"tail {worker.id} on {worker.target_id} withdrawn: no head runs under it", at=at, worker_id=worker.id, target_id=worker.target_id)
+            svc.hub_log(session, task.id, f"{node_role} {worker.id} on {worker.target_id} withdrawn: no {device_role} runs under it", at=at, worker_id=worker.id, target_id=worker.target_id)
             worker.replaced_by = GAVE_UP
             self._changed = True
         ended = list(session.execute(
             select(TaskWorker).where(
-                TaskWorker.task_id == task.id, TaskWorker.role == SPLIT_TAIL, TaskWorker.state.in_([s.value for s in WORKER_FAILURES]),  # type: ignore[attr-defined]
+                TaskWorker.task_id == task.id, TaskWorker.role == node_role, TaskWorker.state.in_([s.value for s in WORKER_FAILURES]),  # type: ignore[attr-defined]
                 TaskWorker.replaced_by.is_(None),  # type: ignore[union-attr]
             ).order_by(TaskWorker.id)
         ).scalars())  # fmt: skip
@@ -351,7 +406,7 @@ class TaskController:
         failures: dict[str, list[TaskWorker]] = defaultdict(list)
         if changes.place:
             for old in session.execute(
-                select(TaskWorker).where(TaskWorker.task_id == task.id, TaskWorker.role == SPLIT_TAIL, TaskWorker.state.in_(failed))  # type: ignore[attr-defined]
+                select(TaskWorker).where(TaskWorker.task_id == task.id, TaskWorker.role == node_role, TaskWorker.state.in_(failed))  # type: ignore[attr-defined]
             ).scalars():  # fmt: skip
                 failures[old.target_id].append(old)
         for node_id in changes.place:
@@ -359,14 +414,14 @@ class TaskController:
             attempt = 1 + len(failures[node_id])
             if attempt > policy.max_attempts:  # its heads fall back to the whole model on their devices
                 if before:
-                    svc.hub_log(session, task.id, f"no new tail on {node_id}: {attempt - 1} failed (max_attempts={policy.max_attempts}); its heads run on their devices", "warning", at)
+                    svc.hub_log(session, task.id, f"no new {node_role} on {node_id}: {attempt - 1} failed (max_attempts={policy.max_attempts})", "warning", at)
                 for old in before:
                     old.replaced_by = GAVE_UP
                 continue
             last = max((utc(old.finished_at) or at for old in failures[node_id]), default=None)
             if last is not None and at < last + timedelta(seconds=policy.delay(attempt)):
                 continue  # the back-off after the tail that failed there
-            new = self._new_worker(session, task, placement.Candidate(TargetKind.NODE, node_id, node_id, 1.0), [], attempt, at, role=SPLIT_TAIL)
+            new = self._new_worker(session, task, placement.Candidate(TargetKind.NODE, node_id, node_id, 1.0), [], attempt, at, role=node_role)
             for old in before:
                 old.replaced_by = new.id
         for old in ended:  # an ended tail whose node needs no new one (no head under it, or a tail runs there): done with
@@ -380,7 +435,7 @@ class TaskController:
         ended = list(session.execute(
             select(TaskWorker).where(
                 TaskWorker.task_id == task.id, TaskWorker.state.in_([s.value for s in WORKER_FAILURES]), TaskWorker.replaced_by.is_(None),  # type: ignore[attr-defined,union-attr]
-                TaskWorker.role != SPLIT_TAIL,
+                TaskWorker.role.not_in(NODE_ROLES),  # type: ignore[attr-defined]
             ).order_by(TaskWorker.id)
         ).scalars())  # fmt: skip
         paused = TaskState(task.state) is _T.PAUSED
@@ -414,7 +469,7 @@ class TaskController:
         waiting = session.execute(
             select(TaskWorker.id).where(
                 TaskWorker.task_id == task.id, TaskWorker.state.in_([s.value for s in WORKER_FAILURES]), TaskWorker.replaced_by.is_(None),  # type: ignore[attr-defined,union-attr]
-                TaskWorker.role != SPLIT_TAIL,
+                TaskWorker.role.not_in(NODE_ROLES),  # type: ignore[attr-defined]
             )
         ).first()  # fmt: skip
         if waiting is not None:

@@ -12,8 +12,8 @@ reused when the same bytes are stored), recorded in ``split_plans`` / ``split_pa
 them can be deleted while the task exists.
 
 **Workers**: each placed device runs a ``head`` worker (placement as for ``inference``: the device must run
-the model); every edge node with a device running a head gets one ``tail`` worker (:func:`tail_changes`, each
-scheduler tick): placed when its node is ONLINE and UNLOCKED, withdrawn (CANCELED) when no head runs under it,
+the model); every edge node with a device running a head gets one ``tail`` worker
+(:func:`cloud.placement.companion_changes`, each scheduler tick): placed when its node is ONLINE and UNLOCKED, withdrawn (CANCELED) when no head runs under it,
 replaced when it ended while heads still need it. Tails do not count for the task's end: the task ends with
 its heads (SUCCEEDED when a head succeeded, ``duration_s``), and then its tails end with it.
 
@@ -24,7 +24,6 @@ whole model (for edge-only), each an ``InputRef`` (signed manifest, download tok
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
 from typing import Any
 
 from sqlalchemy import delete, select
@@ -32,8 +31,7 @@ from sqlmodel import Session
 
 from cloud.errors import BadRequest
 from cloud.placement import installed_version
-from cloud.tables import Artifact, Device, Node, SplitPartRow, SplitPlan, Task, TaskWorker
-from interfaces.lifecycle import AdminState, NodeState
+from cloud.tables import Artifact, SplitPartRow, SplitPlan, Task, TaskWorker
 from interfaces.tasks import (
     MAX_SPLIT_CUTS, SPLIT_DEVICE_ONLY, SPLIT_EDGE_ONLY, SPLIT_HEAD, SPLIT_TAIL, InputRef, Placement, SplitInferenceSpec, SplitOrder, SplitPart,
     TaskType,
@@ -159,30 +157,3 @@ def split_order(session: Session, task: Task, worker: TaskWorker, signing: Any) 
 
 
 # --- tail workers ----------------------------------------------------------------------------------
-
-
-@dataclass
-class TailChanges:
-    wanted: set[str]
-    """edge nodes with a head under them"""
-    covered: set[str]
-    """edge nodes with an active tail"""
-    place: list[str]
-    """wanted nodes without a tail that can take one now (ONLINE, UNLOCKED)"""
-    withdraw: list[TaskWorker]
-    """active tails on nodes without heads"""
-
-
-def tail_changes(session: Session, active: list[TaskWorker]) -> TailChanges:
-    """What the task's tails should become, given its active workers (see the module docstring)."""
-    heads = [w for w in active if w.role == SPLIT_HEAD]
-    tails = {w.target_id: w for w in active if w.role == SPLIT_TAIL}
-    device_ids = [w.target_id for w in heads]
-    node_of = dict(session.execute(select(Device.id, Device.node_id).where(Device.id.in_(device_ids))).all()) if device_ids else {}  # type: ignore[attr-defined]
-    wanted = set(node_of.values())
-    missing = sorted(wanted - tails.keys())
-    ready = {
-        n.id for n in session.execute(select(Node).where(Node.id.in_(missing))).scalars()  # type: ignore[attr-defined]
-        if n.state == NodeState.ONLINE.value and n.admin_state == AdminState.UNLOCKED.value
-    } if missing else set()  # fmt: skip
-    return TailChanges(wanted, set(tails), [n for n in missing if n in ready], [w for node, w in sorted(tails.items()) if node not in wanted])

@@ -463,6 +463,64 @@ class TrainingPlan(SQLModel, table=True):
     head: bytes = Field(sa_column=Column(LargeBinary, nullable=False), description="safetensors: weight [features, classes], bias [classes]")
 
 
+class FlPlan(SQLModel, table=True):
+    """A federated_training task's model cut and the round in progress (everything a restarted hub resumes from)."""
+
+    __tablename__ = "fl_plans"
+
+    task_id: str = Field(primary_key=True, max_length=64)
+    model_artifact_id: str = Field(max_length=64)
+    body_artifact_id: str = Field(max_length=64)
+    layer: dict[str, Any] = Field(sa_column=Column(JSON, nullable=False), description="cloud.incremental.surgery.DenseLayer as JSON")
+    round: int = Field(default=1, description="the round in progress (1-based); rounds + 1 once the last one closed")
+    attempt: int = Field(default=0, description="the attempt of the round in progress; 0: not opened yet")
+    opened_at: datetime | None = Field(default=None, sa_column=Column(DateTime(timezone=True), nullable=True))
+    deadline_at: datetime | None = Field(default=None, sa_column=Column(DateTime(timezone=True), nullable=True))
+    participants: list[str] = Field(default_factory=list, sa_column=Column(JSON, nullable=False), description="devices of the open round attempt")
+    weights: bytes = Field(sa_column=Column(LargeBinary, nullable=False), description="the global layer (safetensors weight, bias) the open round starts from")
+    weights_artifact_id: str | None = Field(default=None, max_length=64, description="the signed artefact the orders point at for those weights")
+    strategy_state: dict[str, Any] = Field(default_factory=dict, sa_column=Column(JSON, nullable=False))
+    strategy_arrays: bytes | None = Field(default=None, sa_column=Column(LargeBinary, nullable=True), description="safetensors: a server optimiser's moments")
+    published_artifact_id: str | None = Field(default=None, max_length=64)
+
+
+class FlUpdateRow(SQLModel, table=True):
+    """One update received for a federated round attempt (a device's, or an edge's combined one)."""
+
+    __tablename__ = "fl_updates"
+    __table_args__ = (Index("ix_fl_updates_round", "task_id", "round", "attempt"),)
+
+    id: int | None = Field(default=None, primary_key=True)
+    task_id: str = Field(max_length=64)
+    round: int
+    attempt: int
+    worker_id: str = Field(max_length=64)
+    contributors: list[str] = Field(sa_column=Column(JSON, nullable=False))
+    num_examples: int
+    data: bytes = Field(sa_column=Column(LargeBinary, nullable=False))
+    metrics: dict[str, float] = Field(default_factory=dict, sa_column=Column(JSON, nullable=False))
+    stale: bool = Field(default=False, description="arrived after its round closed; fused into a later round (late_updates=stale)")
+    used_in: int | None = Field(default=None, description="the round whose fusion used it")
+    received_at: datetime = Field(sa_column=Column(DateTime(timezone=True), nullable=False))
+
+
+class FlRoundRow(SQLModel, table=True):
+    """A closed federated round: who took part, what it measured."""
+
+    __tablename__ = "fl_rounds"
+
+    task_id: str = Field(primary_key=True, max_length=64)
+    round: int = Field(primary_key=True)
+    attempts: int
+    participants: int
+    contributors: int
+    stale: int = 0
+    opened_at: datetime = Field(sa_column=Column(DateTime(timezone=True), nullable=False))
+    closed_at: datetime = Field(sa_column=Column(DateTime(timezone=True), nullable=False))
+    reason: str = Field(default="", max_length=512)
+    metrics: dict[str, float] = Field(default_factory=dict, sa_column=Column(JSON, nullable=False))
+
+
 class SplitPlan(SQLModel, table=True):
     """How a split_inference task cut its model (the parts are ``split_parts`` rows)."""
 

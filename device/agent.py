@@ -65,6 +65,7 @@ from device.commands import Commands, failure
 from device.connection import PahoLog, parse_mqtt_url, reconnect_delay, tls_context
 from device.desired import DesiredStore
 from device.errors import ConfigError, IdentityError, NotRunning, OutboxFull
+from device.fl import FlChannel
 from device.heartbeat import Heartbeats
 from device.identity import Enrolment, IdentityStore
 from device.local_data import LocalDatasets
@@ -94,6 +95,7 @@ from interfaces.topics import (
     DEVICE_CMD_REPLY,
     DEVICE_DESIRED,
     DEVICE_EVENTS,
+    DEVICE_FL,
     DEVICE_HEARTBEAT,
     DEVICE_INFER_REPLY,
     DEVICE_REPORTED,
@@ -201,7 +203,9 @@ class Device:
         self.datasets = LocalDatasets(self.data_dir / "datasets", on_change=self._report_local_state)
         self.infer = InferChannel(device_id, self._publish_raw)
         """split inference: requests to the edge's tail workers (a ``split_inference`` head worker uses it)"""
-        self.tasks = WorkerHost(self.data_dir / "tasks", self.models, self._task_event, fetch_inputs, self.datasets, infer=self.infer)
+        self.fl = FlChannel(device_id, self._publish_fl)
+        """federated training: updates to the edge's aggregator (a hierarchical ``federated_training`` worker uses it)"""
+        self.tasks = WorkerHost(self.data_dir / "tasks", self.models, self._task_event, fetch_inputs, self.datasets, infer=self.infer, fl=self.fl)
         for name, handler in model_commands(self.models).items():
             self._commands.register_builtin(name, handler)
 
@@ -577,6 +581,11 @@ class Device:
             with self._stats_lock:
                 self._messages_out += 1
         return info
+
+    def _publish_fl(self, body: BaseModel) -> None:
+        if self._client is None:
+            raise NotRunning("the device has not started")
+        self._publish(DEVICE_FL, body)
 
     def _publish_raw(self, topic: str, payload: bytes, qos: int, properties: Properties) -> bool:
         """Publish bytes as they are (a binary channel: ``infer``); False when not connected."""

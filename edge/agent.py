@@ -7,6 +7,7 @@
                     NodeDeployments (the node's own models and apps, DIR/ota)
                     DeviceRelay (RELAY_* <-> DEVICE_*, outbox)            EnrolmentProxy (HTTP, devices)
                                          TailRouter (devices' infer -> split-inference tails)
+                                         FlRouter (devices' fl -> federated aggregators)
                                          EdgeStore (DIR/edge.db)           ArtifactCache (DIR/artifacts)
 
 When the devices use the hub's broker the agent keeps ONE connection for both roles: the broker takes the
@@ -31,6 +32,7 @@ from edge.identity import IdentityStore
 from edge.link import Link, LinkSettings, parse_mqtt_url, tls_context
 from edge.node import NodeService
 from edge.relay import DeviceRelay
+from edge.fl import FlRouter
 from edge.split import TailRouter
 from edge.store import EdgeStore, LearnedFrom
 
@@ -85,6 +87,8 @@ class EdgeAgent:
         self.store = EdgeStore(Path(config.data_dir) / STORE_FILE)
         self.split = TailRouter()  # split inference: the devices' requests to this node's tail workers
         self.split.attach(self.down)
+        self.fl = FlRouter(config.node_id)  # federated training: the devices' updates to this node's aggregators
+        self.fl.attach(self.down)
         self.artifacts: ArtifactCache | None = None
         try:
             sampler = sampler or ResourceSampler(Path(config.data_dir))
@@ -96,6 +100,7 @@ class EdgeAgent:
                 lambda topic, payload, kind: self.relay.enqueue(topic, payload, kind),
                 signing_key_source=self.identity.load_signing_key,  # an older identity pins it later
                 infer=self.split,
+                fl=self.fl,
             )
             self.node = NodeService(config.node_id, self.store, sampler, config.heartbeat_interval_s, self.deployments)
             self.node.attach(self.up)

@@ -21,7 +21,8 @@ Task workers (DESIGN §4.3): the document's ``tasks`` go to :attr:`NodeDeploymen
 :class:`~device.tasks.host.WorkerHost` over the same models, on the same worker after the deployment
 orders (whenever ``tasks_version`` grows, and at each start). Their events take the same path as the
 progress; their inputs come from the hub like the node's own artefacts (signed manifest, pinned key). A
-``split_inference`` tail worker answers the devices' requests through ``infer`` (:class:`edge.split.TailRouter`).
+``split_inference`` tail worker answers the devices' requests through ``infer`` (:class:`edge.split.TailRouter`); a
+``federated_training`` aggregator takes its devices' updates from ``fl`` (:class:`edge.fl.FlRouter`).
 """
 
 from __future__ import annotations
@@ -56,6 +57,7 @@ from interfaces.topics import NODE_EVENTS, NODE_REPORTED, Topic
 if TYPE_CHECKING:
     from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 
+    from edge.fl import FlRouter
     from edge.split import TailRouter
 
 log = logging.getLogger("aisynergy.edge.deployments")
@@ -82,6 +84,7 @@ class NodeDeployments:
         send_up: SendUp,
         signing_key_source: Callable[[], Ed25519PublicKey | None] | None = None,
         infer: TailRouter | None = None,
+        fl: FlRouter | None = None,
     ) -> None:
         self.node_id = node_id
         self.models = ModelHost(Path(data_dir) / "ota" / "models")
@@ -95,7 +98,7 @@ class NodeDeployments:
         self._send_up = send_up
         self._event_lock = threading.Lock()  # held from taking a seq to storing the event: seqs leave in order
         fetch_inputs = InputFetcher(Path(data_dir) / "tasks" / "inputs", self.updater.signing_key, self.updater.downloader)
-        self.tasks = WorkerHost(Path(data_dir) / "tasks", self.models, self.emit, fetch_inputs, infer=infer)
+        self.tasks = WorkerHost(Path(data_dir) / "tasks", self.models, self.emit, fetch_inputs, infer=infer, fl=fl)
         self._version = -1  # the newest desired version seen
         self._tasks_version = -1  # the newest task orders seen
         self._pending: list[DeploymentOrder] | None = None

@@ -17,7 +17,7 @@ from interfaces.deployments import EXECUTION_EVENT, DeploymentOrder, ExecutionPr
 from interfaces.ids import new_id
 from interfaces.resources import Resources
 from interfaces.tasks import (
-    MAX_WORKERS_PER_TARGET, TASK_LOG_EVENT, TASK_METRICS_EVENT, TASK_OUTPUT_EVENT, TASK_WORKER_EVENT, WorkerLog, WorkerMetrics, WorkerOrder, WorkerOutput, WorkerReport,
+    FL_UPDATE_EVENT, MAX_WORKERS_PER_TARGET, FlUpdate, TASK_LOG_EVENT, TASK_METRICS_EVENT, TASK_OUTPUT_EVENT, TASK_WORKER_EVENT, WorkerLog, WorkerMetrics, WorkerOrder, WorkerOutput, WorkerReport,
 )  # fmt: skip
 from interfaces.text import NoNul
 
@@ -74,6 +74,13 @@ class ReportedBody(_Body):
     KIND: ClassVar[str] = "reported"
     version: int = Field(ge=0, description="the desired version this report converged to")
     status: dict[str, Any] = Field(default_factory=dict)
+
+
+class FlUpdateBody(_Body):
+    """A device's federated update on ``fl``, for its edge's aggregator (hierarchical ``federated_training``)."""
+
+    KIND: ClassVar[str] = "fl.update"
+    update: FlUpdate
 
 
 class CommandBody(_Body):
@@ -146,5 +153,6 @@ EVENT_DATA: dict[str, type[BaseModel]] = {
     TASK_LOG_EVENT: WorkerLog,
     TASK_METRICS_EVENT: WorkerMetrics,
     TASK_OUTPUT_EVENT: WorkerOutput,
+    FL_UPDATE_EVENT: FlUpdate,
 }
 """``EventBody.data`` of the event types the hub acts on, by ``EventBody.type`` (other types are stored as they are)."""

@@ -38,7 +38,7 @@ from datetime import datetime
 from enum import StrEnum
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import AwareDatetime, BaseModel, ConfigDict, Field, model_validator
 
 from interfaces.deployments import ArtifactName, Sha256, SignedManifest, TargetKind, Version
 from interfaces.privacy import DatasetName, Delta, Epsilon, PrivacySpend
@@ -53,7 +53,9 @@ TASK_METRICS_EVENT = "task.metrics"
 """``EventBody.type`` of a worker's metrics sample; ``data`` is a ``WorkerMetrics``."""
 TASK_OUTPUT_EVENT = "task.output"
 """``EventBody.type`` of one finished chunk of outputs; ``data`` is a ``WorkerOutput``."""
-TASK_EVENTS = frozenset({TASK_WORKER_EVENT, TASK_LOG_EVENT, TASK_METRICS_EVENT, TASK_OUTPUT_EVENT})
+FL_UPDATE_EVENT = "fl.update"
+"""``EventBody.type`` of a federated update (a device's, or an edge aggregator's combined one); ``data`` is an ``FlUpdate``."""
+TASK_EVENTS = frozenset({TASK_WORKER_EVENT, TASK_LOG_EVENT, TASK_METRICS_EVENT, TASK_OUTPUT_EVENT, FL_UPDATE_EVENT})
 
 MAX_WORKERS_PER_TARGET = 64
 """Worker orders one desired document carries (``DesiredBody.tasks``): a target running this many takes no more."""
@@ -274,6 +276,49 @@ class SplitInferenceSpec(_In):
         return self
 
 
+FL_STRATEGIES = ("fedavg", "fedprox", "fedadam", "median", "trimmed_mean")
+FL_AGGREGATOR = "aggregator"
+"""Worker role of a hierarchical ``federated_training`` task on an edge node (its devices run role ``worker``)."""
+MAX_FL_UPDATE_BYTES = 180 * 1024
+"""Largest safetensors frame of trained weights one ``FlUpdate`` carries (inline, like a chunk's outputs)."""
+
+
+class FederatedTrainingSpec(_In):
+    """Train the last dense layer of an installed model across devices without their data leaving them (seeds/000:
+    several parties, fusion strategies, reset of timed-out local training). Each round every participant starts
+    from the round's global layer, takes ``local_steps`` SGD steps on its own ``dataset`` (on the features of the
+    frozen body, as ``incremental_training``), and sends the trained layer back; the round closes when every
+    participant answered, or at ``round_timeout_s`` with at least ``min_participants`` (k of n), and the strategy
+    fuses what arrived into the next global layer. ``hierarchical``: each edge node combines its devices' updates
+    first (decomposable strategies) and sends one; ``flat``: every device's update goes to the hub. After
+    ``rounds`` rounds the hub publishes the model with the fused layer as a new version."""
+
+    model: ModelRef = Field(description="the installed model whose last dense layer is trained; a missing version is resolved (and pinned) at creation")
+    dataset: DatasetName = Field(description="the name of a dataset each device keeps (it never leaves it)")
+    rounds: int = Field(ge=1, le=10_000)
+    local_steps: int = Field(default=20, ge=1, le=100_000, description="SGD steps per participant per round")
+    batch_size: int = Field(default=32, ge=1, le=65536)
+    learning_rate: float = Field(default=0.1, gt=0, le=1000)
+    strategy: Literal["fedavg", "fedprox", "fedadam", "median", "trimmed_mean"] = "fedavg"
+    strategy_params: dict[str, float] = Field(default_factory=dict, description="fedprox: mu; fedadam: eta, beta_1, beta_2, tau; trimmed_mean: beta")
+    topology: Literal["hierarchical", "flat"] = "hierarchical"
+    min_participants: int = Field(default=1, ge=1, le=10_000, description="k: a round closes at its timeout with at least this many updates")
+    round_timeout_s: float = Field(default=60, ge=0.5, le=86400)
+    max_round_attempts: int = Field(default=3, ge=1, le=100, description="a round short of k at its timeout runs again; after this many tries the task FAILS")
+    late_updates: Literal["drop", "stale"] = Field(default="drop", description="an update for a closed round: dropped, or fused into the next round at weight / (1 + staleness)")
+    max_staleness: int = Field(default=2, ge=1, le=100, description="stale: updates older than this many rounds are dropped")
+    layer: str | None = Field(default=None, min_length=1, max_length=256, description="the tensor feeding the last dense layer (default: found)")
+    output: TrainingOutput = Field(default_factory=TrainingOutput)
+
+    @model_validator(mode="after")
+    def _check(self) -> FederatedTrainingSpec:
+        allowed = {"fedavg": set(), "fedprox": {"mu"}, "fedadam": {"eta", "beta_1", "beta_2", "tau"}, "median": set(), "trimmed_mean": {"beta"}}[self.strategy]
+        unknown = set(self.strategy_params) - allowed
+        if unknown:
+            raise ValueError(f"strategy {self.strategy} takes {sorted(allowed) or 'no parameters'}; unknown: {sorted(unknown)}")
+        return self
+
+
 class AcceleratorRequest(_In):
     type: AcceleratorType
     count: int = Field(default=1, ge=1, le=1024)
@@ -341,7 +386,9 @@ TASK_TYPES: dict[TaskType, TaskTypeInfo] = {
     TaskType.INCREMENTAL_TRAINING: TaskTypeInfo(
         TaskType.INCREMENTAL_TRAINING, IncrementalTrainingSpec, "each", "reschedule", service=False, targets=frozenset({TargetKind.DEVICE}),
     ),
-    TaskType.FEDERATED_TRAINING: TaskTypeInfo(TaskType.FEDERATED_TRAINING, None, "each", "continue", service=False),
+    TaskType.FEDERATED_TRAINING: TaskTypeInfo(
+        TaskType.FEDERATED_TRAINING, FederatedTrainingSpec, "each", "reschedule", service=False, targets=frozenset({TargetKind.DEVICE}),
+    ),
 }
 
 
@@ -513,6 +560,20 @@ class SplitOrder(NoNul):
     whole: InputRef | None = Field(default=None, description="edge orders: the whole model, for edge-only")
 
 
+class FlOrder(NoNul):
+    """What a ``federated_training`` worker needs beyond its spec: the round in progress and its global layer."""
+
+    round: int = Field(ge=1, description="the round in progress (1-based)")
+    attempt: int = Field(default=1, ge=1, description="a round short of k at its timeout runs again as the next attempt")
+    deadline_at: AwareDatetime = Field(description="updates for this round attempt must reach the hub by then")
+    weights: InputRef = Field(description="the round's global layer: a signed safetensors artefact (weight [features, classes], bias [classes])")
+    body: InputRef = Field(description="the frozen body: a signed ONNX artefact, the model's inputs -> feature")
+    base_sha256: Sha256 = Field(description="the installed model the body was cut from")
+    feature: str = Field(min_length=1, max_length=256)
+    via_edge: bool = Field(description="send the update to the edge's aggregator on fl (hierarchical), else as an event to the hub (flat)")
+    participants: list[Id] = Field(default_factory=list, max_length=10_000, description="aggregators: the devices under this node taking part in this round")
+
+
 class WorkerOrder(NoNul):
     """One entry of ``DesiredBody.tasks``: run this worker. Withdrawn: stop it."""
 
@@ -530,6 +591,7 @@ class WorkerOrder(NoNul):
     chunks: list[tuple[int, int]] = Field(default_factory=list, max_length=4096, description="sharded: ranges [first, end) of chunk indices this worker owns; may grow")
     training: TrainingOrder | None = Field(default=None, description="incremental_training: the body, the layer to train and the step limit")
     split: SplitOrder | None = Field(default=None, description="split_inference: the parts of the model this worker runs")
+    fl: FlOrder | None = Field(default=None, description="federated_training: the round in progress")
 
     def input_refs(self) -> list[InputRef]:
         """Every artefact this order makes the worker fetch (the worker host keeps their files, no others)."""
@@ -539,6 +601,8 @@ class WorkerOrder(NoNul):
         if self.split is not None:
             refs += [r for p in self.split.parts for r in (p.head, p.tail) if r is not None]
             refs += [self.split.whole] if self.split.whole is not None else []
+        if self.fl is not None:
+            refs += [self.fl.weights, self.fl.body]
         return refs
 
     def chunk_indices(self) -> list[int]:
@@ -593,3 +657,18 @@ class WorkerOutput(NoNul):
     chunk: int = Field(ge=0)
     items: int = Field(ge=1)
     data: str = Field(min_length=1, max_length=MAX_CHUNK_OUTPUT_BYTES * 4 // 3 + 4)
+
+
+class FlUpdate(NoNul):
+    """``data`` of an ``FL_UPDATE_EVENT`` (and the payload of a device's ``fl`` message to its edge's aggregator): the
+    layer trained in one round attempt by ``contributors`` (one device, or an edge's devices combined: their
+    sample-weighted mean), on ``num_examples`` examples in all."""
+
+    task_id: Id
+    worker_id: Id = Field(description="the reporting worker: the device's, or the edge aggregator's")
+    round: int = Field(ge=1)
+    attempt: int = Field(ge=1)
+    contributors: list[Id] = Field(min_length=1, max_length=10_000, description="the devices whose training is in it")
+    num_examples: int = Field(ge=1)
+    data: str = Field(min_length=1, max_length=MAX_FL_UPDATE_BYTES * 4 // 3 + 4, description="base64 safetensors: weight [features, classes], bias [classes]")
+    metrics: dict[str, float] = Field(default_factory=dict, description="sample-weighted means over the contributors: loss, accuracy (on their own data)")

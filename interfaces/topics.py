@@ -21,6 +21,7 @@ from interfaces.messages import (
     DesiredBody,
     Envelope,
     EventBody,
+    FlUpdateBody,
     HeartbeatBody,
     ReportedBody,
     StateBody,
@@ -54,6 +55,7 @@ class Channel(StrEnum):
     EVENTS = "events"
     INFER = "infer"
     INFER_REPLY = "infer/reply"
+    FL = "fl"
 
 
 _PLACEHOLDER = re.compile(r"\{([a-z_]+)\}")
@@ -155,6 +157,15 @@ DEVICE_INFER_REPLY = Topic(
     binary=True,
 )
 
+DEVICE_FL = Topic(
+    f"{PREFIX}/{Tier.DEVICE}/{{device_id}}/{Channel.FL}",
+    Envelope[FlUpdateBody],  # type: ignore[valid-type]
+    Direction.DEVICE_TO_EDGE,
+    1,
+    False,
+    "federated training, hierarchical: a device's trained layer for its edge's aggregator (the round's global layer comes by reference, in desired)",
+)
+
 
 def _relay(channel: Channel, body: type[BaseModel], up: bool, qos: int, retain: bool, what: str) -> Topic:
     """A device's channel relayed by its edge under the edge's own subtree (so the edge's ACL suffices)."""
@@ -189,7 +200,7 @@ TOPICS: tuple[Topic, ...] = (
     HUB_STATE,
     NODE_STATE, NODE_HEARTBEAT, NODE_DESIRED, NODE_REPORTED, NODE_CMD, NODE_CMD_REPLY, NODE_EVENTS,
     DEVICE_STATE, DEVICE_HEARTBEAT, DEVICE_DESIRED, DEVICE_REPORTED, DEVICE_CMD, DEVICE_CMD_REPLY, DEVICE_EVENTS,
-    DEVICE_INFER, DEVICE_INFER_REPLY,
+    DEVICE_INFER, DEVICE_INFER_REPLY, DEVICE_FL,
     RELAY_STATE, RELAY_HEARTBEAT, RELAY_DESIRED, RELAY_REPORTED, RELAY_CMD, RELAY_CMD_REPLY, RELAY_EVENTS,
 )  # fmt: skip
 

@@ -29,7 +29,7 @@ from cloud.incremental import accounting, surgery
 from cloud.incremental.task import reservation
 from cloud.tables import Artifact, PrivacySpendRow, Task, TaskWorker, TrainingPlan, TrainingResult
 from interfaces.deployments import ArtifactCreate, ArtifactFormat, ArtifactKind, parse_version
-from interfaces.tasks import WORKER_ACTIVE, IncrementalTrainingSpec, WorkerOutput, WorkerState
+from interfaces.tasks import WORKER_ACTIVE, IncrementalTrainingSpec, TrainingOutput, WorkerOutput, WorkerState
 
 log = logging.getLogger("aisynergy.hub.training")
 MAX_ATTEMPTS = 5
@@ -115,8 +115,6 @@ def publish(engine: Engine, signing: Any, blobs: Any) -> int:
 
 
 def _publish_one(engine: Engine, signing: Any, blobs: Any, worker_id: str) -> Artifact:
-    from cloud.artifacts import create_artifact, find_by_identity, read_blob
-    from cloud.errors import Conflict
     from cloud.services.tasks import hub_log
 
     with Session(engine, expire_on_commit=False) as session:
@@ -138,28 +136,37 @@ def _publish_one(engine: Engine, signing: Any, blobs: Any, worker_id: str) -> Ar
             run = accounting.Run(spend.sample_rate, spend.noise_multiplier, result.steps)
             metadata |= {"aisynergy.dp_epsilon": f"{accounting.run_epsilon(run, spend.delta):.6g}", "aisynergy.dp_delta": f"{spend.delta:g}",
                          "aisynergy.dp_noise_multiplier": f"{spend.noise_multiplier:g}", "aisynergy.dp_sample_rate": f"{spend.sample_rate:.6g}"}  # fmt: skip
-        data = surgery.with_layer(surgery.load(read_blob(blobs, base.sha256)), layer, weight, bias, metadata).SerializeToString()
-        name = spec.output.name or base.name
-        versions = [spec.output.version] if spec.output.version else _next_versions(session, name, base.version)
-        artifact = None
-        for version in versions:
-            if find_by_identity(session, ArtifactKind.MODEL.value, name, version) is not None:
-                continue
-            with blobs.writer() as writer:
-                writer.write(data)
-                try:
-                    artifact = create_artifact(session, signing, blobs, ArtifactCreate(kind=ArtifactKind.MODEL, name=name, version=version, format=ArtifactFormat.ONNX), writer)
-                    break
-                except Conflict:
-                    continue
-        if artifact is None:
-            raise RuntimeError(f"no free version of {name} to publish as ({versions[:1]} taken)")
+        artifact = publish_layer(session, signing, blobs, base, layer, weight, bias, metadata, spec.output)
         session.execute(update(TrainingResult).where(TrainingResult.worker_id == worker_id).values(artifact_id=artifact.id, published_at=datetime.now(UTC), error=""))  # type: ignore[arg-type]
         hub_log(session, task.id, f"published model {artifact.name} {artifact.version} ({artifact.id}) trained on {result.device_id} in {result.steps} steps",
                 worker_id=worker_id, target_id=result.device_id)  # fmt: skip
         session.commit()
         log.info("task %s: published %s %s (%s) from %s", task.id, artifact.name, artifact.version, artifact.id, result.device_id)
         return artifact
+
+
+def publish_layer(
+    session: Session, signing: Any, blobs: Any, base: Artifact, layer: surgery.DenseLayer, weight: np.ndarray, bias: np.ndarray, metadata: dict[str, str],
+    output: TrainingOutput,
+) -> Artifact:  # fmt: skip
+    """``base`` with its last dense layer replaced, stored (signed, content-addressed; ``create_artifact`` commits) as
+    ``output.name`` (default: the base's name) ``output.version`` (default: the next free patch version)."""
+    from cloud.artifacts import create_artifact, find_by_identity, read_blob
+    from cloud.errors import Conflict
+
+    data = surgery.with_layer(surgery.load(read_blob(blobs, base.sha256)), layer, weight, bias, metadata).SerializeToString()
+    name = output.name or base.name
+    versions = [output.version] if output.version else _next_versions(session, name, base.version)
+    for version in versions:
+        if find_by_identity(session, ArtifactKind.MODEL.value, name, version) is not None:
+            continue
+        with blobs.writer() as writer:
+            writer.write(data)
+            try:
+                return create_artifact(session, signing, blobs, ArtifactCreate(kind=ArtifactKind.MODEL, name=name, version=version, format=ArtifactFormat.ONNX), writer)
+            except Conflict:
+                continue
+    raise RuntimeError(f"no free version of {name} to publish as ({versions[:1]} taken)")
 
 
 def _next_versions(session: Session, name: str, base: str, tries: int = 1000) -> list[str]:

@@ -9,6 +9,7 @@ speak for another's worker). In arrival order:
   and a back-off (``RetryPolicy.delay``); the scheduler gives them to another worker. A report for a worker
   that already ended is late news and ignored.
 * ``task.log`` lines and ``task.metrics`` samples are kept once each (by event id and line number).
+* ``fl.update`` (``FlUpdate``): a federated round's update, kept or refused by ``cloud.fl.rounds.accept``.
 * ``task.output``: the chunk's outputs are kept if the chunk is ASSIGNED to that worker and the worker is
   still active; the frame must be safetensors whose tensors all have the chunk's row count first. Any
   other copy (a duplicate, a late one from a worker that was declared LOST) is refused and counted: no
@@ -35,12 +36,15 @@ from cloud.services.tasks import ASSIGNED, DONE, PENDING, decode_chunk, hub_log,
 from cloud.tables import Task, TaskChunk, TaskLog, TaskMetric, TaskWorker, TrainingResult
 from interfaces.messages import Envelope, EventBody
 from interfaces.tasks import (
-    TASK_LOG_EVENT, TASK_METRICS_EVENT, TASK_OUTPUT_EVENT, TASK_WORKER_EVENT, WORKER_ACTIVE, TaskState, TaskType, WorkerLog, WorkerMetrics, WorkerOutput,
+    FL_UPDATE_EVENT, TASK_LOG_EVENT, TASK_METRICS_EVENT, TASK_OUTPUT_EVENT, TASK_WORKER_EVENT, WORKER_ACTIVE, FlUpdate, TaskState, TaskType, WorkerLog, WorkerMetrics,
+    WorkerOutput,
     WorkerReport, WorkerState,
 )  # fmt: skip
 
 log = logging.getLogger("aisynergy.hub.tasks")
-_MODELS: dict[str, Any] = {TASK_WORKER_EVENT: WorkerReport, TASK_LOG_EVENT: WorkerLog, TASK_METRICS_EVENT: WorkerMetrics, TASK_OUTPUT_EVENT: WorkerOutput}
+_MODELS: dict[str, Any] = {
+    TASK_WORKER_EVENT: WorkerReport, TASK_LOG_EVENT: WorkerLog, TASK_METRICS_EVENT: WorkerMetrics, TASK_OUTPUT_EVENT: WorkerOutput, FL_UPDATE_EVENT: FlUpdate,
+}
 Report = tuple[str, str, Envelope[EventBody], datetime]  # target kind, target id, the event, when the hub received it
 
 
@@ -97,6 +101,11 @@ def apply(session: Session, reports: list[Report]) -> tuple[Counter[str], bool]:
             outcome = _log(session, task, worker, message, data)
         elif isinstance(data, WorkerMetrics):
             outcome = _metrics(session, task, worker, message, data, at)
+        elif isinstance(data, FlUpdate):
+            from cloud.fl.rounds import accept as accept_fl
+
+            outcome = accept_fl(session, task, kind, target_id, data, at) if task.type == TaskType.FEDERATED_TRAINING.value else "refused"
+            poke |= outcome == "accepted"
         else:
             outcome, wake = _output(session, task, worker, data, at)
             poke |= wake

@@ -20,6 +20,8 @@ Rules:
   privacy budgets at creation and retry (409 ``privacy_budget_exceeded``), the ``training`` part of the
   orders, settling a worker's reservation when it ends and releasing the rest when the task does; its
   outputs are the published model versions and what each run spent.
+* **federated_training** (``cloud.fl``): the model cut and the plan stored at creation, rounds opened and
+  closed by the scheduler, updates kept by ``cloud.fl.rounds.accept``; the output is the published model.
 * **split_inference** (``cloud.split_inference``): the model is cut at creation (its heads and tails stored
   as signed artefacts), devices run ``head`` workers, their edge nodes ``tail`` workers, both with the
   ``split`` part of their orders.
@@ -49,7 +51,7 @@ from interfaces.errors import ErrorCode
 from interfaces.ids import is_id, new_id
 from interfaces.lifecycle import AdminState, NodeState
 from interfaces.tasks import (
-    TASK_ACTIVE, TASK_FINAL, TASK_TRANSITIONS, TASK_TYPES, WORKER_ACTIVE, BatchInferenceSpec, IllegalTaskTransition, IncrementalTrainingSpec, InputRef, MetricSample, SplitInferenceSpec,
+    TASK_ACTIVE, TASK_FINAL, TASK_TRANSITIONS, TASK_TYPES, WORKER_ACTIVE, BatchInferenceSpec, IllegalTaskTransition, IncrementalTrainingSpec, InputRef, MetricSample, SplitInferenceSpec, FederatedTrainingSpec,
     Placement, RetryPolicy, TaskAction, TaskCreate, TaskDetail, TaskLogLine, TaskMetrics, TaskOutputs, TaskProgress, TaskPublic, TaskState,
     TaskTransition, TaskType, TaskTypeInfo, TensorInfo, WorkerAction, WorkerOrder, WorkerPublic, WorkerState, worker_path,
 )  # fmt: skip
@@ -194,7 +196,7 @@ def build_order(session: Session, task: Task, worker: TaskWorker, signing: Any) 
         token = signing.issue_download_token(artifact.id, artifact.sha256, worker.target_id, ttl_s=TOKEN_TTL_S)
         inputs = InputRef(artifact_id=artifact.id, signed_manifest=signed_manifest(artifact), path=f"/artifacts/{artifact.id}/content", token=token)
         chunks = ranges(owned_chunks(session, worker.id))
-    training = split = None
+    training = split = fl = None
     if task.type == TaskType.INCREMENTAL_TRAINING.value:
         from cloud.incremental.task import training_order
 
@@ -203,11 +205,15 @@ def build_order(session: Session, task: Task, worker: TaskWorker, signing: Any) 
         from cloud.split_inference import split_order
 
         split = split_order(session, task, worker, signing)
+    elif task.type == TaskType.FEDERATED_TRAINING.value:
+        from cloud.fl.task import fl_order
+
+        fl = fl_order(session, task, worker, signing)
     paused = TaskState(task.state) is _T.PAUSED
     return WorkerOrder(
         worker_id=worker.id, task_id=task.id, type=TaskType(task.type), role=worker.role, action=WorkerAction.PAUSE if paused else WorkerAction.RUN,
         attempt=worker.attempt, spec=task.spec, heartbeat_s=task.heartbeat_s, inputs=inputs, items=task.items_total, chunk_size=task.chunk_size,
-        chunks=chunks or [], training=training, split=split,
+        chunks=chunks or [], training=training, split=split, fl=fl,
     )  # fmt: skip
 
 
@@ -334,6 +340,10 @@ def create(session: Session, body: TaskCreate, blobs: Any, signing: Any = None) 
         from cloud.incremental.task import admit
 
         task.spec = admit(session, task, spec, body.placement, blobs, signing).model_dump(mode="json", exclude_none=True)
+    elif isinstance(spec, FederatedTrainingSpec):
+        from cloud.fl.task import admit as admit_fl
+
+        task.spec = admit_fl(session, task, spec, body.placement, blobs, signing).model_dump(mode="json", exclude_none=True)
     elif isinstance(spec, SplitInferenceSpec):
         from cloud.split_inference import admit as admit_split
 
@@ -431,6 +441,10 @@ def delete_task(session: Session, task_id: str) -> None:
         from cloud.split_inference import forget as forget_split
 
         forget_split(session, task.id)
+    elif task.type == TaskType.FEDERATED_TRAINING.value:
+        from cloud.fl.task import forget as forget_fl
+
+        forget_fl(session, task.id)
     session.delete(task)
     session.commit()
 
@@ -583,6 +597,12 @@ def outputs(session: Session, task_id: str) -> TaskOutputs:
         spends = session.execute(select(PrivacySpendRow).where(PrivacySpendRow.task_id == task.id).order_by(PrivacySpendRow.id)).scalars()  # type: ignore[arg-type]
         privacy = [spend_to_wire(r) for r in spends]
         complete = TaskState(task.state) in TASK_FINAL and bool(artifacts) and not unpublished(session, task.id)
+    elif task.type == TaskType.FEDERATED_TRAINING.value:
+        from cloud.tables import FlPlan
+
+        plan = session.get(FlPlan, task.id)
+        artifacts = [plan.published_artifact_id] if plan is not None and plan.published_artifact_id else []
+        complete = bool(artifacts)
     return TaskOutputs(
         task_id=task.id, state=TaskState(task.state), complete=complete, items_total=task.items_total, items_done=items_done(task, session),
         tensors=tensors, content_url=f"/tasks/{task.id}/outputs/content" if task.chunks_total else None, artifacts=artifacts, privacy=privacy,

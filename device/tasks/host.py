@@ -56,16 +56,19 @@ class WorkerHost:
     (:class:`~device.tasks.inputs.InputFetcher`; with a ``prune`` method, it is told which inputs the
     orders still name: datasets, training bodies, split parts). ``datasets``: the device's local datasets, which
     training workers read. ``infer``: the split-inference channel (a device's
-    :class:`~device.split.channel.InferChannel`, an edge's :class:`~edge.split.TailRouter`).
+    :class:`~device.split.channel.InferChannel`, an edge's :class:`~edge.split.TailRouter`). ``fl``: the federated
+    channel (a device's :class:`~device.fl.FlChannel`, an edge's :class:`~edge.fl.FlRouter`).
     """
 
     def __init__(
         self, data_dir: str | Path, models: ModelHost, emit: Emit, fetch_inputs: FetchInputs, datasets: LocalDatasets | None = None, infer: Any = None,
+        fl: Any = None,
     ) -> None:  # fmt: skip
         self.root = Path(data_dir)
         self.models = models
         self.datasets = datasets
         self.infer = infer
+        self.fl = fl
         self._emit, self._fetch_inputs = emit, fetch_inputs
         self._lock = threading.Lock()  # workers, finished records
         self._workers: dict[str, Worker] = {}
@@ -116,7 +119,7 @@ class WorkerHost:
                 self._repeated.add(order.worker_id)
                 self._send_again(record.report)
             return
-        worker = Worker(order, _program(order.type), self.models, self._fetch_inputs, self._emit, self._ended, self._poke, self.datasets, self.infer)
+        worker = Worker(order, _program(order.type), self.models, self._fetch_inputs, self._emit, self._ended, self._poke, self.datasets, self.infer, self.fl)
         self._workers[order.worker_id] = worker
         self._start_ticker()
         worker.start()

@@ -33,7 +33,7 @@ log = logging.getLogger("aisynergy.device.tasks")
 
 FORMATS = {
     ArtifactKind.DATASET: frozenset({ArtifactFormat.NPY, ArtifactFormat.SAFETENSORS}),
-    ArtifactKind.MODEL: frozenset({ArtifactFormat.ONNX}),
+    ArtifactKind.MODEL: frozenset({ArtifactFormat.ONNX, ArtifactFormat.SAFETENSORS}),  # a model file; a federated round's global layer
 }
 """what a task may fetch: kind -> formats"""
 
@@ -82,7 +82,7 @@ class InputFetcher:
         except (VerificationError, ValueError) as exc:
             raise Rejected(f"inputs {ref.artifact_id}: {exc}") from exc
         if m.format not in FORMATS.get(m.kind, ()):
-            raise Rejected(f"inputs {ref.artifact_id} are a {m.kind.value} in format {m.format.value}, not a dataset (npy, safetensors) or an onnx model")
+            raise Rejected(f"inputs {ref.artifact_id} are a {m.kind.value} in format {m.format.value}, not a dataset (npy, safetensors) or a model (onnx, safetensors)")
         target = self.root / f"{m.sha256}.{m.format.value}"
         with self._lock_for(m.sha256):
             if target.exists():

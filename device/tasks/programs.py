@@ -21,6 +21,7 @@ PROGRAMS: dict[TaskType, str] = {
     TaskType.INFERENCE: "device.tasks.serve:run",
     TaskType.INCREMENTAL_TRAINING: "device.tasks.incremental:run",
     TaskType.SPLIT_INFERENCE: "device.tasks.split:run",
+    TaskType.FEDERATED_TRAINING: "device.tasks.federated:run",
 }
 """type -> ``module:function`` of its program"""
 

@@ -100,12 +100,15 @@ class Worker:
     def __init__(
         self, order: WorkerOrder, program: Program, models: ModelHost, fetch_inputs: FetchInputs, emit: Emit,
         on_end: Callable[[Worker, WorkerReport], None], poke: Callable[[], None], datasets: LocalDatasets | None = None, infer: Any = None,
+        fl: Any = None,
     ) -> None:  # fmt: skip
         self.models, self.fetch_inputs = models, fetch_inputs
         self.datasets = datasets
         """the target's local datasets (a device's; None on an edge node)"""
         self.infer = infer
         """the split-inference channel: a device's ``InferChannel`` (requests), an edge's ``TailRouter`` (answers)"""
+        self.fl = fl
+        """the federated channel: a device's ``FlChannel`` (updates to its edge), an edge's ``FlRouter`` (its devices' updates)"""
         self.items_done = 0
         """inputs finished (this run): the program counts them; reports carry them"""
         self.state, self.detail = WorkerState.QUEUED, ""
@@ -275,11 +278,16 @@ class Worker:
                 f"carries; lower chunk_size (about {fit} inputs per chunk fit)"
             )
         data = base64.b64encode(frame).decode("ascii")
-        doc = WorkerOutput(worker_id=self.worker_id, task_id=self.task_id, chunk=chunk, items=items, data=data).model_dump(mode="json")
+        self.event(TASK_OUTPUT_EVENT, WorkerOutput(worker_id=self.worker_id, task_id=self.task_id, chunk=chunk, items=items, data=data))
+
+    def event(self, type: str, body: BaseModel) -> None:
+        """Send one result event (an output, a federated update): never dropped, a full outbox holds the worker
+        back until the broker catches up (a stopping worker gives up)."""
+        doc = body.model_dump(mode="json")
         delay = 0.01
-        while True:  # outputs are never dropped: a full outbox holds the worker back until the broker catches up
+        while True:
             try:
-                self._emit(TASK_OUTPUT_EVENT, doc, "info")
+                self._emit(type, doc, "info")
                 return
             except OutboxFull:
                 if self.stopping:

@@ -242,6 +242,7 @@ class HeadTrainer:
     """DP-SGD on (``weight`` d x c, ``bias`` c) over ``features`` (n x d) and integer ``labels`` (n) in [0, c).
 
     ``sample_rate`` is q (each example's chance to be in a batch); the expected batch size is q·n.
+    ``proximal_mu`` > 0: FedProx, the step also pulls towards the starting layer (``mu (theta - theta_0)``).
     ``augmented``: ``features`` already end in a column of ones (``body_features(..., with_ones=True)``) and are
     used as they are, not copied. ``noise_ahead``: draw the noise on a thread (default: with more than one core).
     Raises ``ValueError`` for shapes or labels that do not fit. :meth:`close` (or
@@ -251,6 +252,7 @@ class HeadTrainer:
     def __init__(
         self, weight: np.ndarray, bias: np.ndarray, features: np.ndarray, labels: np.ndarray, *, learning_rate: float, clip_norm: float,
         noise_multiplier: float, sample_rate: float, seed: int | None = None, augmented: bool = False, noise_ahead: bool | None = None,
+        proximal_mu: float = 0.0,
     ) -> None:  # fmt: skip
         weight, bias = np.asarray(weight), np.asarray(bias)
         features, labels = np.asarray(features), np.asarray(labels)
@@ -268,6 +270,9 @@ class HeadTrainer:
             raise ValueError(f"sample_rate must be in (0, 1]; got {sample_rate}")
         self.theta = np.vstack([weight, bias[None, :]]).astype(DTYPE)
         """[W; b]: the layer, the bias as its last row"""
+        self.proximal_mu = proximal_mu
+        self.anchor = self.theta.copy() if proximal_mu > 0 else None
+        """FedProx: the round's global layer; each step adds ``mu (theta - anchor)`` to the gradient"""
         self.features = features if augmented and features.dtype == DTYPE and features.flags.c_contiguous else augment(features[:, : weight.shape[0]])
         self.sq_norms = np.einsum("ij,ij->i", self.features, self.features)  # ||f||² + 1, fixed: the body is frozen
         self.labels = labels.astype(np.int64, copy=False)
@@ -307,6 +312,8 @@ class HeadTrainer:
             self.theta, self.features[index], self.labels[index], clip_norm=self.clip_norm, noise=self.noise, sq_norms=self.sq_norms[index], want_loss=True,
         )  # fmt: skip
         grad *= DTYPE(self.learning_rate / max(self.expected_batch, 1e-12))
+        if self.anchor is not None:  # the proximal term is not private data: it needs no clipping or noise
+            grad += DTYPE(self.learning_rate * self.proximal_mu) * (self.theta - self.anchor)
         self.theta -= grad
         self.steps += 1
         n = len(index)

@@ -393,7 +393,11 @@ def test_inputs_that_do_not_fit_the_model_fail_with_the_runtime_message(
     assert host.workers()[0].state == "FAILED"
 
 
-def test_an_order_of_a_type_without_a_program_is_rejected(make_host: Callable[..., tuple[WorkerHost, Events]]) -> None:
+def test_an_order_of_a_type_without_a_program_is_rejected(make_host: Callable[..., tuple[WorkerHost, Events]], monkeypatch: pytest.MonkeyPatch) -> None:
+    # a target built without one of the programs (a board that ships no training, say)
+    import device.tasks.programs as programs
+
+    monkeypatch.delitem(programs.PROGRAMS, TaskType.FEDERATED_TRAINING)
     host, events = make_host()
     order = WorkerOrder(worker_id="wk-fl", task_id="tk-fl", type=TaskType.FEDERATED_TRAINING, spec={})
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import signal
 import subprocess
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -47,6 +48,9 @@ class DevStack:
         with self.hub.client("operator") as api:
             device_id = api.post("/devices", json={"node_id": self.node_id, "name": name, "model": "test-board"}).json()["id"]
             token = api.post(f"/devices/{device_id}/bootstrap-token", json={}).json()["bootstrap_token"]
+        acl = self.data / "devices-broker" / "acl"  # the broker reloads its access file a moment after the hub writes it
+        wait_for(lambda: acl.exists() and device_id in acl.read_text(), 10, what="the devices' broker knows the device")
+        time.sleep(0.3)
         dev = Device(device_id, self.data / name, enrol_url=self.enrol_url, bootstrap_token=token)
         for command, handler in (handlers or {}).items():
             dev.command(command)(handler)

@@ -11,7 +11,6 @@ and are reported as fallbacks; once the edge is back the requests cross again.
 from __future__ import annotations
 
 import signal
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -43,18 +42,9 @@ def _api(stack: DevStack, method: str, path: str, role: str = "operator", **kw: 
 
 
 def _device(stack: DevStack, name: str) -> Any:
-    """A device registered at the hub and started in this process, once the devices' broker lets it in."""
-    from device.agent import Device
-
-    device_id = _api(stack, "POST", "/devices", json={"node_id": stack.node_id, "name": name, "model": "test-board"})["id"]
-    token = _api(stack, "POST", f"/devices/{device_id}/bootstrap-token", json={})["bootstrap_token"]
-    acl = stack.data / "devices-broker" / "acl"
-    wait_for(lambda: acl.exists() and device_id in acl.read_text(), 10, what="the devices' broker knows the device")
-    time.sleep(0.3)
-    dev = Device(device_id, stack.data / name, enrol_url=stack.enrol_url, bootstrap_token=token)
-    dev.start()
-    stack.devices.append(dev)
-    wait_for(lambda: stack.device_state(device_id) == "ONLINE", 60, what="the device ONLINE")
+    """A device registered at the hub and started in this process, ONLINE."""
+    dev = stack.add_device(name)
+    wait_for(lambda: stack.device_state(dev.device_id) == "ONLINE", 60, what="the device ONLINE")
     return dev
 
 

@@ -1,0 +1,346 @@
+"""Federated rounds on the hub (DESIGN §5, seeds/000): updates in, rounds opened and closed, the model published.
+
+Every decision is taken from ``fl_plans`` / ``fl_updates`` on the scheduler's tick, so a restarted hub resumes a
+task at the round it was in (its open round keeps its deadline; updates stored before the restart count).
+
+**A round attempt opens** (:func:`drive`) when no round is open, the round's global layer is stored as a signed
+artefact (:func:`prepare`) and at least ``min_participants`` device workers run: its participants are those
+devices, its deadline ``now + round_timeout_s``; every worker's order is updated (the devices train, the
+aggregators wait for their devices).
+
+**Updates** (:func:`accept`, in the ingest's transaction): an ``fl.update`` counts when it comes from the worker it
+names, on its own target: a device's worker reports itself; an edge's aggregator reports devices under its node.
+The layer must be float32 ``weight`` / ``bias`` of the plan's shapes with finite values; its contributors must be
+participants of the open attempt that have not contributed yet (a repeat is refused: nobody is counted twice).
+An update for an earlier round or attempt is *late*: dropped (``late_updates: drop``), or kept as *stale* for the
+next fusion (``stale``, at most ``max_staleness`` rounds old, weighted ``n / (1 + staleness)``).
+
+**A round attempt closes** when every participant's update is in, or at its deadline with at least
+``min_participants`` (k of n); the strategy (``interfaces.aggregation``, its state kept in the plan) fuses the
+updates into the next global layer; the round's metrics (sample-weighted loss and accuracy the participants
+measured on their own data, counts, duration) go to ``fl_rounds`` and the task's metrics (worker ``hub``). A
+participant that did not answer is not waited for: the next round's order resets it to the new global layer
+(seeds/000: "reset timed-out local training"). At the deadline with fewer than k the round runs again as the
+next attempt (same global layer), at most ``max_round_attempts`` times, then the task FAILS.
+
+**The end**: after ``rounds`` rounds :func:`prepare` publishes the model with the fused layer as a new version
+(``output``, as incremental training does) and the task SUCCEEDS.
+"""
+
+from __future__ import annotations
+
+import base64
+import logging
+import math
+from datetime import datetime, timedelta
+from typing import Any
+
+import numpy as np
+from sqlalchemy import select, update
+from sqlalchemy.engine import Engine
+from sqlmodel import Session
+
+from cloud.convert import utc
+from cloud.fl.task import spec_of, via_edge
+from cloud.incremental import surgery
+from cloud.tables import Artifact, Device, FlPlan, FlRoundRow, FlUpdateRow, Task, TaskMetric, TaskWorker
+from interfaces.aggregation import ClientUpdate, Strategy, strategy_from_spec, strategy_from_state, weighted_metrics
+from interfaces.deployments import ArtifactCreate, ArtifactFormat, ArtifactKind
+from interfaces.tasks import FL_AGGREGATOR, TASK_ACTIVE, WORKER_ACTIVE, FederatedTrainingSpec, FlUpdate, TaskState
+
+log = logging.getLogger("aisynergy.hub.fl")
+HUB_WORKER = "hub"
+"""``worker_id`` of the per-round metrics the hub records for a federated task"""
+
+
+# --- updates ---------------------------------------------------------------------------------------
+
+
+def accept(session: Session, task: Task, kind: str, target_id: str, data: FlUpdate, at: datetime) -> str:
+    """Keep or refuse one update (see the module docstring); the outcome: accepted, stale, late, duplicate, refused."""
+    plan = session.get(FlPlan, task.id, with_for_update=True)
+    worker = session.get(TaskWorker, data.worker_id)
+    if plan is None or worker is None or worker.task_id != task.id or (worker.target_kind, worker.target_id) != (kind, target_id):
+        return "refused"
+    if worker.role == FL_AGGREGATOR:
+        under = set(session.execute(select(Device.id).where(Device.node_id == target_id, Device.id.in_(data.contributors))).scalars())  # type: ignore[attr-defined]
+        if under != set(data.contributors):
+            return "refused"
+    elif data.contributors != [target_id]:
+        return "refused"
+    layer = surgery.DenseLayer.from_json(plan.layer)
+    try:
+        frame = base64.b64decode(data.data, validate=True)
+        _layer(frame, layer)
+    except ValueError as exc:
+        log.warning("task %s: refused an update from %s: %s", task.id, data.worker_id, exc)
+        return "refused"
+    spec = spec_of(task)
+    row = FlUpdateRow(
+        task_id=task.id, round=data.round, attempt=data.attempt, worker_id=data.worker_id, contributors=list(data.contributors),
+        num_examples=data.num_examples, data=frame, metrics={k: float(v) for k, v in data.metrics.items() if math.isfinite(v)}, received_at=at,
+    )  # fmt: skip
+    if plan.attempt > 0 and (data.round, data.attempt) == (plan.round, plan.attempt):
+        if not set(data.contributors) <= set(plan.participants):
+            return "refused"
+        seen = _contributors(session, task.id, plan.round, plan.attempt)
+        if seen & set(data.contributors):
+            return "duplicate"
+        session.add(row)
+        if seen | set(data.contributors) >= set(plan.participants):
+            plan.deadline_at = min(utc(plan.deadline_at) or at, at)  # everyone answered: close at the next look
+            session.add(plan)
+        return "accepted"
+    if (data.round, data.attempt) < (plan.round, plan.attempt) or data.round < plan.round:
+        if spec.late_updates == "stale" and data.round < plan.round and plan.round - data.round <= spec.max_staleness:
+            row.stale = True
+            session.add(row)
+            return "stale"
+        return "late"
+    return "refused"  # a round that has not opened
+
+
+def _contributors(session: Session, task_id: str, round: int, attempt: int) -> set[str]:
+    rows = session.execute(
+        select(FlUpdateRow.contributors).where(FlUpdateRow.task_id == task_id, FlUpdateRow.round == round, FlUpdateRow.attempt == attempt,
+                                               FlUpdateRow.stale.is_(False))  # type: ignore[attr-defined]
+    ).scalars()  # fmt: skip
+    return {c for row in rows for c in row}
+
+
+def _layer(frame: bytes, layer: surgery.DenseLayer) -> dict[str, np.ndarray]:
+    from safetensors.numpy import load
+
+    try:
+        tensors = load(frame)
+    except Exception as exc:  # noqa: BLE001 - safetensors' own error types
+        raise ValueError(f"not a safetensors frame: {exc}") from None
+    if set(tensors) != {"weight", "bias"}:
+        raise ValueError(f"the frame holds {sorted(tensors)}, not weight and bias")
+    weight, bias = tensors["weight"], tensors["bias"]
+    if weight.dtype != np.float32 or bias.dtype != np.float32:
+        raise ValueError(f"weight and bias must be float32, not {weight.dtype} and {bias.dtype}")
+    if weight.shape != (layer.features, layer.classes) or bias.shape != (layer.classes,):
+        raise ValueError(f"weight {list(weight.shape)} and bias {list(bias.shape)} do not fit the layer ({layer.features} x {layer.classes})")
+    if not (np.isfinite(weight).all() and np.isfinite(bias).all()):
+        raise ValueError("the layer holds NaN or infinite values")
+    return {"weight": weight, "bias": bias}
+
+
+# --- rounds ----------------------------------------------------------------------------------------
+
+
+class Driven:
+    """What :func:`drive` did: orders changed, a round closed (the caller looks again at once)."""
+
+    def __init__(self) -> None:
+        self.orders = self.closed = self.changed = False
+
+
+def drive(session: Session, task: Task, at: datetime, put_orders: Any, finish: Any, wait: Any) -> Driven:
+    """Open, close or retry the task's round (see the module docstring). ``put_orders()`` rewrites every active
+    worker's order; ``finish(state, reason)`` ends the task; ``wait(reason)`` records why it waits."""
+    from cloud.services.tasks import active_workers, hub_log
+
+    done = Driven()
+    plan = session.get(FlPlan, task.id, with_for_update=True)
+    if plan is None:
+        finish(TaskState.FAILED, "the task's federated plan is gone")
+        return done
+    spec = spec_of(task)
+    if plan.round > spec.rounds:
+        if plan.published_artifact_id:
+            finish(TaskState.SUCCEEDED, f"{spec.rounds} rounds done; published {plan.published_artifact_id}")
+        else:
+            wait("publishing the trained model")
+        return done
+    devices = [w for w in active_workers(session, task.id) if w.role != FL_AGGREGATOR]
+    if plan.attempt == 0:
+        if plan.weights_artifact_id is None:
+            wait(f"storing round {plan.round}'s global layer")
+            return done
+        _open(session, task, plan, spec, devices, 1, at, done, put_orders, wait)
+        return done
+    contributed = _contributors(session, task.id, plan.round, plan.attempt)
+    deadline = utc(plan.deadline_at) or at
+    if at < deadline:
+        return done
+    k = spec.min_participants
+    if contributed >= set(plan.participants) or len(contributed) >= k:
+        _close(session, task, plan, spec, at, done)
+        hub_log(session, task.id, f"round {plan.round - 1} closed with {len(contributed)} of {len(plan.participants)} participants", at=at)
+        return done
+    if plan.attempt >= spec.max_round_attempts:
+        finish(TaskState.FAILED, f"round {plan.round} got {len(contributed)} of the k={k} updates needed in each of {plan.attempt} attempts")
+        return done
+    hub_log(session, task.id, f"round {plan.round} attempt {plan.attempt}: {len(contributed)} of the k={k} updates needed by its deadline; running it again", "warning", at)
+    _open(session, task, plan, spec, devices, plan.attempt + 1, at, done, put_orders, wait)
+    return done
+
+
+def _open(session: Session, task: Task, plan: FlPlan, spec: FederatedTrainingSpec, devices: list[TaskWorker], attempt: int, at: datetime,
+          done: Driven, put_orders: Any, wait: Any) -> None:  # fmt: skip
+    from cloud.services.tasks import hub_log
+
+    running = sorted({w.target_id for w in devices if w.state in {s.value for s in WORKER_ACTIVE}})
+    if len(running) < spec.min_participants:
+        plan.attempt = 0 if attempt == 1 else plan.attempt
+        session.add(plan)
+        wait(f"{len(running)} of the {spec.min_participants} participants needed run a worker")
+        return
+    plan.attempt, plan.participants = attempt, running
+    plan.opened_at, plan.deadline_at = at, at + timedelta(seconds=spec.round_timeout_s)
+    session.add(plan)
+    session.flush()
+    done.orders |= bool(put_orders())
+    done.changed = True
+    what = f"round {plan.round}/{spec.rounds}" + (f" attempt {attempt}" if attempt > 1 else "")
+    hub_log(session, task.id, f"{what} open: {len(running)} participants, {spec.strategy}, deadline in {spec.round_timeout_s:g} s", at=at)
+
+
+def _strategy(plan: FlPlan, spec: FederatedTrainingSpec) -> Strategy:
+    from safetensors.numpy import load
+
+    if plan.strategy_state:
+        return strategy_from_state(plan.strategy_state, load(plan.strategy_arrays) if plan.strategy_arrays else {})
+    return strategy_from_spec(spec.strategy, **spec.strategy_params)
+
+
+def _close(session: Session, task: Task, plan: FlPlan, spec: FederatedTrainingSpec, at: datetime, done: Driven) -> None:
+    from safetensors.numpy import load, save
+
+    layer = surgery.DenseLayer.from_json(plan.layer)
+    fresh = list(session.execute(
+        select(FlUpdateRow).where(FlUpdateRow.task_id == task.id, FlUpdateRow.round == plan.round, FlUpdateRow.attempt == plan.attempt,
+                                  FlUpdateRow.stale.is_(False)).order_by(FlUpdateRow.id)  # type: ignore[attr-defined]
+    ).scalars())  # fmt: skip
+    stale = list(session.execute(
+        select(FlUpdateRow).where(FlUpdateRow.task_id == task.id, FlUpdateRow.stale.is_(True), FlUpdateRow.used_in.is_(None),  # type: ignore[attr-defined,union-attr]
+                                  FlUpdateRow.round >= plan.round - spec.max_staleness).order_by(FlUpdateRow.id)
+    ).scalars()) if spec.late_updates == "stale" else []  # fmt: skip
+    updates = [ClientUpdate(_layer(r.data, layer), r.num_examples, r.metrics, r.worker_id) for r in fresh]
+    updates += [ClientUpdate(_layer(r.data, layer), max(1, round(r.num_examples / (1 + plan.round - r.round))), r.metrics, r.worker_id) for r in stale]
+    strategy = _strategy(plan, spec)
+    new = strategy.aggregate(load(plan.weights), updates)
+    meta, arrays = strategy.state()
+    metrics = weighted_metrics(updates[: len(fresh)])
+    contributors = {c for r in fresh for c in r.contributors}
+    opened = utc(plan.opened_at) or at
+    metrics |= {"round": float(plan.round), "participants": float(len(plan.participants)), "contributors": float(len(contributors)),
+                "stale": float(len(stale)), "round_s": (at - opened).total_seconds(), "examples": float(sum(r.num_examples for r in fresh))}  # fmt: skip
+    session.add(FlRoundRow(
+        task_id=task.id, round=plan.round, attempts=plan.attempt, participants=len(plan.participants), contributors=len(contributors), stale=len(stale),
+        opened_at=opened, closed_at=at, reason="every participant answered" if contributors >= set(plan.participants) else "deadline with k of n",
+        metrics=metrics,
+    ))  # fmt: skip
+    session.add(TaskMetric(task_id=task.id, worker_id=HUB_WORKER, target_id=HUB_WORKER, message_id=f"fl-{task.id}-r{plan.round}", ts=at, values=metrics))
+    ids = [r.id for r in fresh + stale]
+    if ids:
+        session.execute(update(FlUpdateRow).where(FlUpdateRow.id.in_(ids)).values(used_in=plan.round))  # type: ignore[union-attr]
+    plan.weights = save({k: np.ascontiguousarray(v, dtype=np.float32) for k, v in new.items()})
+    plan.strategy_state, plan.strategy_arrays = meta, (save(arrays) if arrays else None)
+    plan.round, plan.attempt, plan.participants = plan.round + 1, 0, []
+    plan.weights_artifact_id, plan.opened_at, plan.deadline_at = None, None, None
+    session.add(plan)
+    done.closed = done.changed = True
+
+
+# --- artefacts (own transactions, on the tick before the tasks are driven) ---------------------------
+
+
+def prepare(engine: Engine, signing: Any, blobs: Any) -> int:
+    """Store each active task's next round's global layer as a signed artefact, and publish the final model of
+    each task past its last round; how many were stored."""
+    with Session(engine) as session:
+        rows = session.execute(
+            select(FlPlan.task_id).join(Task, Task.id == FlPlan.task_id).where(  # type: ignore[arg-type]
+                Task.state.in_([s.value for s in TASK_ACTIVE]), FlPlan.weights_artifact_id.is_(None) | FlPlan.published_artifact_id.is_(None)  # type: ignore[attr-defined,union-attr,operator]
+            )
+        ).scalars().all()  # fmt: skip
+    stored = 0
+    for task_id in rows:
+        try:
+            stored += _prepare_one(engine, signing, blobs, task_id)
+        except Exception:  # noqa: BLE001 - tried again on the next tick
+            log.exception("task %s: storing the federated model failed", task_id)
+    return stored
+
+
+def _prepare_one(engine: Engine, signing: Any, blobs: Any, task_id: str) -> int:
+    with Session(engine, expire_on_commit=False) as session:
+        plan, task = session.get(FlPlan, task_id), session.get(Task, task_id)
+        if plan is None or task is None:
+            return 0
+        spec = spec_of(task)
+        model = session.get(Artifact, plan.model_artifact_id)
+        if model is None:
+            raise LookupError(f"the model of task {task_id} is gone")
+        if plan.round > spec.rounds:
+            if plan.published_artifact_id:
+                return 0
+            artifact = _publish(session, signing, blobs, task, plan, spec, model)
+            session.execute(update(FlPlan).where(FlPlan.task_id == task_id).values(published_artifact_id=artifact.id))  # type: ignore[arg-type]
+        elif plan.weights_artifact_id is None:
+            artifact = _store_weights(session, signing, blobs, task, plan, model)
+            session.execute(update(FlPlan).where(FlPlan.task_id == task_id, FlPlan.round == plan.round).values(weights_artifact_id=artifact.id))  # type: ignore[arg-type]
+        else:
+            return 0
+        session.commit()
+        return 1
+
+
+def _store_weights(session: Session, signing: Any, blobs: Any, task: Task, plan: FlPlan, model: Artifact) -> Artifact:
+    import hashlib
+
+    from cloud.artifacts import create_artifact, find_by_identity
+    from cloud.errors import Conflict
+
+    name = f"{model.name[:100]}.fl"
+    version = f"{model.version.partition('-')[0]}-{task.id.rpartition('-')[2]}.r{plan.round}"
+    existing = find_by_identity(session, ArtifactKind.MODEL.value, name, version)
+    if existing is not None and existing.sha256 == hashlib.sha256(plan.weights).hexdigest():
+        return existing  # stored before a restart
+    if existing is not None:
+        version = f"{version}.{hashlib.sha256(plan.weights).hexdigest()[:8]}"
+    with blobs.writer() as writer:
+        writer.write(plan.weights)
+        try:
+            return create_artifact(session, signing, blobs, ArtifactCreate(kind=ArtifactKind.MODEL, name=name, version=version, format=ArtifactFormat.SAFETENSORS), writer)
+        except Conflict:
+            stored = find_by_identity(session, ArtifactKind.MODEL.value, name, version)
+            if stored is None:
+                raise
+            return stored
+
+
+def _publish(session: Session, signing: Any, blobs: Any, task: Task, plan: FlPlan, spec: FederatedTrainingSpec, model: Artifact) -> Artifact:
+    from safetensors.numpy import load
+
+    from cloud.incremental.results import publish_layer
+    from cloud.services.tasks import hub_log
+
+    layer = surgery.DenseLayer.from_json(plan.layer)
+    fused = load(plan.weights)
+    metadata = {"aisynergy.trained_from": f"{model.name} {model.version}", "aisynergy.task": task.id, "aisynergy.dataset": spec.dataset,
+                "aisynergy.fl_rounds": str(spec.rounds), "aisynergy.fl_strategy": spec.strategy}  # fmt: skip
+    artifact = publish_layer(session, signing, blobs, model, layer, fused["weight"], fused["bias"], metadata, spec.output)
+    hub_log(session, task.id, f"published model {artifact.name} {artifact.version} ({artifact.id}) after {spec.rounds} federated rounds")
+    return artifact
+
+
+def round_due(session: Session, at: datetime) -> set[str]:
+    """Active federated tasks with something for the scheduler: a round to open, a deadline passed (or moved to now
+    because every participant answered), a model published."""
+    rows = session.execute(
+        select(FlPlan.task_id, FlPlan.attempt, FlPlan.deadline_at, FlPlan.weights_artifact_id, FlPlan.published_artifact_id)
+        .join(Task, Task.id == FlPlan.task_id).where(Task.state.in_([s.value for s in TASK_ACTIVE]), Task.held.is_(False))  # type: ignore[arg-type,attr-defined]
+    ).all()  # fmt: skip
+    return {
+        r.task_id for r in rows
+        if (r.attempt == 0 and (r.weights_artifact_id is not None or r.published_artifact_id is not None))
+        or (r.attempt > 0 and r.deadline_at is not None and utc(r.deadline_at) <= at)
+    }  # fmt: skip
+
+
+def uses_via_edge(task: Task) -> bool:
+    return via_edge(spec_of(task))

@@ -1,0 +1,149 @@
+"""The ``federated_training`` task type on the hub (DESIGN §5, seeds/000): admission, placement rules, orders.
+
+**Admission** (:func:`admit`, from ``POST /tasks``): the model is the stored ONNX artefact the spec names (a
+missing version resolved from the placement's devices that keep ``dataset`` and pinned in the stored spec); at
+least ``min_participants`` devices of the placement must keep the dataset and run that model (422 otherwise,
+naming them). The model is cut at the input of its last dense layer (``cloud.incremental.surgery``, as for
+incremental training): the frozen body is a signed model artefact (reused when stored), the layer's weight and
+bias are the first round's global layer. The strategy is built once to check its parameters (422). The plan
+(``fl_plans``) is stored with the task: the round in progress, its deadline and participants, the global layer and
+the strategy's state live there, so that a restarted hub resumes the task at the round it was in.
+
+**Placement**: devices of the placement that run the model and keep the dataset (``datasets`` in their reported
+document); every one that qualifies takes part (``max_nodes`` caps it). ``hierarchical`` tasks with a decomposable
+strategy also run an ``aggregator`` worker on every edge node with a participant under it (placed and withdrawn
+like split inference's tails); median and trimmed mean need every update, so their devices always report to the
+hub directly.
+
+**Orders** (:func:`fl_order`): the round in progress (round, attempt, deadline), the global layer as a signed
+safetensors artefact (one per round: ``<model>.fl`` version ``<model version>-<task>.r<round>``), the body and
+where to send the update (``via_edge``); an aggregator's also lists its devices in the round. No round open yet:
+no ``fl`` part (the worker waits for it).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from sqlalchemy import delete, select
+from sqlmodel import Session
+
+from cloud.convert import utc
+from cloud.errors import BadRequest
+from cloud.incremental import budgets, surgery
+from cloud.placement import Candidates, installed_model, installed_version, matching_devices
+from cloud.tables import Artifact, Device, FlPlan, FlRoundRow, FlUpdateRow, Task, TaskWorker
+from interfaces.aggregation import strategy_from_spec
+from interfaces.tasks import FL_AGGREGATOR, FederatedTrainingSpec, FlOrder, InputRef, Placement, TaskType
+
+log = logging.getLogger("aisynergy.hub.fl")
+TYPE = TaskType.FEDERATED_TRAINING.value
+TOKEN_TTL_S = 7 * 86400
+
+
+def is_fl(task: Task) -> bool:
+    return task.type == TYPE
+
+
+def spec_of(task: Task) -> FederatedTrainingSpec:
+    return FederatedTrainingSpec.model_validate(task.spec)
+
+
+def via_edge(spec: FederatedTrainingSpec) -> bool:
+    """Whether devices send their updates to their edge's aggregator (else to the hub, as events)."""
+    return spec.topology == "hierarchical" and strategy_from_spec(spec.strategy, **spec.strategy_params).decomposable
+
+
+# --- admission -------------------------------------------------------------------------------------
+
+
+def admit(session: Session, task: Task, spec: FederatedTrainingSpec, placement: Placement, blobs: Any, signing: Any) -> FederatedTrainingSpec:
+    """Check and cut (see the module docstring); adds the plan to ``session`` and returns the spec with its version pinned."""
+    from safetensors.numpy import save
+
+    from cloud.artifacts import onnx_model_artifact, read_blob, store_derived_model
+
+    if blobs is None or signing is None:
+        raise RuntimeError("admitting a federated_training task needs the blob store and the signing key")
+    try:
+        strategy_from_spec(spec.strategy, **spec.strategy_params)
+    except ValueError as exc:
+        raise BadRequest(str(exc), status=422) from None
+    keeps = lambda d: budgets.reported_dataset(d, spec.dataset) is not None  # noqa: E731
+    version = spec.model.version or installed_version(session, placement, spec.model.name, keep=keeps)
+    spec = spec.model_copy(update={"model": spec.model.model_copy(update={"version": version})})
+    model = onnx_model_artifact(session, spec.model.name, version, "federated training")
+    able = [d.id for d in matching_devices(session, placement) if keeps(d) and _runs(d, model)]
+    if len(able) < spec.min_participants:
+        raise BadRequest(
+            f"{len(able)} device(s) of the placement keep dataset {spec.dataset} and run {model.name} {model.version}; "
+            f"min_participants is {spec.min_participants}", status=422, able_ids=able[:100],
+        )  # fmt: skip
+    try:
+        graph = surgery.load(read_blob(blobs, model.sha256))
+        layer = surgery.find_dense(graph, spec.layer)
+        weight, bias = surgery.layer_arrays(graph, layer)
+        body = surgery.body(graph, layer).SerializeToString()
+    except surgery.SurgeryError as exc:
+        raise BadRequest(f"model {model.name} {model.version}: {exc}", status=422) from None
+    body_row = store_derived_model(session, signing, blobs, f"{model.name[:123]}.body", model.version, body)
+    session.add(FlPlan(
+        task_id=task.id, model_artifact_id=model.id, body_artifact_id=body_row.id, layer=layer.to_json(), weights=save({"weight": weight, "bias": bias}),
+    ))  # fmt: skip
+    return spec
+
+
+def _runs(device: Device, model: Artifact) -> bool:
+    installed = installed_model(device)
+    return installed is not None and (installed.name, installed.version, installed.sha256) == (model.name, model.version, model.sha256)
+
+
+def keeping_dataset(session: Session, task: Task, found: Candidates) -> Candidates:
+    """The scheduler's candidates cut to the devices that report the task's dataset."""
+    if not found.eligible:
+        return found
+    dataset = spec_of(task).dataset
+    rows = {d.id: d for d in session.execute(select(Device).where(Device.id.in_([c.id for c in found.eligible]))).scalars()}  # type: ignore[attr-defined]
+    kept = [c for c in found.eligible if c.id in rows and budgets.reported_dataset(rows[c.id], dataset) is not None]
+    return Candidates(kept, "" if kept else f"no qualifying device reports dataset {dataset}")
+
+
+def forget(session: Session, task_id: str) -> None:
+    """A deleted task's plan, updates and round history (its artefacts stay and can be deleted now)."""
+    for table in (FlUpdateRow, FlRoundRow, FlPlan):
+        session.execute(delete(table).where(table.task_id == task_id))  # type: ignore[attr-defined]
+
+
+# --- orders ----------------------------------------------------------------------------------------
+
+
+def fl_order(session: Session, task: Task, worker: TaskWorker, signing: Any) -> FlOrder | None:
+    """The worker's ``FlOrder`` for the round in progress; None while no round is open."""
+    from cloud.artifacts import signed_manifest
+
+    plan = session.get(FlPlan, task.id)
+    if plan is None:
+        raise LookupError(f"task {task.id} has no federated plan")
+    if plan.attempt == 0 or plan.weights_artifact_id is None or plan.deadline_at is None:
+        return None
+
+    def ref(artifact_id: str) -> InputRef:
+        artifact = session.get(Artifact, artifact_id)
+        if artifact is None:
+            raise LookupError(f"artefact {artifact_id} of task {task.id}'s federated plan is gone")
+        token = signing.issue_download_token(artifact.id, artifact.sha256, worker.target_id, ttl_s=TOKEN_TTL_S)
+        return InputRef(artifact_id=artifact.id, signed_manifest=signed_manifest(artifact), path=f"/artifacts/{artifact.id}/content", token=token)
+
+    model = session.get(Artifact, plan.model_artifact_id)
+    if model is None:
+        raise LookupError(f"the model of task {task.id}'s federated plan is gone")
+    layer = surgery.DenseLayer.from_json(plan.layer)
+    participants: list[str] = []
+    if worker.role == FL_AGGREGATOR:
+        under = set(session.execute(select(Device.id).where(Device.node_id == worker.target_id, Device.id.in_(plan.participants))).scalars())  # type: ignore[attr-defined]
+        participants = [d for d in plan.participants if d in under]
+    return FlOrder(
+        round=plan.round, attempt=plan.attempt, deadline_at=utc(plan.deadline_at), weights=ref(plan.weights_artifact_id), body=ref(plan.body_artifact_id),
+        base_sha256=model.sha256, feature=layer.feature, via_edge=via_edge(spec_of(task)), participants=participants,
+    )  # fmt: skip
