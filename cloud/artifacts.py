@@ -381,9 +381,11 @@ def artifact_in_use(session: Session, artifact_id: str) -> str | None:
         return None
     if row.kind == ArtifactKind.DATASET.value:
         spec = Task.__table__.c.spec  # type: ignore[attr-defined]
-        task = session.execute(select(Task.id, Task.state).where(spec["inputs"].as_string() == artifact_id).order_by(Task.id).limit(1)).first()
+        task = session.execute(
+            select(Task.id, Task.state).where(or_(spec["inputs"].as_string() == artifact_id, spec["eval_inputs"].as_string() == artifact_id)).order_by(Task.id).limit(1)
+        ).first()  # fmt: skip
         if task is not None:
-            return f"task {task.id} ({task.state}) reads it as its inputs"
+            return f"task {task.id} ({task.state}) reads it as its inputs or its held-out set"
     if row.kind == ArtifactKind.MODEL.value:
         plan = session.execute(
             select(TrainingPlan.task_id).where(or_(TrainingPlan.model_artifact_id == artifact_id, TrainingPlan.body_artifact_id == artifact_id)).order_by(TrainingPlan.task_id).limit(1)

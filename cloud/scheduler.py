@@ -377,7 +377,7 @@ class TaskController:
         def finish(state: TaskState, reason: str) -> None:
             self._orders |= svc.finish(session, task, state, reason, at)
 
-        done = fl_rounds.drive(session, task, at, put_orders, finish, lambda reason: self._wait(session, task, reason, at))
+        done = fl_rounds.drive(session, task, at, put_orders, finish, lambda reason: self._wait(session, task, reason, at), self.blobs)
         self._orders |= done.orders
         self._changed |= done.changed
         if done.closed:

@@ -308,6 +308,9 @@ class FederatedTrainingSpec(_In):
     late_updates: Literal["drop", "stale"] = Field(default="drop", description="an update for a closed round: dropped, or fused into the next round at weight / (1 + staleness)")
     max_staleness: int = Field(default=2, ge=1, le=100, description="stale: updates older than this many rounds are dropped")
     layer: str | None = Field(default=None, min_length=1, max_length=256, description="the tensor feeding the last dense layer (default: found)")
+    eval_inputs: Id | None = Field(
+        default=None, description="a dataset artefact (safetensors: x, and integer labels y) the hub scores each round's global model on (held out at the cloud)",
+    )  # fmt: skip
     output: TrainingOutput = Field(default_factory=TrainingOutput)
 
     @model_validator(mode="after")

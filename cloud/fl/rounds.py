@@ -18,7 +18,8 @@ next fusion (``stale``, at most ``max_staleness`` rounds old, weighted ``n / (1 
 **A round attempt closes** when every participant's update is in, or at its deadline with at least
 ``min_participants`` (k of n); the strategy (``interfaces.aggregation``, its state kept in the plan) fuses the
 updates into the next global layer; the round's metrics (sample-weighted loss and accuracy the participants
-measured on their own data, counts, duration) go to ``fl_rounds`` and the task's metrics (worker ``hub``). A
+measured on their own data, ``eval_accuracy`` / ``eval_loss`` on the held-out set at the cloud when the task has
+one (:mod:`cloud.fl.evaluate`), counts, duration) go to ``fl_rounds`` and the task's metrics (worker ``hub``). A
 participant that did not answer is not waited for: the next round's order resets it to the new global layer
 (seeds/000: "reset timed-out local training"). At the deadline with fewer than k the round runs again as the
 next attempt (same global layer), at most ``max_round_attempts`` times, then the task FAILS.
@@ -137,9 +138,10 @@ class Driven:
         self.orders = self.closed = self.changed = False
 
 
-def drive(session: Session, task: Task, at: datetime, put_orders: Any, finish: Any, wait: Any) -> Driven:
+def drive(session: Session, task: Task, at: datetime, put_orders: Any, finish: Any, wait: Any, blobs: Any = None) -> Driven:
     """Open, close or retry the task's round (see the module docstring). ``put_orders()`` rewrites every active
-    worker's order; ``finish(state, reason)`` ends the task; ``wait(reason)`` records why it waits."""
+    worker's order; ``finish(state, reason)`` ends the task; ``wait(reason)`` records why it waits; ``blobs``: the
+    artefact store (for the held-out set)."""
     from cloud.services.tasks import active_workers, hub_log
 
     done = Driven()
@@ -167,7 +169,7 @@ def drive(session: Session, task: Task, at: datetime, put_orders: Any, finish: A
         return done
     k = spec.min_participants
     if contributed >= set(plan.participants) or len(contributed) >= k:
-        _close(session, task, plan, spec, at, done)
+        _close(session, task, plan, spec, at, done, blobs)
         hub_log(session, task.id, f"round {plan.round - 1} closed with {len(contributed)} of {len(plan.participants)} participants", at=at)
         return done
     if plan.attempt >= spec.max_round_attempts:
@@ -206,7 +208,7 @@ def _strategy(plan: FlPlan, spec: FederatedTrainingSpec) -> Strategy:
     return strategy_from_spec(spec.strategy, **spec.strategy_params)
 
 
-def _close(session: Session, task: Task, plan: FlPlan, spec: FederatedTrainingSpec, at: datetime, done: Driven) -> None:
+def _close(session: Session, task: Task, plan: FlPlan, spec: FederatedTrainingSpec, at: datetime, done: Driven, blobs: Any = None) -> None:
     from safetensors.numpy import load, save
 
     layer = surgery.DenseLayer.from_json(plan.layer)
@@ -228,6 +230,8 @@ def _close(session: Session, task: Task, plan: FlPlan, spec: FederatedTrainingSp
     opened = utc(plan.opened_at) or at
     metrics |= {"round": float(plan.round), "participants": float(len(plan.participants)), "contributors": float(len(contributors)),
                 "stale": float(len(stale)), "round_s": (at - opened).total_seconds(), "examples": float(sum(r.num_examples for r in fresh))}  # fmt: skip
+    if spec.eval_inputs and blobs is not None:
+        metrics |= _evaluate(session, blobs, task, plan, spec, layer, new)
     session.add(FlRoundRow(
         task_id=task.id, round=plan.round, attempts=plan.attempt, participants=len(plan.participants), contributors=len(contributors), stale=len(stale),
         opened_at=opened, closed_at=at, reason="every participant answered" if contributors >= set(plan.participants) else "deadline with k of n",
@@ -243,6 +247,23 @@ def _close(session: Session, task: Task, plan: FlPlan, spec: FederatedTrainingSp
     plan.weights_artifact_id, plan.opened_at, plan.deadline_at = None, None, None
     session.add(plan)
     done.closed = done.changed = True
+
+
+def _evaluate(session: Session, blobs: Any, task: Task, plan: FlPlan, spec: FederatedTrainingSpec, layer: surgery.DenseLayer, new: dict[str, np.ndarray]) -> dict[str, float]:
+    """The new global model's score on the held-out set (nothing when it cannot be computed: logged, the round goes on)."""
+    from cloud.artifacts import read_blob
+    from cloud.fl import evaluate
+
+    body = session.get(Artifact, plan.body_artifact_id)
+    try:
+        if body is None or spec.eval_inputs is None:
+            raise LookupError("the body or the held-out set is gone")
+        x, y = evaluate.load(session, blobs, spec.eval_inputs)
+        feats = evaluate.features((task.id, body.sha256), read_blob(blobs, body.sha256), x, layer.feature)
+        return evaluate.score(feats, y, new["weight"], new["bias"])
+    except Exception:  # noqa: BLE001 - a missing score must not stop the rounds
+        log.exception("task %s: scoring round %s on the held-out set failed", task.id, plan.round)
+        return {}
 
 
 # --- artefacts (own transactions, on the tick before the tasks are driven) ---------------------------

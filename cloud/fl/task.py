@@ -87,6 +87,10 @@ def admit(session: Session, task: Task, spec: FederatedTrainingSpec, placement: 
         body = surgery.body(graph, layer).SerializeToString()
     except surgery.SurgeryError as exc:
         raise BadRequest(f"model {model.name} {model.version}: {exc}", status=422) from None
+    if spec.eval_inputs is not None:
+        from cloud.fl import evaluate
+
+        evaluate.load(session, blobs, spec.eval_inputs, layer.classes)
     body_row = store_derived_model(session, signing, blobs, f"{model.name[:123]}.body", model.version, body)
     session.add(FlPlan(
         task_id=task.id, model_artifact_id=model.id, body_artifact_id=body_row.id, layer=layer.to_json(), weights=save({"weight": weight, "bias": bias}),

@@ -16,6 +16,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+from safetensors.numpy import save
 
 from device.runtime import open_model
 from tests.dp_support import cloud_model, digits
@@ -68,10 +69,11 @@ def test_hierarchical_fedavg_survives_a_participant_that_stops_and_rejoins(stack
     for dev in devices:
         wait_for(lambda dev=dev: "camera" in twin(dev), 30, what="the datasets reported")
     before = _accuracy(cloud_model(), tmp_path / "before.onnx", test_x, test_y)
+    held_out = upload_artifact(stack, save({"x": test_x, "y": test_y}), "dataset", "camera-held-out", "1.0.0", "safetensors")
 
     # Execute: the task; in round 2 one device stops, later it comes back
     spec = {"model": {"name": "digits"}, "dataset": "camera", "rounds": ROUNDS, "local_steps": 40, "batch_size": 32, "learning_rate": 0.5,
-            "min_participants": 2, "round_timeout_s": 4, "topology": "hierarchical"}  # fmt: skip
+            "min_participants": 2, "round_timeout_s": 4, "topology": "hierarchical", "eval_inputs": held_out["id"]}  # fmt: skip
     task = _api(stack, "POST", "/tasks", json={"type": "federated_training", "spec": spec, "placement": {"ids": [dev.device_id for dev in devices]},
                                               "heartbeat_s": 0.5, "retry": {"backoff_s": 0.5, "max_attempts": 5}})  # fmt: skip
     assert task["spec"]["model"]["version"] == "1.0.0"
@@ -100,6 +102,9 @@ def test_hierarchical_fedavg_survives_a_participant_that_stops_and_rejoins(stack
         trained = api.get(f"/artifacts/{published}/content").content
     after = _accuracy(trained, tmp_path / "after.onnx", test_x, test_y)
     assert after > before + 0.3, (before, after)
+    # the hub scored every round's global model on the held-out set: the last score is the published model's
+    assert history[-1]["eval_accuracy"] == pytest.approx(after, abs=1e-9)
+    assert history[-1]["eval_accuracy"] > history[0]["eval_accuracy"] - 0.05
     # the edge combined its devices' updates: the hub received one update per round from the aggregator
     workers = _api(stack, "GET", f"/tasks/{task['id']}/workers", "viewer")
     assert any(w["role"] == "aggregator" and w["target_id"] == stack.node_id for w in workers)
