@@ -482,6 +482,12 @@ class FlPlan(SQLModel, table=True):
     strategy_state: dict[str, Any] = Field(default_factory=dict, sa_column=Column(JSON, nullable=False))
     strategy_arrays: bytes | None = Field(default=None, sa_column=Column(LargeBinary, nullable=True), description="safetensors: a server optimiser's moments")
     published_artifact_id: str | None = Field(default=None, max_length=64)
+    keys: dict[str, dict[str, str]] = Field(
+        default_factory=dict, sa_column=Column(JSON, nullable=False), description="secure aggregation: device -> {worker_id, key}: its worker's X25519 public key",
+    )  # fmt: skip
+    total_examples: int | None = Field(default=None, description="secure aggregation: the open attempt's participants' examples in all")
+    unmasking: list[str] = Field(default_factory=list, sa_column=Column(JSON, nullable=False), description="secure: participants that dropped after masking")
+    reveals: dict[str, dict[str, str]] = Field(default_factory=dict, sa_column=Column(JSON, nullable=False), description="secure: survivor -> dropped -> seed")
 
 
 class FlUpdateRow(SQLModel, table=True):

@@ -17,7 +17,7 @@ from interfaces.deployments import EXECUTION_EVENT, DeploymentOrder, ExecutionPr
 from interfaces.ids import new_id
 from interfaces.resources import Resources
 from interfaces.tasks import (
-    FL_UPDATE_EVENT, MAX_WORKERS_PER_TARGET, FlUpdate, TASK_LOG_EVENT, TASK_METRICS_EVENT, TASK_OUTPUT_EVENT, TASK_WORKER_EVENT, WorkerLog, WorkerMetrics, WorkerOrder, WorkerOutput, WorkerReport,
+    FL_KEY_EVENT, FL_REVEAL_EVENT, FL_UPDATE_EVENT, MAX_WORKERS_PER_TARGET, FlKey, FlReveal, FlUpdate, TASK_LOG_EVENT, TASK_METRICS_EVENT, TASK_OUTPUT_EVENT, TASK_WORKER_EVENT, WorkerLog, WorkerMetrics, WorkerOrder, WorkerOutput, WorkerReport,
 )  # fmt: skip
 from interfaces.text import NoNul
 
@@ -154,5 +154,7 @@ EVENT_DATA: dict[str, type[BaseModel]] = {
     TASK_METRICS_EVENT: WorkerMetrics,
     TASK_OUTPUT_EVENT: WorkerOutput,
     FL_UPDATE_EVENT: FlUpdate,
+    FL_KEY_EVENT: FlKey,
+    FL_REVEAL_EVENT: FlReveal,
 }
 """``EventBody.data`` of the event types the hub acts on, by ``EventBody.type`` (other types are stored as they are)."""

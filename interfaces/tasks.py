@@ -55,7 +55,11 @@ TASK_OUTPUT_EVENT = "task.output"
 """``EventBody.type`` of one finished chunk of outputs; ``data`` is a ``WorkerOutput``."""
 FL_UPDATE_EVENT = "fl.update"
 """``EventBody.type`` of a federated update (a device's, or an edge aggregator's combined one); ``data`` is an ``FlUpdate``."""
-TASK_EVENTS = frozenset({TASK_WORKER_EVENT, TASK_LOG_EVENT, TASK_METRICS_EVENT, TASK_OUTPUT_EVENT, FL_UPDATE_EVENT})
+FL_KEY_EVENT = "fl.key"
+"""``EventBody.type`` of a device's key for secure aggregation (its X25519 public key); ``data`` is an ``FlKey``."""
+FL_REVEAL_EVENT = "fl.reveal"
+"""``EventBody.type`` of a survivor's pair seeds with participants that dropped after masking; ``data`` is an ``FlReveal``."""
+TASK_EVENTS = frozenset({TASK_WORKER_EVENT, TASK_LOG_EVENT, TASK_METRICS_EVENT, TASK_OUTPUT_EVENT, FL_UPDATE_EVENT, FL_KEY_EVENT, FL_REVEAL_EVENT})
 
 MAX_WORKERS_PER_TARGET = 64
 """Worker orders one desired document carries (``DesiredBody.tasks``): a target running this many takes no more."""
@@ -308,6 +312,9 @@ class FederatedTrainingSpec(_In):
     late_updates: Literal["drop", "stale"] = Field(default="drop", description="an update for a closed round: dropped, or fused into the next round at weight / (1 + staleness)")
     max_staleness: int = Field(default=2, ge=1, le=100, description="stale: updates older than this many rounds are dropped")
     layer: str | None = Field(default=None, min_length=1, max_length=256, description="the tensor feeding the last dense layer (default: found)")
+    secure_aggregation: bool = Field(
+        default=False, description="pairwise additive masking: the hub (and an edge) sees only the sum of the participants' layers; fedavg, fedprox, fedadam",
+    )  # fmt: skip
     eval_inputs: Id | None = Field(
         default=None, description="a dataset artefact (safetensors: x, and integer labels y) the hub scores each round's global model on (held out at the cloud)",
     )  # fmt: skip
@@ -319,6 +326,10 @@ class FederatedTrainingSpec(_In):
         unknown = set(self.strategy_params) - allowed
         if unknown:
             raise ValueError(f"strategy {self.strategy} takes {sorted(allowed) or 'no parameters'}; unknown: {sorted(unknown)}")
+        if self.secure_aggregation and self.strategy in ("median", "trimmed_mean"):
+            raise ValueError(f"secure aggregation reveals only the sum of the updates; {self.strategy} needs each of them")
+        if self.secure_aggregation and self.late_updates == "stale":
+            raise ValueError("secure aggregation cannot fuse a late update (its masks cancel only within its round): use late_updates drop")
         return self
 
 
@@ -575,6 +586,10 @@ class FlOrder(NoNul):
     feature: str = Field(min_length=1, max_length=256)
     via_edge: bool = Field(description="send the update to the edge's aggregator on fl (hierarchical), else as an event to the hub (flat)")
     participants: list[Id] = Field(default_factory=list, max_length=10_000, description="aggregators: the devices under this node taking part in this round")
+    secure: bool = Field(default=False, description="secure aggregation: send the layer scaled by n / total_examples, fixed-point, masked (interfaces.secagg)")
+    peers: dict[Id, str] = Field(default_factory=dict, description="secure: every participant's X25519 public key (base64), to derive the pair seeds")
+    total_examples: int | None = Field(default=None, ge=1, description="secure: the participants' examples in all (the scale of each layer)")
+    reveal: list[Id] = Field(default_factory=list, max_length=10_000, description="secure: participants that dropped after masking; survivors reveal their pair seeds with them")
 
 
 class WorkerOrder(NoNul):
@@ -675,3 +690,22 @@ class FlUpdate(NoNul):
     num_examples: int = Field(ge=1)
     data: str = Field(min_length=1, max_length=MAX_FL_UPDATE_BYTES * 4 // 3 + 4, description="base64 safetensors: weight [features, classes], bias [classes]")
     metrics: dict[str, float] = Field(default_factory=dict, description="sample-weighted means over the contributors: loss, accuracy (on their own data)")
+    masked: bool = Field(default=False, description="secure aggregation: weight and bias are uint32 masked encodings (an edge's: their sum)")
+
+
+class FlKey(NoNul):
+    """``data`` of an ``FL_KEY_EVENT``: the X25519 public key a device's worker masks its updates with."""
+
+    task_id: Id
+    worker_id: Id
+    public_key: str = Field(min_length=44, max_length=44, description="base64 of the 32-byte X25519 public key")
+
+
+class FlReveal(NoNul):
+    """``data`` of an ``FL_REVEAL_EVENT``: a survivor's pair seeds with the participants that dropped after masking."""
+
+    task_id: Id
+    worker_id: Id
+    round: int = Field(ge=1)
+    attempt: int = Field(ge=1)
+    seeds: dict[Id, str] = Field(max_length=10_000, description="dropped participant -> base64 of the 32-byte pair seed")

@@ -43,11 +43,11 @@ from sqlmodel import Session
 
 from cloud.convert import utc
 from cloud.fl.task import spec_of, via_edge
-from cloud.incremental import surgery
+from cloud.incremental import budgets, surgery
 from cloud.tables import Artifact, Device, FlPlan, FlRoundRow, FlUpdateRow, Task, TaskMetric, TaskWorker
 from interfaces.aggregation import ClientUpdate, Strategy, strategy_from_spec, strategy_from_state, weighted_metrics
 from interfaces.deployments import ArtifactCreate, ArtifactFormat, ArtifactKind
-from interfaces.tasks import FL_AGGREGATOR, TASK_ACTIVE, WORKER_ACTIVE, FederatedTrainingSpec, FlUpdate, TaskState
+from interfaces.tasks import FL_AGGREGATOR, TASK_ACTIVE, WORKER_ACTIVE, FederatedTrainingSpec, FlKey, FlReveal, FlUpdate, TaskState
 
 log = logging.getLogger("aisynergy.hub.fl")
 HUB_WORKER = "hub"
@@ -69,14 +69,16 @@ def accept(session: Session, task: Task, kind: str, target_id: str, data: FlUpda
             return "refused"
     elif data.contributors != [target_id]:
         return "refused"
+    spec = spec_of(task)
+    if data.masked != spec.secure_aggregation:
+        return "refused"
     layer = surgery.DenseLayer.from_json(plan.layer)
     try:
         frame = base64.b64decode(data.data, validate=True)
-        _layer(frame, layer)
+        _layer(frame, layer, data.masked)
     except ValueError as exc:
         log.warning("task %s: refused an update from %s: %s", task.id, data.worker_id, exc)
         return "refused"
-    spec = spec_of(task)
     row = FlUpdateRow(
         task_id=task.id, round=data.round, attempt=data.attempt, worker_id=data.worker_id, contributors=list(data.contributors),
         num_examples=data.num_examples, data=frame, metrics={k: float(v) for k, v in data.metrics.items() if math.isfinite(v)}, received_at=at,
@@ -87,6 +89,8 @@ def accept(session: Session, task: Task, kind: str, target_id: str, data: FlUpda
         seen = _contributors(session, task.id, plan.round, plan.attempt)
         if seen & set(data.contributors):
             return "duplicate"
+        if plan.unmasking:  # the survivors are revealing their seeds with the dropped: too late to count
+            return "late"
         session.add(row)
         if seen | set(data.contributors) >= set(plan.participants):
             plan.deadline_at = min(utc(plan.deadline_at) or at, at)  # everyone answered: close at the next look
@@ -101,6 +105,51 @@ def accept(session: Session, task: Task, kind: str, target_id: str, data: FlUpda
     return "refused"  # a round that has not opened
 
 
+def accept_key(session: Session, task: Task, kind: str, target_id: str, data: FlKey) -> str:
+    """A device worker's X25519 public key for secure aggregation (its own, for this task); replaces an older one."""
+    plan = session.get(FlPlan, task.id, with_for_update=True)
+    worker = session.get(TaskWorker, data.worker_id)
+    if plan is None or worker is None or worker.task_id != task.id or (worker.target_kind, worker.target_id, worker.role) != (kind, target_id, "worker"):
+        return "refused"
+    if not spec_of(task).secure_aggregation:
+        return "refused"
+    try:
+        if len(base64.b64decode(data.public_key, validate=True)) != 32:
+            raise ValueError("not 32 bytes")
+    except ValueError:
+        return "refused"
+    plan.keys = {**plan.keys, target_id: {"worker_id": worker.id, "key": data.public_key}}
+    session.add(plan)
+    return "accepted"
+
+
+def accept_reveal(session: Session, task: Task, kind: str, target_id: str, data: FlReveal, at: datetime) -> str:
+    """A survivor's pair seeds with the participants that dropped after masking, for the attempt being unmasked."""
+    plan = session.get(FlPlan, task.id, with_for_update=True)
+    worker = session.get(TaskWorker, data.worker_id)
+    if plan is None or worker is None or worker.task_id != task.id or (worker.target_kind, worker.target_id) != (kind, target_id):
+        return "refused"
+    if not plan.unmasking or (data.round, data.attempt) != (plan.round, plan.attempt):
+        return "late"
+    if target_id not in _contributors(session, task.id, plan.round, plan.attempt) or not set(data.seeds) <= set(plan.unmasking):
+        return "refused"
+    try:
+        if any(len(base64.b64decode(seed, validate=True)) != 32 for seed in data.seeds.values()):
+            raise ValueError("a seed is not 32 bytes")
+    except ValueError:
+        return "refused"
+    plan.reveals = {**plan.reveals, target_id: {**plan.reveals.get(target_id, {}), **data.seeds}}
+    if _revealed(session, task.id, plan):
+        plan.deadline_at = min(utc(plan.deadline_at) or at, at)  # unmask at the next look
+    session.add(plan)
+    return "accepted"
+
+
+def _revealed(session: Session, task_id: str, plan: FlPlan) -> bool:
+    """Every survivor revealed its seed with every participant that dropped."""
+    return all(set(plan.reveals.get(s, {})) >= set(plan.unmasking) for s in _contributors(session, task_id, plan.round, plan.attempt))
+
+
 def _contributors(session: Session, task_id: str, round: int, attempt: int) -> set[str]:
     rows = session.execute(
         select(FlUpdateRow.contributors).where(FlUpdateRow.task_id == task_id, FlUpdateRow.round == round, FlUpdateRow.attempt == attempt,
@@ -109,7 +158,7 @@ def _contributors(session: Session, task_id: str, round: int, attempt: int) -> s
     return {c for row in rows for c in row}
 
 
-def _layer(frame: bytes, layer: surgery.DenseLayer) -> dict[str, np.ndarray]:
+def _layer(frame: bytes, layer: surgery.DenseLayer, masked: bool = False) -> dict[str, np.ndarray]:
     from safetensors.numpy import load
 
     try:
@@ -119,11 +168,12 @@ def _layer(frame: bytes, layer: surgery.DenseLayer) -> dict[str, np.ndarray]:
     if set(tensors) != {"weight", "bias"}:
         raise ValueError(f"the frame holds {sorted(tensors)}, not weight and bias")
     weight, bias = tensors["weight"], tensors["bias"]
-    if weight.dtype != np.float32 or bias.dtype != np.float32:
-        raise ValueError(f"weight and bias must be float32, not {weight.dtype} and {bias.dtype}")
+    dtype = np.uint32 if masked else np.float32
+    if weight.dtype != dtype or bias.dtype != dtype:
+        raise ValueError(f"weight and bias must be {np.dtype(dtype).name}{' (masked)' if masked else ''}, not {weight.dtype} and {bias.dtype}")
     if weight.shape != (layer.features, layer.classes) or bias.shape != (layer.classes,):
         raise ValueError(f"weight {list(weight.shape)} and bias {list(bias.shape)} do not fit the layer ({layer.features} x {layer.classes})")
-    if not (np.isfinite(weight).all() and np.isfinite(bias).all()):
+    if not masked and not (np.isfinite(weight).all() and np.isfinite(bias).all()):
         raise ValueError("the layer holds NaN or infinite values")
     return {"weight": weight, "bias": bias}
 
@@ -168,7 +218,20 @@ def drive(session: Session, task: Task, at: datetime, put_orders: Any, finish: A
     if at < deadline:
         return done
     k = spec.min_participants
-    if contributed >= set(plan.participants) or len(contributed) >= k:
+    dropped = set(plan.participants) - contributed
+    if spec.secure_aggregation and dropped and len(contributed) >= k:
+        if not plan.unmasking:  # the survivors' masks with the dropped ones do not cancel: ask them for the seeds
+            plan.unmasking, plan.reveals = sorted(dropped), {}
+            plan.deadline_at = at + timedelta(seconds=spec.round_timeout_s)
+            session.add(plan)
+            session.flush()
+            done.orders |= bool(put_orders())
+            done.changed = True
+            hub_log(session, task.id, f"round {plan.round}: {len(dropped)} participants dropped after masking; the {len(contributed)} others reveal their seeds with them", at=at)
+            return done
+        if not _revealed(session, task.id, plan):
+            contributed = set()  # the sum cannot be unmasked: the attempt runs again below
+    if contributed and (contributed >= set(plan.participants) or len(contributed) >= k):
         _close(session, task, plan, spec, at, done, blobs)
         hub_log(session, task.id, f"round {plan.round - 1} closed with {len(contributed)} of {len(plan.participants)} participants", at=at)
         return done
@@ -185,12 +248,19 @@ def _open(session: Session, task: Task, plan: FlPlan, spec: FederatedTrainingSpe
     from cloud.services.tasks import hub_log
 
     running = sorted({w.target_id for w in devices if w.state in {s.value for s in WORKER_ACTIVE}})
+    if spec.secure_aggregation:  # a participant masks with every other one: it needs the key of their worker as it runs now
+        current = {w.target_id: w.id for w in devices}
+        running = [d for d in running if plan.keys.get(d, {}).get("worker_id") == current.get(d)]
     if len(running) < spec.min_participants:
         plan.attempt = 0 if attempt == 1 else plan.attempt
         session.add(plan)
-        wait(f"{len(running)} of the {spec.min_participants} participants needed run a worker")
+        wait(f"{len(running)} of the {spec.min_participants} participants needed run a worker" + (" and sent their key" if spec.secure_aggregation else ""))
         return
     plan.attempt, plan.participants = attempt, running
+    plan.unmasking, plan.reveals = [], {}
+    if spec.secure_aggregation:
+        rows = {d.id: d for d in session.execute(select(Device).where(Device.id.in_(running))).scalars()}  # type: ignore[attr-defined]
+        plan.total_examples = sum(max(1, (info.rows if (info := budgets.reported_dataset(rows[d], spec.dataset)) else 1)) for d in running if d in rows)
     plan.opened_at, plan.deadline_at = at, at + timedelta(seconds=spec.round_timeout_s)
     session.add(plan)
     session.flush()
@@ -220,12 +290,15 @@ def _close(session: Session, task: Task, plan: FlPlan, spec: FederatedTrainingSp
         select(FlUpdateRow).where(FlUpdateRow.task_id == task.id, FlUpdateRow.stale.is_(True), FlUpdateRow.used_in.is_(None),  # type: ignore[attr-defined,union-attr]
                                   FlUpdateRow.round >= plan.round - spec.max_staleness).order_by(FlUpdateRow.id)
     ).scalars()) if spec.late_updates == "stale" else []  # fmt: skip
-    updates = [ClientUpdate(_layer(r.data, layer), r.num_examples, r.metrics, r.worker_id) for r in fresh]
+    if spec.secure_aggregation:
+        updates = [_unmasked(plan, layer, fresh)]
+    else:
+        updates = [ClientUpdate(_layer(r.data, layer), r.num_examples, r.metrics, r.worker_id) for r in fresh]
     updates += [ClientUpdate(_layer(r.data, layer), max(1, round(r.num_examples / (1 + plan.round - r.round))), r.metrics, r.worker_id) for r in stale]
     strategy = _strategy(plan, spec)
     new = strategy.aggregate(load(plan.weights), updates)
     meta, arrays = strategy.state()
-    metrics = weighted_metrics(updates[: len(fresh)])
+    metrics = weighted_metrics([ClientUpdate({}, r.num_examples, r.metrics) for r in fresh])
     contributors = {c for r in fresh for c in r.contributors}
     opened = utc(plan.opened_at) or at
     metrics |= {"round": float(plan.round), "participants": float(len(plan.participants)), "contributors": float(len(contributors)),
@@ -244,9 +317,27 @@ def _close(session: Session, task: Task, plan: FlPlan, spec: FederatedTrainingSp
     plan.weights = save({k: np.ascontiguousarray(v, dtype=np.float32) for k, v in new.items()})
     plan.strategy_state, plan.strategy_arrays = meta, (save(arrays) if arrays else None)
     plan.round, plan.attempt, plan.participants = plan.round + 1, 0, []
+    plan.unmasking, plan.reveals, plan.total_examples = [], {}, None
     plan.weights_artifact_id, plan.opened_at, plan.deadline_at = None, None, None
     session.add(plan)
     done.closed = done.changed = True
+
+
+def _unmasked(plan: FlPlan, layer: surgery.DenseLayer, rows: list[FlUpdateRow]) -> ClientUpdate:
+    """Secure aggregation: the sum of the masked layers, the dropped participants' masks removed with the survivors'
+    seeds, decoded, and rescaled from ``n_k / total`` to the contributors' weighted mean."""
+    from interfaces import secagg
+
+    total: dict[str, np.ndarray] = {}
+    for row in rows:
+        for name, array in _layer(row.data, layer, masked=True).items():
+            total[name] = total[name] + array if name in total else array.copy()  # uint32: wraps mod 2^32
+    if plan.unmasking:
+        total = secagg.unmask_sum(total, {d: {s: base64.b64decode(seeds[d]) for s, seeds in plan.reveals.items() if d in seeds} for d in plan.unmasking})
+    examples = sum(r.num_examples for r in rows)
+    scale = (plan.total_examples or examples) / examples
+    weights = {name: (secagg.decode(array) * scale).astype(np.float32) for name, array in total.items()}
+    return ClientUpdate(weights, examples, {}, "secure sum")
 
 
 def _evaluate(session: Session, blobs: Any, task: Task, plan: FlPlan, spec: FederatedTrainingSpec, layer: surgery.DenseLayer, new: dict[str, np.ndarray]) -> dict[str, float]:

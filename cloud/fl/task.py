@@ -143,11 +143,14 @@ def fl_order(session: Session, task: Task, worker: TaskWorker, signing: Any) -> 
     if model is None:
         raise LookupError(f"the model of task {task.id}'s federated plan is gone")
     layer = surgery.DenseLayer.from_json(plan.layer)
+    spec = spec_of(task)
     participants: list[str] = []
     if worker.role == FL_AGGREGATOR:
         under = set(session.execute(select(Device.id).where(Device.node_id == worker.target_id, Device.id.in_(plan.participants))).scalars())  # type: ignore[attr-defined]
         participants = [d for d in plan.participants if d in under]
     return FlOrder(
         round=plan.round, attempt=plan.attempt, deadline_at=utc(plan.deadline_at), weights=ref(plan.weights_artifact_id), body=ref(plan.body_artifact_id),
-        base_sha256=model.sha256, feature=layer.feature, via_edge=via_edge(spec_of(task)), participants=participants,
+        base_sha256=model.sha256, feature=layer.feature, via_edge=via_edge(spec), participants=participants, secure=spec.secure_aggregation,
+        peers={d: plan.keys[d]["key"] for d in plan.participants if d in plan.keys} if spec.secure_aggregation else {},
+        total_examples=plan.total_examples if spec.secure_aggregation else None, reveal=list(plan.unmasking),
     )  # fmt: skip

@@ -9,7 +9,8 @@ speak for another's worker). In arrival order:
   and a back-off (``RetryPolicy.delay``); the scheduler gives them to another worker. A report for a worker
   that already ended is late news and ignored.
 * ``task.log`` lines and ``task.metrics`` samples are kept once each (by event id and line number).
-* ``fl.update`` (``FlUpdate``): a federated round's update, kept or refused by ``cloud.fl.rounds.accept``.
+* ``fl.update`` (``FlUpdate``), ``fl.key`` (``FlKey``), ``fl.reveal`` (``FlReveal``): a federated round's update, a
+  device's key and a survivor's seeds for secure aggregation, kept or refused by ``cloud.fl.rounds``.
 * ``task.output``: the chunk's outputs are kept if the chunk is ASSIGNED to that worker and the worker is
   still active; the frame must be safetensors whose tensors all have the chunk's row count first. Any
   other copy (a duplicate, a late one from a worker that was declared LOST) is refused and counted: no
@@ -36,7 +37,7 @@ from cloud.services.tasks import ASSIGNED, DONE, PENDING, decode_chunk, hub_log,
 from cloud.tables import Task, TaskChunk, TaskLog, TaskMetric, TaskWorker, TrainingResult
 from interfaces.messages import Envelope, EventBody
 from interfaces.tasks import (
-    FL_UPDATE_EVENT, TASK_LOG_EVENT, TASK_METRICS_EVENT, TASK_OUTPUT_EVENT, TASK_WORKER_EVENT, WORKER_ACTIVE, FlUpdate, TaskState, TaskType, WorkerLog, WorkerMetrics,
+    FL_KEY_EVENT, FL_REVEAL_EVENT, FL_UPDATE_EVENT, TASK_LOG_EVENT, TASK_METRICS_EVENT, TASK_OUTPUT_EVENT, TASK_WORKER_EVENT, WORKER_ACTIVE, FlKey, FlReveal, FlUpdate, TaskState, TaskType, WorkerLog, WorkerMetrics,
     WorkerOutput,
     WorkerReport, WorkerState,
 )  # fmt: skip
@@ -44,6 +45,7 @@ from interfaces.tasks import (
 log = logging.getLogger("aisynergy.hub.tasks")
 _MODELS: dict[str, Any] = {
     TASK_WORKER_EVENT: WorkerReport, TASK_LOG_EVENT: WorkerLog, TASK_METRICS_EVENT: WorkerMetrics, TASK_OUTPUT_EVENT: WorkerOutput, FL_UPDATE_EVENT: FlUpdate,
+    FL_KEY_EVENT: FlKey, FL_REVEAL_EVENT: FlReveal,
 }
 Report = tuple[str, str, Envelope[EventBody], datetime]  # target kind, target id, the event, when the hub received it
 
@@ -101,10 +103,17 @@ def apply(session: Session, reports: list[Report]) -> tuple[Counter[str], bool]:
             outcome = _log(session, task, worker, message, data)
         elif isinstance(data, WorkerMetrics):
             outcome = _metrics(session, task, worker, message, data, at)
-        elif isinstance(data, FlUpdate):
-            from cloud.fl.rounds import accept as accept_fl
+        elif isinstance(data, FlUpdate | FlKey | FlReveal):
+            from cloud.fl import rounds
 
-            outcome = accept_fl(session, task, kind, target_id, data, at) if task.type == TaskType.FEDERATED_TRAINING.value else "refused"
+            if task.type != TaskType.FEDERATED_TRAINING.value:
+                outcome = "refused"
+            elif isinstance(data, FlUpdate):
+                outcome = rounds.accept(session, task, kind, target_id, data, at)
+            elif isinstance(data, FlKey):
+                outcome = rounds.accept_key(session, task, kind, target_id, data)
+            else:
+                outcome = rounds.accept_reveal(session, task, kind, target_id, data, at)
             poke |= outcome == "accepted"
         else:
             outcome, wake = _output(session, task, worker, data, at)

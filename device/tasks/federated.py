@@ -16,6 +16,16 @@ it answered, or ``EDGE_MARGIN`` before the round's deadline with at least one, i
 sample-weighted mean (``interfaces.aggregation.combine``), ``num_examples`` their sum, its contributors those
 devices. An update that arrives after that, still for the round in progress, is forwarded on its own. Metrics:
 ``rounds``, ``updates``, ``forwarded``.
+
+**Secure aggregation** (``secure_aggregation``; ``interfaces.secagg``): each participant sends an X25519 public key
+(``fl.key``) when it starts; the round's order lists every participant's key, so each pair derives a shared seed
+per round attempt. A participant sends its layer scaled by ``n / total_examples``, in fixed point, plus the masks
+it shares with the peers above it minus those with the peers below: any one update is noise, the sum over all
+participants is the weighted mean. An edge only adds the masked updates up (mod 2^32). When participants drop
+after masking, the order names them (``reveal``) and each survivor sends its seeds with them (``fl.reveal``) so
+the hub can remove those masks from the sum. Not covered: a hub that lies about who dropped could unmask a late
+update (no threshold secret sharing of the keys, as in Bonawitz et al.): the protection is against an honest but
+curious hub and edges.
 """
 
 from __future__ import annotations
@@ -25,11 +35,11 @@ import logging
 import threading
 import time
 from datetime import UTC, datetime
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from device.tasks.programs import require_model
 from device.tasks.worker import Failed, Rejected, Worker
-from interfaces.tasks import FL_AGGREGATOR, FL_UPDATE_EVENT, FederatedTrainingSpec, FlOrder, FlUpdate
+from interfaces.tasks import FL_AGGREGATOR, FL_KEY_EVENT, FL_REVEAL_EVENT, FL_UPDATE_EVENT, FederatedTrainingSpec, FlKey, FlOrder, FlReveal, FlUpdate
 
 if TYPE_CHECKING:
     import numpy as np
@@ -91,16 +101,27 @@ class _Participant:
         self.done: set[tuple[int, int]] = set()
         self._lock = threading.Lock()
         self.metrics: dict[str, float] = {"rounds": 0.0}
+        self.private_key: Any = None  # secure aggregation: this run's X25519 key
+        self.public_key: str | None = None
+        self.seeds: dict[tuple[int, int], dict[str, bytes]] = {}  # secure: the pair seeds of each attempt masked
+        self.revealed: set[tuple[int, int]] = set()
 
     def run(self) -> None:
         w = self.worker
         w.metrics_source(self._sample)
         w.running()
         w.log(f"taking part in {self.spec.rounds} rounds on {len(self.y)} rows of {self.spec.dataset} ({self.spec.strategy})")
+        if self.spec.secure_aggregation:
+            self._send_key()
         while w.checkpoint():
             fl = w.order.fl
+            if fl is not None and fl.reveal and (fl.round, fl.attempt) in self.seeds and (fl.round, fl.attempt) not in self.revealed:
+                self._reveal(fl)
             if fl is None or (fl.round, fl.attempt) in self.done:
                 w.wait(IDLE_WAIT_S)
+                continue
+            if fl.secure and fl.peers.get(self.identity) != self.public_key:  # the others did not mask with this run's key
+                self.done.add((fl.round, fl.attempt))
                 continue
             if _seconds_left(fl) <= 0:
                 self.done.add((fl.round, fl.attempt))
@@ -153,9 +174,11 @@ class _Participant:
             trainer.close()
         loss = float(sum(losses[-10:]) / len(losses[-10:])) if losses else float("nan")
         metrics = {"accuracy": accuracy} | ({"loss": loss} if losses else {})
+        if fl.secure:
+            frame = self._masked(fl, trainer)
         update = FlUpdate(
             task_id=w.task_id, worker_id=w.worker_id, round=fl.round, attempt=fl.attempt, contributors=[self.identity], num_examples=len(self.y),
-            data=base64.b64encode(frame).decode("ascii"), metrics=metrics,
+            data=base64.b64encode(frame).decode("ascii"), metrics=metrics, masked=fl.secure,
         )  # fmt: skip
         self.done.add((fl.round, fl.attempt))
         try:
@@ -176,12 +199,56 @@ class _Participant:
         with self._lock:
             return dict(self.metrics)
 
+    # ---- secure aggregation ---------------------------------------------------------------------------
+    def _send_key(self) -> None:
+        from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
+        from cryptography.hazmat.primitives.serialization import Encoding, PublicFormat
+
+        self.private_key = X25519PrivateKey.generate()
+        public = self.private_key.public_key().public_bytes(Encoding.Raw, PublicFormat.Raw)
+        self.public_key = base64.b64encode(public).decode("ascii")
+        self.worker.event(FL_KEY_EVENT, FlKey(task_id=self.worker.task_id, worker_id=self.worker.worker_id, public_key=self.public_key))
+
+    def _masked(self, fl: FlOrder, trainer: Any) -> bytes:
+        """The layer scaled by n / total_examples, fixed-point, masked with every other participant's pair seed."""
+        from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PublicKey
+        from safetensors.numpy import save
+
+        from interfaces import secagg
+
+        if self.private_key is None or not fl.total_examples:
+            raise Failed("secure aggregation: no key of this run, or no total of examples in the order")
+        round_id = f"{self.worker.task_id}/{fl.round}/{fl.attempt}"
+        seeds = {}
+        for peer, key in fl.peers.items():
+            if peer == self.identity:
+                continue
+            try:
+                secret = self.private_key.exchange(X25519PublicKey.from_public_bytes(base64.b64decode(key, validate=True)))
+            except ValueError as exc:
+                raise Failed(f"secure aggregation: {peer}'s key is not an X25519 public key: {exc}") from None
+            seeds[peer] = secagg.pair_seed(secret, round_id, self.identity, peer)
+        share = len(self.y) / fl.total_examples
+        encoded = {"weight": secagg.encode(trainer.weight * share), "bias": secagg.encode(trainer.bias * share)}
+        self.seeds[(fl.round, fl.attempt)] = seeds
+        for old in [k for k in self.seeds if k < (fl.round, fl.attempt)]:
+            del self.seeds[old]
+        return save(secagg.mask(encoded, self.identity, seeds))
+
+    def _reveal(self, fl: FlOrder) -> None:
+        """The hub asks for this attempt's pair seeds with the participants that dropped after masking."""
+        key = (fl.round, fl.attempt)
+        seeds = {d: base64.b64encode(self.seeds[key][d]).decode("ascii") for d in fl.reveal if d in self.seeds[key]}
+        self.worker.event(FL_REVEAL_EVENT, FlReveal(task_id=self.worker.task_id, worker_id=self.worker.worker_id, round=fl.round, attempt=fl.attempt, seeds=seeds))
+        self.revealed.add(key)
+        self.worker.log(f"round {fl.round}: revealed the pair seeds with {len(seeds)} participants that dropped")
+
 
 # --- an edge's aggregator ----------------------------------------------------------------------------
 
 
 def _aggregate(worker: Worker) -> None:
-    from interfaces.aggregation import ClientUpdate, combine
+    from interfaces.aggregation import ClientUpdate, combine, weighted_metrics
 
     spec = worker.spec(FederatedTrainingSpec)
     router = worker.fl
@@ -201,6 +268,14 @@ def _aggregate(worker: Worker) -> None:
         if len(updates) == 1:
             (one,) = updates
             frame, examples, metrics, contributors = base64.b64decode(one.data), one.num_examples, one.metrics, one.contributors
+        elif fl.secure:  # masked: only their sum (mod 2^32) means anything; the hub removes the masks
+            from safetensors.numpy import load, save
+
+            frames = [load(base64.b64decode(u.data)) for u in updates]
+            frame = save({name: sum(f[name] for f in frames[1:]) + frames[0][name] for name in frames[0]})
+            examples = sum(u.num_examples for u in updates)
+            metrics = weighted_metrics([ClientUpdate({}, u.num_examples, u.metrics) for u in updates])
+            contributors = sorted(c for u in updates for c in u.contributors)
         else:
             from safetensors.numpy import load, save
 
@@ -209,7 +284,7 @@ def _aggregate(worker: Worker) -> None:
             contributors = sorted(c for u in updates for c in u.contributors)
         worker.event(FL_UPDATE_EVENT, FlUpdate(
             task_id=worker.task_id, worker_id=worker.worker_id, round=fl.round, attempt=fl.attempt, contributors=contributors, num_examples=examples,
-            data=base64.b64encode(frame).decode("ascii"), metrics=metrics,
+            data=base64.b64encode(frame).decode("ascii"), metrics=metrics, masked=fl.secure,
         ))  # fmt: skip
 
     router.serve(worker.task_id, offer)

@@ -5,7 +5,8 @@ The cloud-trained digits classifier is deployed to the devices (§8.2); a ``fede
 hub cut its last layer, the devices train it on their own data each round and send it to their edge, whose
 aggregator combines them into one update for the hub, which fuses the rounds (FedAvg) and publishes the model.
 One device is stopped in the middle: its round closes with k of n at the deadline, the task goes on, and the
-device takes part again once it is back.
+device takes part again once it is back. With secure aggregation the hub and the edge see only sums of masked
+layers; the others had masked with the stopped device, so they reveal those seeds and the round still closes.
 """
 
 from __future__ import annotations
@@ -49,7 +50,8 @@ def _accuracy(model_bytes: bytes, path: Path, x: np.ndarray, y: np.ndarray) -> f
     return float((logits.argmax(axis=1) == y).mean())
 
 
-def test_hierarchical_fedavg_survives_a_participant_that_stops_and_rejoins(stack: DevStack, tmp_path: Path) -> None:
+@pytest.mark.parametrize("secure", [False, True], ids=["plain", "secure-aggregation"])
+def test_hierarchical_fedavg_survives_a_participant_that_stops_and_rejoins(stack: DevStack, tmp_path: Path, secure: bool) -> None:
     # Prepare: three devices, each with its own share of the (shifted) images, skewed by label
     d = digits()
     x, y = d.x_device, d.y_device
@@ -73,7 +75,8 @@ def test_hierarchical_fedavg_survives_a_participant_that_stops_and_rejoins(stack
 
     # Execute: the task; in round 2 one device stops, later it comes back
     spec = {"model": {"name": "digits"}, "dataset": "camera", "rounds": ROUNDS, "local_steps": 40, "batch_size": 32, "learning_rate": 0.5,
-            "min_participants": 2, "round_timeout_s": 4, "topology": "hierarchical", "eval_inputs": held_out["id"]}  # fmt: skip
+            "min_participants": 2, "round_timeout_s": 4, "topology": "hierarchical", "eval_inputs": held_out["id"],
+            "secure_aggregation": secure}  # fmt: skip
     task = _api(stack, "POST", "/tasks", json={"type": "federated_training", "spec": spec, "placement": {"ids": [dev.device_id for dev in devices]},
                                               "heartbeat_s": 0.5, "retry": {"backoff_s": 0.5, "max_attempts": 5}})  # fmt: skip
     assert task["spec"]["model"]["version"] == "1.0.0"
@@ -109,3 +112,6 @@ def test_hierarchical_fedavg_survives_a_participant_that_stops_and_rejoins(stack
     workers = _api(stack, "GET", f"/tasks/{task['id']}/workers", "viewer")
     assert any(w["role"] == "aggregator" and w["target_id"] == stack.node_id for w in workers)
     assert back.device_id == stopped.device_id
+    if secure:  # the stopped device was a participant the others had masked with: their seeds with it were revealed
+        logs = [line["text"] for line in _api(stack, "GET", f"/tasks/{task['id']}/logs?limit=500", "viewer")["items"]]
+        assert any("dropped after masking" in text for text in logs), logs

@@ -33,6 +33,10 @@ def upgrade() -> None:
     sa.Column('strategy_state', sa.JSON(), nullable=False),
     sa.Column('strategy_arrays', sa.LargeBinary(), nullable=True),
     sa.Column('published_artifact_id', sqlmodel.sql.sqltypes.AutoString(length=64), nullable=True),
+    sa.Column('keys', sa.JSON(), nullable=False),
+    sa.Column('total_examples', sa.Integer(), nullable=True),
+    sa.Column('unmasking', sa.JSON(), nullable=False),
+    sa.Column('reveals', sa.JSON(), nullable=False),
     sa.PrimaryKeyConstraint('task_id')
     )
     op.create_table('fl_rounds',
