@@ -488,6 +488,7 @@ class FlPlan(SQLModel, table=True):
     total_examples: int | None = Field(default=None, description="secure aggregation: the open attempt's participants' examples in all")
     unmasking: list[str] = Field(default_factory=list, sa_column=Column(JSON, nullable=False), description="secure: participants that dropped after masking")
     reveals: dict[str, dict[str, str]] = Field(default_factory=dict, sa_column=Column(JSON, nullable=False), description="secure: survivor -> dropped -> seed")
+    trained: dict[str, int] = Field(default_factory=dict, sa_column=Column(JSON, nullable=False), description="device -> round attempts it was a participant of")
 
 
 class FlUpdateRow(SQLModel, table=True):

@@ -287,6 +287,18 @@ MAX_FL_UPDATE_BYTES = 180 * 1024
 """Largest safetensors frame of trained weights one ``FlUpdate`` carries (inline, like a chunk's outputs)."""
 
 
+class FlPrivacy(_In):
+    """DP-SGD on every participant (per-example clipping to ``clip_norm``, Gaussian noise ``noise_multiplier * clip_norm``,
+    Poisson sampling at ``batch_size / rows``). Each device's privacy budget for the dataset must afford all its rounds
+    (``rounds * local_steps`` steps) at creation (409 ``privacy_budget_exceeded``); at the end each device is charged
+    for the round attempts it took part in."""
+
+    clip_norm: float = Field(default=1.0, gt=0, le=1e6)
+    noise_multiplier: float = Field(default=1.0, gt=0, le=1000)
+    delta: Delta | None = Field(default=None, description="δ of the task's own ε (default: the device budget's δ)")
+    epsilon: Epsilon | None = Field(default=None, description="the most this task may spend on each device (at delta)")
+
+
 class FederatedTrainingSpec(_In):
     """Train the last dense layer of an installed model across devices without their data leaving them (seeds/000:
     several parties, fusion strategies, reset of timed-out local training). Each round every participant starts
@@ -312,6 +324,7 @@ class FederatedTrainingSpec(_In):
     late_updates: Literal["drop", "stale"] = Field(default="drop", description="an update for a closed round: dropped, or fused into the next round at weight / (1 + staleness)")
     max_staleness: int = Field(default=2, ge=1, le=100, description="stale: updates older than this many rounds are dropped")
     layer: str | None = Field(default=None, min_length=1, max_length=256, description="the tensor feeding the last dense layer (default: found)")
+    dp: FlPrivacy | None = Field(default=None, description="differentially private local training, accounted against each device's budget")
     secure_aggregation: bool = Field(
         default=False, description="pairwise additive masking: the hub (and an edge) sees only the sum of the participants' layers; fedavg, fedprox, fedadam",
     )  # fmt: skip
@@ -584,6 +597,7 @@ class FlOrder(NoNul):
     body: InputRef = Field(description="the frozen body: a signed ONNX artefact, the model's inputs -> feature")
     base_sha256: Sha256 = Field(description="the installed model the body was cut from")
     feature: str = Field(min_length=1, max_length=256)
+    sample_rate: float | None = Field(default=None, gt=0, le=1, description="dp: the Poisson sampling rate q the hub accounted for this device")
     via_edge: bool = Field(description="send the update to the edge's aggregator on fl (hierarchical), else as an event to the hub (flat)")
     participants: list[Id] = Field(default_factory=list, max_length=10_000, description="aggregators: the devices under this node taking part in this round")
     secure: bool = Field(default=False, description="secure aggregation: send the layer scaled by n / total_examples, fixed-point, masked (interfaces.secagg)")

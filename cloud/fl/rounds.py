@@ -258,6 +258,7 @@ def _open(session: Session, task: Task, plan: FlPlan, spec: FederatedTrainingSpe
         return
     plan.attempt, plan.participants = attempt, running
     plan.unmasking, plan.reveals = [], {}
+    plan.trained = {**plan.trained, **{d: plan.trained.get(d, 0) + 1 for d in running}}  # what a DP task charges each device
     if spec.secure_aggregation:
         rows = {d.id: d for d in session.execute(select(Device).where(Device.id.in_(running))).scalars()}  # type: ignore[attr-defined]
         plan.total_examples = sum(max(1, (info.rows if (info := budgets.reported_dataset(rows[d], spec.dataset)) else 1)) for d in running if d in rows)

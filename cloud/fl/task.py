@@ -15,6 +15,11 @@ strategy also run an ``aggregator`` worker on every edge node with a participant
 like split inference's tails); median and trimmed mean need every update, so their devices always report to the
 hub directly.
 
+**Privacy** (``dp``): each device's budget for the dataset must afford every round's steps at q = batch_size /
+rows (``cloud.incremental.task.plan_steps``; 409 ``privacy_budget_exceeded``); one reservation per device is taken
+with the task, only devices holding one take part, and when the task ends each is charged for the round attempts
+it was a participant of (:func:`task_ended`), the rest released.
+
 **Orders** (:func:`fl_order`): the round in progress (round, attempt, deadline), the global layer as a signed
 safetensors artefact (one per round: ``<model>.fl`` version ``<model version>-<task>.r<round>``), the body and
 where to send the update (``via_edge``); an aggregator's also lists its devices in the round. No round open yet:
@@ -24,6 +29,7 @@ no ``fl`` part (the worker waits for it).
 from __future__ import annotations
 
 import logging
+from datetime import datetime
 from typing import Any
 
 from sqlalchemy import delete, select
@@ -87,15 +93,74 @@ def admit(session: Session, task: Task, spec: FederatedTrainingSpec, placement: 
         body = surgery.body(graph, layer).SerializeToString()
     except surgery.SurgeryError as exc:
         raise BadRequest(f"model {model.name} {model.version}: {exc}", status=422) from None
+    if spec.dp is not None:  # refuse before anything is stored
+        _privacy(session, spec, able, lock=False)
     if spec.eval_inputs is not None:
         from cloud.fl import evaluate
 
         evaluate.load(session, blobs, spec.eval_inputs, layer.classes)
     body_row = store_derived_model(session, signing, blobs, f"{model.name[:123]}.body", model.version, body)
+    if spec.dp is not None:  # take the budgets and check again, now that writes follow
+        for target, run, delta in _privacy(session, spec, able, lock=True):
+            budgets.reserve(session, (target.device_id, spec.dataset), task.id, run, delta, task.created_at)
     session.add(FlPlan(
         task_id=task.id, model_artifact_id=model.id, body_artifact_id=body_row.id, layer=layer.to_json(), weights=save({"weight": weight, "bias": bias}),
     ))  # fmt: skip
     return spec
+
+
+def _privacy(session: Session, spec: FederatedTrainingSpec, device_ids: list[str], lock: bool) -> list[Any]:
+    """Each device's run (q, σ, every round's steps) against its budget: ``cloud.incremental.task.plan_steps`` (409
+    ``privacy_budget_exceeded`` naming every device that cannot afford it, or whose share of the task's ε is short)."""
+    from cloud.errors import Conflict
+    from cloud.incremental.task import Target, plan_steps
+    from interfaces.errors import ErrorCode
+    from interfaces.tasks import MAX_TRAINING_STEPS, IncrementalTrainingSpec
+
+    assert spec.dp is not None
+    steps = spec.rounds * spec.local_steps
+    if steps > MAX_TRAINING_STEPS:
+        raise BadRequest(f"rounds x local_steps = {steps} DP-SGD steps; at most {MAX_TRAINING_STEPS}", status=422)
+    rows = {d.id: d for d in session.execute(select(Device).where(Device.id.in_(device_ids))).scalars()}  # type: ignore[attr-defined]
+    targets = []
+    for device_id in device_ids:
+        data = budgets.reported_dataset(rows[device_id], spec.dataset)
+        count = max(1, data.rows if data else 1)
+        targets.append(Target(device_id, count, min(1.0, spec.batch_size / count), steps))
+    shim = IncrementalTrainingSpec(
+        model=spec.model, dataset=spec.dataset, steps=steps, batch_size=spec.batch_size, learning_rate=spec.learning_rate, clip_norm=spec.dp.clip_norm,
+        noise_multiplier=spec.dp.noise_multiplier, delta=spec.dp.delta, epsilon=spec.dp.epsilon,
+    )  # fmt: skip
+    planned = plan_steps(session, shim, targets, lock=lock)
+    short = [t.device_id for t, run, _ in planned if run.steps < steps]
+    if short:
+        raise Conflict(f"the task's epsilon affords fewer than the {steps} steps of its rounds on {', '.join(short[:20])}",
+                       code=ErrorCode.PRIVACY_BUDGET_EXCEEDED, targets=[{"device_id": d, "requested_steps": steps} for d in short])  # fmt: skip
+    return planned
+
+
+def reserved(session: Session, task_id: str, device_id: str) -> Any:
+    """The device's open privacy reservation for the task (a DP task), or None."""
+    from cloud.tables import PrivacySpendRow
+    from interfaces.privacy import SpendState
+
+    return session.execute(
+        select(PrivacySpendRow).where(PrivacySpendRow.task_id == task_id, PrivacySpendRow.device_id == device_id, PrivacySpendRow.state == SpendState.RESERVED.value)
+        .order_by(PrivacySpendRow.id).limit(1)  # type: ignore[arg-type]
+    ).scalars().first()  # fmt: skip
+
+
+def task_ended(session: Session, task: Task, at: datetime) -> None:
+    """A DP task's devices are charged for the round attempts they took part in (each ``local_steps`` steps, at
+    most what was reserved); a device that took part in none is released."""
+    from cloud.tables import PrivacySpendRow
+    from interfaces.privacy import SpendState
+
+    plan = session.get(FlPlan, task.id)
+    spec = spec_of(task)
+    for spend in session.execute(select(PrivacySpendRow).where(PrivacySpendRow.task_id == task.id, PrivacySpendRow.state == SpendState.RESERVED.value)).scalars():
+        taken = (plan.trained.get(spend.device_id, 0) if plan is not None else spend.max_steps) * spec.local_steps
+        budgets.settle(session, spend, min(spend.max_steps, taken), at)
 
 
 def _runs(device: Device, model: Artifact) -> bool:
@@ -107,10 +172,13 @@ def keeping_dataset(session: Session, task: Task, found: Candidates) -> Candidat
     """The scheduler's candidates cut to the devices that report the task's dataset."""
     if not found.eligible:
         return found
-    dataset = spec_of(task).dataset
+    spec = spec_of(task)
     rows = {d.id: d for d in session.execute(select(Device).where(Device.id.in_([c.id for c in found.eligible]))).scalars()}  # type: ignore[attr-defined]
-    kept = [c for c in found.eligible if c.id in rows and budgets.reported_dataset(rows[c.id], dataset) is not None]
-    return Candidates(kept, "" if kept else f"no qualifying device reports dataset {dataset}")
+    kept = [c for c in found.eligible if c.id in rows and budgets.reported_dataset(rows[c.id], spec.dataset) is not None]
+    if spec.dp is not None:  # only devices whose budget was reserved at creation
+        kept = [c for c in kept if reserved(session, task.id, c.id) is not None]
+    why = f"no qualifying device reports dataset {spec.dataset}" + (" and holds a privacy reservation of this task" if spec.dp is not None else "")
+    return Candidates(kept, "" if kept else why)
 
 
 def forget(session: Session, task_id: str) -> None:
@@ -151,6 +219,7 @@ def fl_order(session: Session, task: Task, worker: TaskWorker, signing: Any) -> 
     return FlOrder(
         round=plan.round, attempt=plan.attempt, deadline_at=utc(plan.deadline_at), weights=ref(plan.weights_artifact_id), body=ref(plan.body_artifact_id),
         base_sha256=model.sha256, feature=layer.feature, via_edge=via_edge(spec), participants=participants, secure=spec.secure_aggregation,
+        sample_rate=spend.sample_rate if spec.dp is not None and worker.role != FL_AGGREGATOR and (spend := reserved(session, task.id, worker.target_id)) else None,
         peers={d: plan.keys[d]["key"] for d in plan.participants if d in plan.keys} if spec.secure_aggregation else {},
         total_examples=plan.total_examples if spec.secure_aggregation else None, reveal=list(plan.unmasking),
     )  # fmt: skip

@@ -242,6 +242,10 @@ def finish(session: Session, task: Task, state: TaskState, reason: str, at: date
         from cloud.incremental.task import task_ended
 
         task_ended(session, task, at)
+    elif task.type == TaskType.FEDERATED_TRAINING.value:
+        from cloud.fl.task import task_ended as fl_ended
+
+        fl_ended(session, task, at)
     return changed
 
 
@@ -600,9 +604,13 @@ def outputs(session: Session, task_id: str) -> TaskOutputs:
     elif task.type == TaskType.FEDERATED_TRAINING.value:
         from cloud.tables import FlPlan
 
+        from cloud.incremental.budgets import spend_to_wire
+        from cloud.tables import PrivacySpendRow
+
         plan = session.get(FlPlan, task.id)
         artifacts = [plan.published_artifact_id] if plan is not None and plan.published_artifact_id else []
         complete = bool(artifacts)
+        privacy = [spend_to_wire(r) for r in session.execute(select(PrivacySpendRow).where(PrivacySpendRow.task_id == task.id).order_by(PrivacySpendRow.id)).scalars()]  # type: ignore[arg-type]
     return TaskOutputs(
         task_id=task.id, state=TaskState(task.state), complete=complete, items_total=task.items_total, items_done=items_done(task, session),
         tensors=tensors, content_url=f"/tasks/{task.id}/outputs/content" if task.chunks_total else None, artifacts=artifacts, privacy=privacy,

@@ -4,7 +4,8 @@
 labels that fit the layer, reports RUNNING, then follows the rounds its order names. For each round attempt
 it has not trained yet and whose deadline has not passed: it fetches the round's global layer (a signed artefact,
 verified like any download), runs ``local_steps`` SGD steps on its own data (on the frozen body's features,
-computed once; FedProx adds ``mu (w - w_global)`` to each step; no data leaves the device) and sends the trained
+computed once; FedProx adds ``mu (w - w_global)`` to each step; with ``dp`` each step is DP-SGD at the sampling
+rate the hub accounted; no data leaves the device) and sends the trained
 layer with the examples it holds and its loss and accuracy on its own data: to its edge's aggregator on ``fl``
 (``via_edge``), else as an ``fl.update`` event to the hub. A participant that missed a round (stopped, slow,
 offline) simply starts the next one from the new global layer: a reset, never a stale continuation. Metrics:
@@ -153,10 +154,13 @@ class _Participant:
         if self.y.min() < 0 or self.y.max() >= weight.shape[1]:
             raise Rejected(f"dataset {spec.dataset}'s labels run {int(self.y.min())}..{int(self.y.max())}; the layer has {weight.shape[1]} classes")
         mu = float(spec.strategy_params.get("mu", 0.01)) if spec.strategy == "fedprox" else 0.0
+        if spec.dp is not None and fl.sample_rate is None:
+            raise Rejected("a differentially private round must carry the sampling rate the hub accounted")
+        clip, sigma = (spec.dp.clip_norm, spec.dp.noise_multiplier) if spec.dp is not None else (float("inf"), 0.0)
         try:
             trainer = HeadTrainer(
-                weight, bias, self.features, self.y, learning_rate=spec.learning_rate, clip_norm=float("inf"), noise_multiplier=0.0,
-                sample_rate=min(1.0, spec.batch_size / len(self.y)), augmented=True, proximal_mu=mu,
+                weight, bias, self.features, self.y, learning_rate=spec.learning_rate, clip_norm=clip, noise_multiplier=sigma,
+                sample_rate=fl.sample_rate or min(1.0, spec.batch_size / len(self.y)), augmented=True, proximal_mu=mu,
             )  # fmt: skip
         except ValueError as exc:
             raise Failed(str(exc)) from exc

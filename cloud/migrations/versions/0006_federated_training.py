@@ -37,6 +37,7 @@ def upgrade() -> None:
     sa.Column('total_examples', sa.Integer(), nullable=True),
     sa.Column('unmasking', sa.JSON(), nullable=False),
     sa.Column('reveals', sa.JSON(), nullable=False),
+    sa.Column('trained', sa.JSON(), nullable=False),
     sa.PrimaryKeyConstraint('task_id')
     )
     op.create_table('fl_rounds',
