@@ -320,6 +320,10 @@ class FederatedTrainingSpec(_In):
     topology: Literal["hierarchical", "flat"] = "hierarchical"
     min_participants: int = Field(default=1, ge=1, le=10_000, description="k: a round closes at its timeout with at least this many updates")
     round_timeout_s: float = Field(default=60, ge=0.5, le=86400)
+    sync: Literal["fixed", "adaptive"] = Field(
+        default="fixed", description="adaptive: each round's deadline is 3x the slowest of the last 5 rounds every participant finished (at least "
+        "1 s, at most round_timeout_s), so a dead participant costs little once the pace is known",
+    )  # fmt: skip
     max_round_attempts: int = Field(default=3, ge=1, le=100, description="a round short of k at its timeout runs again; after this many tries the task FAILS")
     late_updates: Literal["drop", "stale"] = Field(default="drop", description="an update for a closed round: dropped, or fused into the next round at weight / (1 + staleness)")
     max_staleness: int = Field(default=2, ge=1, le=100, description="stale: updates older than this many rounds are dropped")

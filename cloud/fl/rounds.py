@@ -5,8 +5,9 @@ task at the round it was in (its open round keeps its deadline; updates stored b
 
 **A round attempt opens** (:func:`drive`) when no round is open, the round's global layer is stored as a signed
 artefact (:func:`prepare`) and at least ``min_participants`` device workers run: its participants are those
-devices, its deadline ``now + round_timeout_s``; every worker's order is updated (the devices train, the
-aggregators wait for their devices).
+devices, its deadline ``now + round_timeout_s`` (``sync: adaptive``: 3x the slowest recent complete round, the
+seed's "dynamic adjustment of the sync period", :func:`_timeout`); every worker's order is updated (the devices
+train, the aggregators wait for their devices).
 
 **Updates** (:func:`accept`, in the ingest's transaction): an ``fl.update`` counts when it comes from the worker it
 names, on its own target: a device's worker reports itself; an edge's aggregator reports devices under its node.
@@ -50,6 +51,7 @@ from interfaces.deployments import ArtifactCreate, ArtifactFormat, ArtifactKind
 from interfaces.tasks import FL_AGGREGATOR, TASK_ACTIVE, WORKER_ACTIVE, FederatedTrainingSpec, FlKey, FlReveal, FlUpdate, TaskState
 
 log = logging.getLogger("aisynergy.hub.fl")
+EVERYONE = "every participant answered"
 HUB_WORKER = "hub"
 """``worker_id`` of the per-round metrics the hub records for a federated task"""
 
@@ -262,13 +264,30 @@ def _open(session: Session, task: Task, plan: FlPlan, spec: FederatedTrainingSpe
     if spec.secure_aggregation:
         rows = {d.id: d for d in session.execute(select(Device).where(Device.id.in_(running))).scalars()}  # type: ignore[attr-defined]
         plan.total_examples = sum(max(1, (info.rows if (info := budgets.reported_dataset(rows[d], spec.dataset)) else 1)) for d in running if d in rows)
-    plan.opened_at, plan.deadline_at = at, at + timedelta(seconds=spec.round_timeout_s)
+    plan.opened_at, plan.deadline_at = at, at + timedelta(seconds=_timeout(session, task.id, spec))
     session.add(plan)
     session.flush()
     done.orders |= bool(put_orders())
     done.changed = True
     what = f"round {plan.round}/{spec.rounds}" + (f" attempt {attempt}" if attempt > 1 else "")
     hub_log(session, task.id, f"{what} open: {len(running)} participants, {spec.strategy}, deadline in {spec.round_timeout_s:g} s", at=at)
+
+
+ADAPTIVE_WINDOW, ADAPTIVE_FACTOR, ADAPTIVE_FLOOR_S = 5, 3.0, 1.0
+
+
+def _timeout(session: Session, task_id: str, spec: FederatedTrainingSpec) -> float:
+    """The round's timeout: ``round_timeout_s``, or (``sync: adaptive``) 3x the slowest of the last 5 rounds that every
+    participant finished, within [1 s, round_timeout_s] (the seed's "dynamic adjustment of the sync period")."""
+    if spec.sync != "adaptive":
+        return spec.round_timeout_s
+    rows = session.execute(
+        select(FlRoundRow.metrics).where(FlRoundRow.task_id == task_id, FlRoundRow.reason == EVERYONE).order_by(FlRoundRow.round.desc()).limit(ADAPTIVE_WINDOW)  # type: ignore[attr-defined]
+    ).scalars().all()  # fmt: skip
+    paces = [float(m["round_s"]) for m in rows if "round_s" in m]
+    if not paces:
+        return spec.round_timeout_s
+    return min(spec.round_timeout_s, max(ADAPTIVE_FLOOR_S, ADAPTIVE_FACTOR * max(paces)))
 
 
 def _strategy(plan: FlPlan, spec: FederatedTrainingSpec) -> Strategy:
@@ -308,7 +327,7 @@ def _close(session: Session, task: Task, plan: FlPlan, spec: FederatedTrainingSp
         metrics |= _evaluate(session, blobs, task, plan, spec, layer, new)
     session.add(FlRoundRow(
         task_id=task.id, round=plan.round, attempts=plan.attempt, participants=len(plan.participants), contributors=len(contributors), stale=len(stale),
-        opened_at=opened, closed_at=at, reason="every participant answered" if contributors >= set(plan.participants) else "deadline with k of n",
+        opened_at=opened, closed_at=at, reason=EVERYONE if contributors >= set(plan.participants) else "deadline with k of n",
         metrics=metrics,
     ))  # fmt: skip
     session.add(TaskMetric(task_id=task.id, worker_id=HUB_WORKER, target_id=HUB_WORKER, message_id=f"fl-{task.id}-r{plan.round}", ts=at, values=metrics))
