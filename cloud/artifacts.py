@@ -374,7 +374,7 @@ def artifact_in_use(session: Session, artifact_id: str) -> str | None:
     * a task (any state: a finished one can be retried) reads it as its inputs (delete the task first);
     * an incremental_training task (any state) trains that model or sends that body to its devices;
     * a split_inference task (any state) was cut from that model or sends that head or tail;
-    * a federated_training task (any state) trains that model, sends that body or its open round's global layer.
+    * a federated_training task (any state) trains that model, sends that body or one of its rounds' global layers.
     """
     row = session.get(Artifact, artifact_id)
     if row is None:
@@ -402,6 +402,9 @@ def artifact_in_use(session: Session, artifact_id: str) -> str | None:
         fl = session.execute(
             select(FlPlan.task_id).where(or_(FlPlan.model_artifact_id == artifact_id, FlPlan.body_artifact_id == artifact_id, FlPlan.weights_artifact_id == artifact_id)).limit(1)
         ).first()  # fmt: skip
+        if fl is None and row.name.endswith(".fl") and "-" in row.version:  # a round's global layer: <version>-<task ulid>.r<round>
+            owner = f"task-{row.version.split('-', 1)[1].split('.r', 1)[0]}"
+            fl = session.execute(select(FlPlan.task_id).where(FlPlan.task_id == owner)).first()
         if fl is not None:
             return f"federated_training task {fl[0]} trains it or sends it to its devices (delete the task first)"
     live = [s.value for s in DeploymentState if s not in DEPLOYMENT_FINAL]

@@ -100,6 +100,8 @@ def accept(session: Session, task: Task, kind: str, target_id: str, data: FlUpda
         return "accepted"
     if (data.round, data.attempt) < (plan.round, plan.attempt) or data.round < plan.round:
         if spec.late_updates == "stale" and data.round < plan.round and plan.round - data.round <= spec.max_staleness:
+            if _contributors(session, task.id, data.round, data.attempt) & set(data.contributors) or _stale_seen(session, task.id, data.round, data.contributors):
+                return "duplicate"  # already fused (a redelivery), or already kept as stale
             row.stale = True
             session.add(row)
             return "stale"
@@ -158,6 +160,13 @@ def _contributors(session: Session, task_id: str, round: int, attempt: int) -> s
                                                FlUpdateRow.stale.is_(False))  # type: ignore[attr-defined]
     ).scalars()  # fmt: skip
     return {c for row in rows for c in row}
+
+
+def _stale_seen(session: Session, task_id: str, round: int, contributors: list[str]) -> bool:
+    rows = session.execute(
+        select(FlUpdateRow.contributors).where(FlUpdateRow.task_id == task_id, FlUpdateRow.round == round, FlUpdateRow.stale.is_(True))  # type: ignore[attr-defined]
+    ).scalars()  # fmt: skip
+    return bool({c for row in rows for c in row} & set(contributors))
 
 
 def _layer(frame: bytes, layer: surgery.DenseLayer, masked: bool = False) -> dict[str, np.ndarray]:

@@ -41,7 +41,7 @@ from cloud.incremental import budgets, surgery
 from cloud.placement import Candidates, installed_model, installed_version, matching_devices
 from cloud.tables import Artifact, Device, FlPlan, FlRoundRow, FlUpdateRow, Task, TaskWorker
 from interfaces.aggregation import strategy_from_spec
-from interfaces.tasks import FL_AGGREGATOR, FederatedTrainingSpec, FlOrder, InputRef, Placement, TaskType
+from interfaces.tasks import FL_AGGREGATOR, MAX_FL_UPDATE_BYTES, FederatedTrainingSpec, FlOrder, InputRef, Placement, TaskType
 
 log = logging.getLogger("aisynergy.hub.fl")
 TYPE = TaskType.FEDERATED_TRAINING.value
@@ -73,9 +73,11 @@ def admit(session: Session, task: Task, spec: FederatedTrainingSpec, placement: 
     if blobs is None or signing is None:
         raise RuntimeError("admitting a federated_training task needs the blob store and the signing key")
     try:
-        strategy_from_spec(spec.strategy, **spec.strategy_params)
+        strategy = strategy_from_spec(spec.strategy, **spec.strategy_params)
     except ValueError as exc:
         raise BadRequest(str(exc), status=422) from None
+    if spec.min_participants < strategy.min_updates:
+        raise BadRequest(f"{spec.strategy} needs at least {strategy.min_updates} updates per round; min_participants is {spec.min_participants}", status=422)
     keeps = lambda d: budgets.reported_dataset(d, spec.dataset) is not None  # noqa: E731
     version = spec.model.version or installed_version(session, placement, spec.model.name, keep=keeps)
     spec = spec.model_copy(update={"model": spec.model.model_copy(update={"version": version})})
@@ -93,6 +95,9 @@ def admit(session: Session, task: Task, spec: FederatedTrainingSpec, placement: 
         body = surgery.body(graph, layer).SerializeToString()
     except surgery.SurgeryError as exc:
         raise BadRequest(f"model {model.name} {model.version}: {exc}", status=422) from None
+    weights = save({"weight": weight, "bias": bias})
+    if len(weights) > MAX_FL_UPDATE_BYTES:
+        raise BadRequest(f"the last layer ({layer.features} x {layer.classes}) takes {len(weights)} bytes; an update carries at most {MAX_FL_UPDATE_BYTES}", status=422)
     if spec.dp is not None:  # refuse before anything is stored
         _privacy(session, spec, able, lock=False)
     if spec.eval_inputs is not None:
@@ -104,7 +109,7 @@ def admit(session: Session, task: Task, spec: FederatedTrainingSpec, placement: 
         for target, run, delta in _privacy(session, spec, able, lock=True):
             budgets.reserve(session, (target.device_id, spec.dataset), task.id, run, delta, task.created_at)
     session.add(FlPlan(
-        task_id=task.id, model_artifact_id=model.id, body_artifact_id=body_row.id, layer=layer.to_json(), weights=save({"weight": weight, "bias": bias}),
+        task_id=task.id, model_artifact_id=model.id, body_artifact_id=body_row.id, layer=layer.to_json(), weights=weights,
     ))  # fmt: skip
     return spec
 
@@ -137,6 +142,29 @@ def _privacy(session: Session, spec: FederatedTrainingSpec, device_ids: list[str
         raise Conflict(f"the task's epsilon affords fewer than the {steps} steps of its rounds on {', '.join(short[:20])}",
                        code=ErrorCode.PRIVACY_BUDGET_EXCEEDED, targets=[{"device_id": d, "requested_steps": steps} for d in short])  # fmt: skip
     return planned
+
+
+def readmit(session: Session, task: Task, at: datetime) -> None:
+    """A retried task goes on from the round it was in, as a fresh attempt of it: the open attempt's unused updates go,
+    and a DP task reserves again on the devices of its placement that can still afford all its rounds (409 otherwise)."""
+    from cloud.errors import Conflict
+    from interfaces.errors import ErrorCode
+
+    plan = session.get(FlPlan, task.id, with_for_update=True)
+    if plan is None:
+        raise Conflict(f"task {task.id} has lost its federated plan; create a new task", code=ErrorCode.ILLEGAL_TRANSITION, current_state=task.state)
+    session.execute(delete(FlUpdateRow).where(FlUpdateRow.task_id == task.id, FlUpdateRow.round >= plan.round, FlUpdateRow.used_in.is_(None)))  # type: ignore[attr-defined,union-attr]
+    plan.attempt, plan.participants, plan.opened_at, plan.deadline_at = 0, [], None, None
+    plan.unmasking, plan.reveals, plan.total_examples, plan.keys = [], {}, None, {}
+    session.add(plan)
+    spec = spec_of(task)
+    if spec.dp is not None:
+        model = session.get(Artifact, plan.model_artifact_id)
+        placement = Placement.model_validate(task.placement)
+        able = [d.id for d in matching_devices(session, placement) if budgets.reported_dataset(d, spec.dataset) is not None and model is not None and _runs(d, model)]
+        for target, run, delta in _privacy(session, spec, able, lock=True):
+            budgets.reserve(session, (target.device_id, spec.dataset), task.id, run, delta, at)
+        plan.trained = {}
 
 
 def reserved(session: Session, task_id: str, device_id: str) -> Any:

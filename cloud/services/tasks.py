@@ -416,6 +416,10 @@ def act(session: Session, task_id: str, action: TaskAction) -> tuple[Task, bool]
             from cloud.incremental.task import readmit
 
             readmit(session, task, at)
+        elif task.type == TaskType.FEDERATED_TRAINING.value:
+            from cloud.fl.task import readmit as readmit_fl
+
+            readmit_fl(session, task, at)
         task.attempt += 1
         task.deadline_at = task.finished_at = task.paused_at = task.not_before = None
         task.scheduled_at = None
