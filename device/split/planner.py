@@ -2,7 +2,10 @@
 
 The cost of one request cut at tensor ``t`` is
 
-    head_ms(t) on the device + [RTT + activation_bytes(t) * 8 / bandwidth] + tail_ms(t) on the edge
+    head_ms(t) on the device + [RTT + (activation_bytes(t) + reply_bytes) * 8 / bandwidth] + tail_ms(t) on the edge
+
+where the device's share counts encoding the frame and decoding the answer as well as running the head (on a
+slow board, int8 quantisation of a large activation is not free), and the answer's bytes cross the link too,
 
 with two special cuts: ``DEVICE_ONLY`` (the whole model on the device, nothing crosses the link) and
 ``EDGE_ONLY`` (the raw input crosses, the whole model runs on the edge). The :class:`Planner` picks the
@@ -35,11 +38,13 @@ class CutCost:
     head_ms: float
     tail_ms: float
     activation_bytes: int
+    reply_bytes: int = 0
+    """the answer's bytes coming back (the outputs): they cross the same link"""
 
     def estimate_ms(self, link: Link) -> float:
         if self.cut == DEVICE_ONLY:
             return self.head_ms
-        return self.head_ms + link.transfer_ms(self.activation_bytes) + self.tail_ms
+        return self.head_ms + link.transfer_ms(self.activation_bytes + self.reply_bytes) + self.tail_ms
 
 
 @dataclass(frozen=True)

@@ -17,8 +17,9 @@ input), fetches the heads, then routes every request to that model through itsel
   measured again.
 
 The plan comes from :class:`~device.split.planner.Planner`: at start (and after the edge failed) the worker
-*calibrates*: it times each head and the whole model here on a one-row input, sends each cut's activation to
-the edge a few times (the edge reports its compute time per cut), and probes the link
+*calibrates*: it times each head (with encoding its frame and decoding the answer) and the whole model here on a
+one-row input, sends each cut's activation to the edge a few times (the edge reports its compute time per cut;
+the answer's size is counted on the link too), and probes the link
 (:func:`~device.split.planner.probe_link`). Every request that crosses refines the link estimate (its time less
 the edge's compute time, its bytes); the planner moves the cut when the link moved by more than a quarter.
 While no request crosses, the link is probed again every ``probe_interval_s``. Until the first calibration
@@ -294,11 +295,14 @@ class _Head:
                 if self.pinned not in (None, part.cut):
                     continue
                 activation = x if part.head is None else self._head(part, x)
-                head_ms = 0.0 if part.head is None else _timed(lambda p=part: self._head(p, x))
+                # the device's share: the head, encoding the frame, and (below) decoding the answer
+                head_ms = _timed(lambda p=part: encode_activation(x if p.head is None else self._head(p, x), spec.quantize))
                 frame, meta = encode_activation(activation, spec.quantize)
                 request = InferRequest(task_id=w.task_id, cut=part.cut, encoding=meta["encoding"], shape=meta["shape"])
-                tail = [self.channel.call(request, frame, spec.timeout_ms / 1000)[0].tail_ms for _ in range(EDGE_RUNS)]
-                costs.append(CutCost(part.cut, head_ms, statistics.median(tail), len(frame)))
+                answers = [self.channel.call(request, frame, spec.timeout_ms / 1000) for _ in range(EDGE_RUNS)]
+                payload = answers[-1][1]
+                head_ms += _timed(lambda b=payload: _outputs(b, self.model))
+                costs.append(CutCost(part.cut, head_ms, statistics.median(a[0].tail_ms for a in answers), len(frame), len(payload)))
             link = self.estimator.link if self.pinned == DEVICE_ONLY else probe_link(self._probe, self.estimator, max_bytes=MAX_PROBE_BYTES)
         except Exception as exc:  # noqa: BLE001 - the edge is not there (yet), or the runtime refused
             self._edge_failed(f"calibration failed: {exc}")
