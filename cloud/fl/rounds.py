@@ -395,7 +395,7 @@ def prepare(engine: Engine, signing: Any, blobs: Any) -> int:
     with Session(engine) as session:
         rows = session.execute(
             select(FlPlan.task_id).join(Task, Task.id == FlPlan.task_id).where(  # type: ignore[arg-type]
-                Task.state.in_([s.value for s in TASK_ACTIVE]), FlPlan.weights_artifact_id.is_(None) | FlPlan.published_artifact_id.is_(None)  # type: ignore[attr-defined,union-attr,operator]
+                Task.state.in_([s.value for s in TASK_ACTIVE]), FlPlan.weights_artifact_id.is_(None), FlPlan.published_artifact_id.is_(None)  # type: ignore[attr-defined,union-attr]
             )
         ).scalars().all()  # fmt: skip
     stored = 0

@@ -296,6 +296,7 @@ def _aggregate(worker: Worker) -> None:
         worker.metrics_source(lambda: dict(counts))
         worker.running()
         sent: dict[tuple[int, int], set[str]] = {}
+        window: dict[tuple[int, int], float] = {}  # seconds left when this node first saw each round attempt (sync adaptive: shorter)
         while worker.checkpoint():
             fl = worker.order.fl
             wait: float | None = IDLE_WAIT_S
@@ -306,7 +307,8 @@ def _aggregate(worker: Worker) -> None:
                         del inbox[old]
                     got = {d: u for d, u in inbox.get(key, {}).items() if d in fl.participants}
                 left = _seconds_left(fl)
-                send_at = left - min(2.0, EDGE_MARGIN * spec.round_timeout_s)
+                length = min(spec.round_timeout_s, max(0.0, window.setdefault(key, left)))
+                send_at = left - min(2.0, EDGE_MARGIN * length)
                 if key not in sent:
                     if got and (set(got) >= set(fl.participants) or send_at <= 0):
                         send(list(got.values()), fl)
@@ -323,6 +325,8 @@ def _aggregate(worker: Worker) -> None:
                         counts["forwarded"] += 1
                 for old in [k for k in sent if k < key]:
                     del sent[old]
+                for old in [k for k in window if k < key]:
+                    del window[old]
             worker.wait(wait)
     finally:
         router.unserve(worker.task_id, offer)
