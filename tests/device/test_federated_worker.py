@@ -589,11 +589,6 @@ def test_the_aggregator_sends_what_it_has_at_the_margin_then_forwards_a_late_upd
     assert len(edge.events.updates()) == 2
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="product bug: the aggregator's margin is EDGE_MARGIN * round_timeout_s (at most 2 s) even when sync adaptive made the "
-    "round much shorter; the margin then exceeds the whole round and each device's update is sent on its own at once",
-)
 def test_an_adaptive_round_shorter_than_the_margin_still_combines_its_participants(edge: Edge, artefacts: tuple[InputRef, InputRef]) -> None:
     # Prepare: sync adaptive has shrunk the round to 1.5 s (round_timeout_s stays 60: a margin of min(2, 12) = 2 s)
     a, b = synthetic("dv-a", 100, 1), synthetic("dv-b", 300, 2)
