@@ -1,0 +1,174 @@
+"""``aisynergy experiment``: the seed's federated experiment, measured (``seeds/000``; :mod:`cloud.fl.experiment`).
+
+    aisynergy experiment fl [--parties 5] [--alpha 0.5] [--rounds 200] [--local-epochs 1] [--batch 10] [--lr 0.1]
+        [--hidden 64] [--strategy fedavg] [--dp-epsilon 8 [--dp-delta 1e-5] [--clip-norm 0.5] [--dp-batch 256]
+        [--dp-lr 2]] [--bandwidth-mbps 1000,...] [--latency-ms 5,...] [--seed 0] [--repeats 1] [--json FILE]
+
+The digits MLP trained three ways (four with ``--dp-epsilon``) on the same non-IID split and scored on the same
+held-out images: each party alone, federated, centralised (and federated with DP-SGD on every party); then the
+seed's comparison (federated − local-only, centralised − federated, in points) and the largest share of the time a
+party spends communicating over its simulated link. One process, numpy only; needs scikit-learn for the data.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import click
+
+from cloud.cli.simulate import Floats, parse_strategy_params, write_json
+from cloud.fl import experiment as ex
+from cloud.fl import simulate as sim
+
+
+@click.group()
+def experiment() -> None:
+    """Experiments that measure the seed's claims (seeds/000): federated vs local-only vs centralised."""
+
+
+def _pct(value: float | None) -> str:
+    return "-" if value is None else f"{100 * value:.2f}%"
+
+
+def _points(value: float | None) -> str:
+    return "-" if value is None else f"{value:+.2f}"
+
+
+def _report(result: ex.ExperimentResult) -> None:
+    cfg, c = result.config, result.comparison
+    local_mean = result.local["mean"]
+    fed, cen, dp = result.federated.accuracy, result.centralised["accuracy"], result.federated_dp
+    click.echo("local-only, per party: " + ", ".join(
+        f"party{k + 1} {_pct(a)}" for k, a in enumerate(result.local["accuracies"])))
+    if dp is not None and dp.dp:
+        for plan in dp.dp:
+            click.echo(f"DP party{plan.party + 1}: {plan.examples} images, q {plan.sample_rate:.4f}, "
+                       f"{plan.steps} steps ({plan.steps_per_round} a round), sigma {plan.noise_multiplier:.4f}, "
+                       f"epsilon spent {plan.epsilon:.4f} (target {cfg['dp_epsilon']:g}, delta {plan.delta:g})")
+    rows = [(f"local-only (mean of {cfg['parties']})", local_mean),
+            (f"federated ({cfg['strategy']})", fed),
+            ("centralised (pooled)", cen),
+            (f"federated + DP (eps {cfg['dp_epsilon']:g})" if dp is not None else "federated + DP", None
+             if dp is None else dp.accuracy)]
+    click.echo("")
+    click.echo(f"{'arm':<28}  {'test acc.':>9}  {'vs local-only':>13}  {'vs centralised':>14}")
+    for name, acc in rows:
+        vs_local = None if acc is None or name.startswith("local") else 100 * (acc - local_mean)
+        vs_central = None if acc is None or name.startswith("centralised") else 100 * (acc - cen)
+        click.echo(f"{name:<28}  {_pct(acc):>9}  {_points(vs_local):>13}  {_points(vs_central):>14}")
+    click.echo("")
+    click.echo(f"federated - local-only:  {c['federated_minus_local_points']:+.2f} points "
+               f"(seed 000: +{ex.SEED_GAIN_OVER_LOCAL_POINTS:g})")
+    click.echo(f"centralised - federated: {c['centralised_minus_federated_points']:+.2f} points "
+               f"(seed 000: {ex.SEED_GAP_TO_CENTRAL_POINTS:g})")
+    if dp is not None:
+        click.echo(f"centralised - federated+DP: {c['centralised_minus_federated_dp_points']:+.2f} points "
+                   f"(target <= {ex.DP_GAP_TO_CENTRAL_POINTS:g})")
+    parts = result.federated.parties
+    click.echo(f"communication: {c['communication_pct_max']:.1f}% of the federated run's time at most "
+               f"({', '.join(f'{p.name} {p.communication_pct:.1f}%' for p in parts)}; seed 000: "
+               f"< {ex.SEED_COMMUNICATION_PCT:g}%); T {result.federated.total_s:.3f} s on the computed clock, "
+               f"update {result.federated.update_bytes:,} bytes (safetensors)")
+    for target, met in c["met"].items():
+        click.echo(f"  [{'met' if met else 'MISSED'}] {target}")
+
+
+@experiment.command("fl")
+@click.option("--parties", default=5, show_default=True, type=click.IntRange(min=1),
+              help="parties (each gets about 1,347 / parties training images)")
+@click.option("--alpha", default=0.5, show_default=True, type=click.FloatRange(min=0, min_open=True),
+              help="Dirichlet concentration over labels (small: each party sees few labels)")
+@click.option("--rounds", default=ex.ExperimentConfig.rounds, show_default=True, type=click.IntRange(min=1))
+@click.option("--local-epochs", default=ex.ExperimentConfig.local_epochs, show_default=True,
+              type=click.IntRange(min=1), help="epochs a party trains each round (local-only and centralised train "
+                                               "rounds x local-epochs epochs)")
+@click.option("--batch", default=ex.ExperimentConfig.batch, show_default=True, type=click.IntRange(min=1))
+@click.option("--lr", default=ex.ExperimentConfig.lr, show_default=True,
+              type=click.FloatRange(min=0, min_open=True), help="SGD learning rate (every arm but the DP one)")
+@click.option("--hidden", default=ex.ExperimentConfig.hidden, show_default=True, type=click.IntRange(min=0),
+              help="hidden units of the MLP (0: softmax regression)")
+@click.option("--strategy", default="fedavg", show_default=True, type=click.Choice(sim.STRATEGY_NAMES),
+              help="aggregation strategy (interfaces.aggregation)")
+@click.option("--strategy-param", "strategy_params", multiple=True, metavar="KEY=NUMBER",
+              help="a strategy parameter (repeatable): mu=0.01 (fedprox), eta=0.01 (fedadam), beta=0.1 (trimmed_mean)")
+@click.option("--dp-epsilon", type=click.FloatRange(min=0, min_open=True), default=None,
+              help="also run federated with DP-SGD on every party, each party's epsilon over the task at most this")
+@click.option("--dp-delta", default=ex.ExperimentConfig.dp_delta, show_default=True,
+              type=click.FloatRange(min=0, max=1, min_open=True, max_open=True))
+@click.option("--clip-norm", default=ex.ExperimentConfig.clip_norm, show_default=True,
+              type=click.FloatRange(min=0, min_open=True), help="DP-SGD per-example L2 clipping norm")
+@click.option("--dp-batch", default=ex.ExperimentConfig.dp_batch, show_default=True, type=click.IntRange(min=1),
+              help="DP-SGD expected (Poisson) batch size; sample rate q = dp-batch / party images")
+@click.option("--dp-lr", default=ex.ExperimentConfig.dp_lr, show_default=True,
+              type=click.FloatRange(min=0, min_open=True), help="DP-SGD learning rate")
+@click.option("--bandwidth-mbps", type=Floats(), default=None,
+              help="link bandwidth in Mbit/s, one value or one per party  [default: 1000 ... 100]")
+@click.option("--latency-ms", type=Floats(), default=None,
+              help="link latency in ms, one value or one per party  [default: 5 ... 20]")
+@click.option("--seed", default=0, show_default=True, type=click.IntRange(min=0))
+@click.option("--repeats", default=1, show_default=True, type=click.IntRange(min=1),
+              help="run seeds seed, seed+1, ...: each run's table, then mean, sd, min and max")
+@click.option("--json", "json_path", type=click.Path(dir_okay=False, path_type=Path), default=None,
+              help="write every number to this file")
+def fl_cmd(parties: int, alpha: float, rounds: int, local_epochs: int, batch: int, lr: float, hidden: int,
+           strategy: str, strategy_params: tuple[str, ...], dp_epsilon: float | None, dp_delta: float,
+           clip_norm: float, dp_batch: int, dp_lr: float, bandwidth_mbps: tuple[float, ...] | None,
+           latency_ms: tuple[float, ...] | None, seed: int, repeats: int, json_path: Path | None) -> None:
+    """Local-only vs federated vs centralised (vs federated with DP-SGD) on the digits, non-IID over the parties."""
+    cfg = ex.ExperimentConfig(parties=parties, alpha=alpha, rounds=rounds, local_epochs=local_epochs, batch=batch,
+                              lr=lr, hidden=hidden, strategy=strategy, strategy_params=parse_strategy_params(strategy_params),
+                              dp_epsilon=dp_epsilon, dp_delta=dp_delta, clip_norm=clip_norm, dp_batch=dp_batch,
+                              dp_lr=dp_lr, bandwidth_mbps=bandwidth_mbps, latency_ms=latency_ms, seed=seed)
+    try:
+        cfg.check()
+        sim.build_strategy(strategy, cfg.strategy_params)
+    except sim.SimulationError as exc:
+        raise click.UsageError(str(exc)) from None
+    try:
+        data = sim.load_digits()
+    except sim.MissingExtra as exc:
+        raise click.ClickException(str(exc)) from None
+    if parties > len(data.y_train):
+        raise click.BadParameter(f"{parties} parties but only {len(data.y_train)} training images",
+                                 param_hint="--parties")
+    sizes = [64, *([hidden] if hidden else []), 10]
+    click.echo(f"digits: {len(data.y_train)} training / {len(data.y_test)} test images; {parties} parties, Dirichlet "
+               f"alpha {alpha:g}; model {'MLP' if hidden else 'softmax regression'} {'-'.join(map(str, sizes))} "
+               f"({sim.param_count(sizes):,} parameters); {rounds} rounds x {local_epochs} local epochs "
+               f"(local-only and centralised: {cfg.total_epochs} epochs), batch {batch}, lr {lr:g}; {strategy}"
+               + (f"; DP-SGD eps {dp_epsilon:g} delta {dp_delta:g}, clip {clip_norm:g}, expected batch {dp_batch}, "
+                  f"lr {dp_lr:g}" if dp_epsilon is not None else ""))
+    results: list[ex.ExperimentResult] = []
+    for run in range(repeats):
+        run_cfg = replace(cfg, seed=seed + run)
+        try:
+            result = ex.run_experiment(run_cfg, data=data)
+        except sim.SimulationError as exc:
+            raise click.UsageError(str(exc)) from None
+        results.append(result)
+        click.echo("")
+        click.echo(f"seed {run_cfg.seed}: parties hold {result.data['party_sizes']} images, label skew "
+                   f"{result.data['label_skew']:.2f} (mean share of a party's most common label); "
+                   f"{result.wall_s:.1f} s")
+        _report(result)
+    payload: dict[str, Any]
+    if repeats == 1:
+        payload = results[0].to_json()
+    else:
+        summary = ex.summarise(results)
+        click.echo("")
+        click.echo(f"over {repeats} seeds ({seed}..{seed + repeats - 1}): mean, sd [min, max]")
+        for name in ex.SUMMARY_FIELDS:
+            if name in summary:
+                s = summary[name]
+                scale, unit = (100, "%") if name in ("local_only_mean", "federated", "centralised",
+                                                     "federated_dp") else (1, "")
+                click.echo(f"  {name:<38} {scale * s['mean']:7.2f}{unit} sd {scale * s['sd']:.2f} "
+                           f"[{scale * s['min']:.2f}, {scale * s['max']:.2f}]")
+        for target, count in summary["met"].items():
+            click.echo(f"  {count}/{repeats} runs met: {target}")
+        payload = {"kind": "experiment-fl-repeats", "summary": summary, "runs": [r.to_json() for r in results],
+                   "machine": sim.machine()}
+    write_json(json_path, payload)
