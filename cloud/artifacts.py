@@ -20,7 +20,7 @@ from collections.abc import Iterator
 from contextlib import AbstractContextManager, contextmanager
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import BinaryIO, Protocol
+from typing import TYPE_CHECKING, BinaryIO, Protocol
 
 import bsdiff4
 from sqlalchemy import func, or_, select
@@ -38,6 +38,9 @@ from interfaces.deployments import (
 )  # fmt: skip
 from interfaces.errors import ErrorCode
 from interfaces.ids import is_id, new_id
+
+if TYPE_CHECKING:
+    from interfaces.tasks import InputRef
 
 log = logging.getLogger("aisynergy.hub.artifacts")
 
@@ -321,6 +324,22 @@ def create_artifact(session: Session, signing: SigningKey, blobs: BlobStore, bod
             raise _exists_conflict(existing) from None
     log.info("stored artifact %s: %s %s %s (%d bytes, sha256 %s)", row.id, row.kind, row.name, row.version, size, sha256)
     return row
+
+
+TASK_TOKEN_TTL_S = 7 * 86400
+"""Download tokens in task orders (datasets, cut models, round weights) last this long."""
+
+
+def task_input(session: Session, artifact_id: str, target_id: str, signing: SigningKey, what: str = "input") -> InputRef:
+    """An artefact a task's worker on ``target_id`` fetches: its signed manifest, path and a download token bound to
+    that target (``LookupError`` naming ``what`` when the artefact is gone)."""
+    from interfaces.tasks import InputRef
+
+    artifact = session.get(Artifact, artifact_id)
+    if artifact is None:
+        raise LookupError(f"the {what} artefact {artifact_id} is gone")
+    token = signing.issue_download_token(artifact.id, artifact.sha256, target_id, ttl_s=TASK_TOKEN_TTL_S)
+    return InputRef(artifact_id=artifact.id, signed_manifest=signed_manifest(artifact), path=f"/artifacts/{artifact.id}/content", token=token)
 
 
 def onnx_model_artifact(session: Session, name: str, version: str, purpose: str) -> Artifact:

@@ -39,7 +39,6 @@ from interfaces.tasks import (
 
 log = logging.getLogger("aisynergy.hub.split")
 TYPE = TaskType.SPLIT_INFERENCE.value
-TOKEN_TTL_S = 7 * 86400
 
 
 def is_split(task: Task) -> bool:
@@ -133,7 +132,7 @@ def forget(session: Session, task_id: str) -> None:
 
 def split_order(session: Session, task: Task, worker: TaskWorker, signing: Any) -> SplitOrder:
     """The ``SplitOrder`` of a head or tail worker (``LookupError`` when the plan or an artefact is gone)."""
-    from cloud.artifacts import signed_manifest
+    from cloud.artifacts import task_input
 
     plan = session.get(SplitPlan, task.id)
     if plan is None:
@@ -141,11 +140,7 @@ def split_order(session: Session, task: Task, worker: TaskWorker, signing: Any) 
     rows = list(session.execute(select(SplitPartRow).where(SplitPartRow.task_id == task.id).order_by(SplitPartRow.position)).scalars())  # type: ignore[arg-type]
 
     def ref(artifact_id: str) -> InputRef:
-        artifact = session.get(Artifact, artifact_id)
-        if artifact is None:
-            raise LookupError(f"artefact {artifact_id} of task {task.id}'s split plan is gone")
-        token = signing.issue_download_token(artifact.id, artifact.sha256, worker.target_id, ttl_s=TOKEN_TTL_S)
-        return InputRef(artifact_id=artifact.id, signed_manifest=signed_manifest(artifact), path=f"/artifacts/{artifact.id}/content", token=token)
+        return task_input(session, artifact_id, worker.target_id, signing, f"task {task.id}'s split part")
 
     model = session.get(Artifact, plan.model_artifact_id)
     if model is None:

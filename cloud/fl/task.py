@@ -45,7 +45,6 @@ from interfaces.tasks import FL_AGGREGATOR, MAX_FL_UPDATE_BYTES, FederatedTraini
 
 log = logging.getLogger("aisynergy.hub.fl")
 TYPE = TaskType.FEDERATED_TRAINING.value
-TOKEN_TTL_S = 7 * 86400
 
 
 def is_fl(task: Task) -> bool:
@@ -66,7 +65,6 @@ def via_edge(spec: FederatedTrainingSpec) -> bool:
 
 def admit(session: Session, task: Task, spec: FederatedTrainingSpec, placement: Placement, blobs: Any, signing: Any) -> FederatedTrainingSpec:
     """Check and cut (see the module docstring); adds the plan to ``session`` and returns the spec with its version pinned."""
-    from safetensors.numpy import save
 
     from cloud.artifacts import onnx_model_artifact, read_blob, store_derived_model
 
@@ -89,15 +87,10 @@ def admit(session: Session, task: Task, spec: FederatedTrainingSpec, placement: 
             f"min_participants is {spec.min_participants}", status=422, able_ids=able[:100],
         )  # fmt: skip
     try:
-        graph = surgery.load(read_blob(blobs, model.sha256))
-        layer = surgery.find_dense(graph, spec.layer)
-        weight, bias = surgery.layer_arrays(graph, layer)
-        body = surgery.body(graph, layer).SerializeToString()
+        found = surgery.cut(read_blob(blobs, model.sha256), spec.layer, MAX_FL_UPDATE_BYTES, "an update")
     except surgery.SurgeryError as exc:
         raise BadRequest(f"model {model.name} {model.version}: {exc}", status=422) from None
-    weights = save({"weight": weight, "bias": bias})
-    if len(weights) > MAX_FL_UPDATE_BYTES:
-        raise BadRequest(f"the last layer ({layer.features} x {layer.classes}) takes {len(weights)} bytes; an update carries at most {MAX_FL_UPDATE_BYTES}", status=422)
+    layer, weights, body = found.layer, found.head, found.body
     if spec.dp is not None:  # refuse before anything is stored
         _privacy(session, spec, able, lock=False)
     if spec.eval_inputs is not None:
@@ -220,7 +213,7 @@ def forget(session: Session, task_id: str) -> None:
 
 def fl_order(session: Session, task: Task, worker: TaskWorker, signing: Any) -> FlOrder | None:
     """The worker's ``FlOrder`` for the round in progress; None while no round is open."""
-    from cloud.artifacts import signed_manifest
+    from cloud.artifacts import task_input
 
     plan = session.get(FlPlan, task.id)
     if plan is None:
@@ -229,11 +222,7 @@ def fl_order(session: Session, task: Task, worker: TaskWorker, signing: Any) -> 
         return None
 
     def ref(artifact_id: str) -> InputRef:
-        artifact = session.get(Artifact, artifact_id)
-        if artifact is None:
-            raise LookupError(f"artefact {artifact_id} of task {task.id}'s federated plan is gone")
-        token = signing.issue_download_token(artifact.id, artifact.sha256, worker.target_id, ttl_s=TOKEN_TTL_S)
-        return InputRef(artifact_id=artifact.id, signed_manifest=signed_manifest(artifact), path=f"/artifacts/{artifact.id}/content", token=token)
+        return task_input(session, artifact_id, worker.target_id, signing, f"task {task.id}'s federated")
 
     model = session.get(Artifact, plan.model_artifact_id)
     if model is None:

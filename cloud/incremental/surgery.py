@@ -180,3 +180,28 @@ def body(model: onnx.ModelProto, layer: DenseLayer) -> onnx.ModelProto:
         raise SurgeryError(f"cannot cut the body at {layer.feature!r}: {exc}") from None
     head.doc_string = f"the frozen body of {model.graph.name or 'a model'} up to {layer.feature}"
     return head
+
+
+@dataclass(frozen=True)
+class Cut:
+    """A model cut at the input of its last dense layer: where the layer is, its numbers, the frozen body."""
+
+    layer: DenseLayer
+    head: bytes
+    """safetensors: weight [features, classes], bias [classes]"""
+    body: bytes
+    """the ONNX model from the inputs to ``layer.feature``"""
+
+
+def cut(data: bytes, layer: str | None, max_head_bytes: int, carrier: str) -> Cut:
+    """Cut the ONNX model ``data`` (:func:`find_dense` with ``layer``); :class:`SurgeryError` when it cannot be, or
+    when the layer's frame is over ``max_head_bytes`` (what one ``carrier`` holds)."""
+    from safetensors.numpy import save
+
+    model = load(data)
+    found = find_dense(model, layer)
+    weight, bias = layer_arrays(model, found)
+    head = save({"weight": weight, "bias": bias})
+    if len(head) > max_head_bytes:
+        raise SurgeryError(f"the last layer ({found.features} x {found.classes}) takes {len(head)} bytes; {carrier} carries at most {max_head_bytes}")
+    return Cut(found, head, body(model, found).SerializeToString())

@@ -52,14 +52,13 @@ from interfaces.deployments import ArtifactKind
 from interfaces.errors import ErrorCode
 from interfaces.privacy import SpendState
 from interfaces.tasks import (
-    MAX_HEAD_BYTES, MAX_TRAINING_STEPS, TASK_ACTIVE, WORKER_FAILURES, IncrementalTrainingSpec, InputRef, Placement, TaskState, TaskType,
+    MAX_HEAD_BYTES, MAX_TRAINING_STEPS, TASK_ACTIVE, WORKER_FAILURES, IncrementalTrainingSpec, Placement, TaskState, TaskType,
     TrainingOrder, WorkerState,
 )  # fmt: skip
 
 log = logging.getLogger("aisynergy.hub.training")
 TYPE = TaskType.INCREMENTAL_TRAINING.value
 GAVE_UP = "-"  # TaskWorker.replaced_by: no worker will take over (the scheduler's mark)
-TOKEN_TTL_S = 7 * 86400
 
 
 def is_training(task: Task) -> bool:
@@ -130,18 +129,10 @@ def prepare(session: Session, spec: IncrementalTrainingSpec, placement: Placemen
         if taken is not None:
             raise Conflict(f"model {name} {spec.output.version} exists already as {taken.id}", code=ErrorCode.ARTIFACT_EXISTS, artifact_id=taken.id)
     try:
-        onnx_model = surgery.load(read_blob(blobs, model.sha256))
-        layer = surgery.find_dense(onnx_model, spec.layer)
-        weight, bias = surgery.layer_arrays(onnx_model, layer)
-        body = surgery.body(onnx_model, layer).SerializeToString()
+        found = surgery.cut(read_blob(blobs, model.sha256), spec.layer, MAX_HEAD_BYTES, "an order")
     except surgery.SurgeryError as exc:
         raise BadRequest(f"model {model.name} {model.version}: {exc}", status=422) from None
-    from safetensors.numpy import save
-
-    head = save({"weight": weight, "bias": bias})
-    if len(head) > MAX_HEAD_BYTES:
-        raise BadRequest(f"the last layer ({layer.features} x {layer.classes}) takes {len(head)} bytes; an order carries at most {MAX_HEAD_BYTES}", status=422)
-    return Prepared(spec, model, layer, head, body, targets)
+    return Prepared(spec, model, found.layer, found.head, found.body, targets)
 
 
 def _resolve_version(session: Session, spec: IncrementalTrainingSpec, placement: Placement) -> str:
@@ -254,7 +245,7 @@ def reservation(session: Session, task_id: str, device_id: str, worker_id: str |
 
 def training_order(session: Session, task: Task, worker: TaskWorker, signing: Any) -> TrainingOrder:
     """The worker's ``TrainingOrder``; binds the device's reservation to the worker (LookupError without one)."""
-    from cloud.artifacts import signed_manifest
+    from cloud.artifacts import task_input
 
     plan = session.get(TrainingPlan, task.id)
     if plan is None:
@@ -267,10 +258,9 @@ def training_order(session: Session, task: Task, worker: TaskWorker, signing: An
     body, model = session.get(Artifact, plan.body_artifact_id), session.get(Artifact, plan.model_artifact_id)
     if body is None or model is None:
         raise LookupError(f"the artefacts of task {task.id}'s plan are gone")
-    token = signing.issue_download_token(body.id, body.sha256, worker.target_id, ttl_s=TOKEN_TTL_S)
     layer = surgery.DenseLayer.from_json(plan.layer)
     return TrainingOrder(
-        body=InputRef(artifact_id=body.id, signed_manifest=signed_manifest(body), path=f"/artifacts/{body.id}/content", token=token),
+        body=task_input(session, body.id, worker.target_id, signing, "training body"),
         base_sha256=model.sha256, feature=layer.feature, head=base64.b64encode(plan.head).decode(), max_steps=spend.steps, sample_rate=spend.sample_rate,
     )  # fmt: skip
 

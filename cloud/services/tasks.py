@@ -44,14 +44,14 @@ from cloud.convert import utc
 from cloud.errors import BadRequest, Conflict, NotFound, ValidationFailed
 from cloud.services.paging import parse_selector_or_400
 from cloud.tables import (
-    Artifact, Device, Node, Task, TaskChunk, TaskLog, TaskMetric, TaskTransitionRow, TaskWorker, WorkerTransitionRow,
+    Device, Node, Task, TaskChunk, TaskLog, TaskMetric, TaskTransitionRow, TaskWorker, WorkerTransitionRow,
 )  # fmt: skip
 from interfaces.deployments import ArtifactFormat, ArtifactKind, TargetKind
 from interfaces.errors import ErrorCode
 from interfaces.ids import is_id, new_id
 from interfaces.lifecycle import AdminState, NodeState
 from interfaces.tasks import (
-    TASK_ACTIVE, TASK_FINAL, TASK_TRANSITIONS, TASK_TYPES, WORKER_ACTIVE, BatchInferenceSpec, IllegalTaskTransition, IncrementalTrainingSpec, InputRef, MetricSample, SplitInferenceSpec, FederatedTrainingSpec,
+    TASK_ACTIVE, TASK_FINAL, TASK_TRANSITIONS, TASK_TYPES, WORKER_ACTIVE, BatchInferenceSpec, IllegalTaskTransition, IncrementalTrainingSpec, MetricSample, SplitInferenceSpec, FederatedTrainingSpec,
     Placement, RetryPolicy, TaskAction, TaskCreate, TaskDetail, TaskLogLine, TaskMetrics, TaskOutputs, TaskProgress, TaskPublic, TaskState,
     TaskTransition, TaskType, TaskTypeInfo, TensorInfo, WorkerAction, WorkerOrder, WorkerPublic, WorkerState, worker_path,
 )  # fmt: skip
@@ -59,7 +59,6 @@ from interfaces.tasks import (
 log = logging.getLogger("aisynergy.hub.tasks")
 _T, _W = TaskState, WorkerState
 PENDING, ASSIGNED, DONE = "PENDING", "ASSIGNED", "DONE"  # chunk states
-TOKEN_TTL_S = 7 * 86400
 
 
 def now() -> datetime:
@@ -184,17 +183,12 @@ def owned_chunks(session: Session, worker_id: str) -> list[int]:
 
 def build_order(session: Session, task: Task, worker: TaskWorker, signing: Any) -> WorkerOrder:
     """The order for ``worker`` as things stand (a sharded worker's chunks are read from the database)."""
-    from cloud.artifacts import signed_manifest
+    from cloud.artifacts import task_input
     from cloud.placement import ranges
 
     inputs = chunks = None
     if type_info(task).placement == "shards":
-        spec = spec_of(task)
-        artifact = session.get(Artifact, spec.inputs)
-        if artifact is None:
-            raise LookupError(f"the inputs artefact {spec.inputs} is gone")
-        token = signing.issue_download_token(artifact.id, artifact.sha256, worker.target_id, ttl_s=TOKEN_TTL_S)
-        inputs = InputRef(artifact_id=artifact.id, signed_manifest=signed_manifest(artifact), path=f"/artifacts/{artifact.id}/content", token=token)
+        inputs = task_input(session, spec_of(task).inputs, worker.target_id, signing, "inputs")
         chunks = ranges(owned_chunks(session, worker.id))
     training = split = fl = None
     if task.type == TaskType.INCREMENTAL_TRAINING.value:

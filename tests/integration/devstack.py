@@ -12,6 +12,7 @@ import subprocess
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from tests.support import AISYNERGY, Broker, Hub, free_port, start, start_broker, start_hub, stop, wait_for
 
@@ -143,3 +144,11 @@ def wait_deployment_final(stack: DevStack, deployment_id: str, timeout: float = 
     except AssertionError:
         raise AssertionError(f"deployment not final in {timeout} s: {last.get('state')} {last.get('counts')}") from None
     return last
+
+
+def api(stack: DevStack, method: str, path: str, role: str = "operator", **kw: object) -> Any:
+    """One REST call as ``role``; asserts a 200 or 201 and returns the JSON."""
+    with stack.hub.client(role) as client:
+        r = client.request(method, path, **kw)  # type: ignore[arg-type]
+        assert r.status_code in (200, 201), r.text
+        return r.json()

@@ -7,26 +7,15 @@ reports its progress, and then answers ``infer`` through the hub's command API.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
 import onnxruntime as ort
-import pytest
 
-from tests.integration.devstack import DevStack, create_deployment, start_devstack, upload_artifact, wait_deployment_final
+from tests.integration.devstack import DevStack, create_deployment, upload_artifact, wait_deployment_final
 from tests.support import wait_for
 
 MODEL = Path(__file__).parent.parent / "fixtures" / "models" / "mlp-1.0.0.onnx"
-
-
-@pytest.fixture
-def stack(tmp_path: Path) -> Iterator[DevStack]:
-    stack = start_devstack(tmp_path, f"sqlite:///{tmp_path / 'hub.db'}")
-    try:
-        yield stack
-    finally:
-        stack.close()
 
 
 def test_a_model_deployed_to_an_edge_node_is_installed_and_answers_infer(stack: DevStack) -> None:

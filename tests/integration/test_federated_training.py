@@ -11,9 +11,7 @@ layers; the others had masked with the stopped device, so they reveal those seed
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import pytest
@@ -21,27 +19,11 @@ from safetensors.numpy import save
 
 from device.runtime import open_model
 from tests.dp_support import cloud_model, digits
-from tests.integration.devstack import DevStack, create_deployment, start_devstack, upload_artifact, wait_deployment_final
+from tests.integration.devstack import DevStack, api, create_deployment, upload_artifact, wait_deployment_final
 from tests.support import wait_for
 
 FINAL = {"SUCCEEDED", "FAILED", "CANCELED", "TIMED_OUT"}
 ROUNDS = 7
-
-
-@pytest.fixture
-def stack(tmp_path: Path) -> Iterator[DevStack]:
-    stack = start_devstack(tmp_path, f"sqlite:///{tmp_path / 'hub.db'}")
-    try:
-        yield stack
-    finally:
-        stack.close()
-
-
-def _api(stack: DevStack, method: str, path: str, role: str = "operator", **kw: Any) -> Any:
-    with stack.hub.client(role) as api:
-        r = api.request(method, path, **kw)
-        assert r.status_code in (200, 201), r.text
-        return r.json()
 
 
 def _accuracy(model_bytes: bytes, path: Path, x: np.ndarray, y: np.ndarray) -> float:
@@ -67,7 +49,7 @@ def test_hierarchical_fedavg_survives_a_participant_that_stops_and_rejoins(stack
     model = upload_artifact(stack, cloud_model(), "model", "digits", "1.0.0", "onnx")
     deployment = create_deployment(stack, model["id"], {"ids": [dev.device_id for dev in devices]})
     assert wait_deployment_final(stack, deployment["id"])["state"] == "SUCCEEDED"
-    twin = lambda dev: _api(stack, "GET", f"/devices/{dev.device_id}/twin", "viewer")["reported"].get("datasets", {})  # noqa: E731
+    twin = lambda dev: api(stack, "GET", f"/devices/{dev.device_id}/twin", "viewer")["reported"].get("datasets", {})  # noqa: E731
     for dev in devices:
         wait_for(lambda dev=dev: "camera" in twin(dev), 30, what="the datasets reported")
     before = _accuracy(cloud_model(), tmp_path / "before.onnx", test_x, test_y)
@@ -77,19 +59,19 @@ def test_hierarchical_fedavg_survives_a_participant_that_stops_and_rejoins(stack
     spec = {"model": {"name": "digits"}, "dataset": "camera", "rounds": ROUNDS, "local_steps": 40, "batch_size": 32, "learning_rate": 0.5,
             "min_participants": 2, "round_timeout_s": 4, "topology": "hierarchical", "eval_inputs": held_out["id"],
             "secure_aggregation": secure}  # fmt: skip
-    task = _api(stack, "POST", "/tasks", json={"type": "federated_training", "spec": spec, "placement": {"ids": [dev.device_id for dev in devices]},
+    task = api(stack, "POST", "/tasks", json={"type": "federated_training", "spec": spec, "placement": {"ids": [dev.device_id for dev in devices]},
                                               "heartbeat_s": 0.5, "retry": {"backoff_s": 0.5, "max_attempts": 5}})  # fmt: skip
     assert task["spec"]["model"]["version"] == "1.0.0"
-    rounds = lambda: [s["values"] for s in _api(stack, "GET", f"/tasks/{task['id']}/metrics?series=true&worker=hub", "viewer")["series"]]  # noqa: E731
+    rounds = lambda: [s["values"] for s in api(stack, "GET", f"/tasks/{task['id']}/metrics?series=true&worker=hub", "viewer")["series"]]  # noqa: E731
     wait_for(lambda: len(rounds()) >= 1, 60, interval=0.2, what="round 1 closed")
     stopped = devices[2]
     stopped.stop()
     wait_for(lambda: any(r["contributors"] == 2 for r in rounds()), 60, interval=0.2, what="a round closed with 2 of 3")
     back = stack.restart_device(stopped)
-    wait_for(lambda: _api(stack, "GET", f"/tasks/{task['id']}", "viewer")["state"] in FINAL, 180, interval=0.3, what="the task final")
+    wait_for(lambda: api(stack, "GET", f"/tasks/{task['id']}", "viewer")["state"] in FINAL, 180, interval=0.3, what="the task final")
 
     # Assert: it succeeded and published a model that does better than the cloud's on the devices' images
-    done = _api(stack, "GET", f"/tasks/{task['id']}", "viewer")
+    done = api(stack, "GET", f"/tasks/{task['id']}", "viewer")
     assert done["state"] == "SUCCEEDED", done
     history = rounds()
     assert [r["round"] for r in history] == list(range(1, ROUNDS + 1))
@@ -97,23 +79,23 @@ def test_hierarchical_fedavg_survives_a_participant_that_stops_and_rejoins(stack
     assert short, history
     assert any(r["contributors"] == 3 for r in history[short[0] + 1 :]), f"the stopped device never took part again: {history}"
     assert all(r["examples"] >= 2 * 200 for r in history)
-    outputs = _api(stack, "GET", f"/tasks/{task['id']}/outputs", "viewer")
+    outputs = api(stack, "GET", f"/tasks/{task['id']}/outputs", "viewer")
     (published,) = outputs["artifacts"]
-    meta = _api(stack, "GET", f"/artifacts/{published}", "viewer")
+    meta = api(stack, "GET", f"/artifacts/{published}", "viewer")
     assert (meta["name"], meta["version"]) == ("digits", "1.0.1")
-    with stack.hub.client("viewer") as api:
-        trained = api.get(f"/artifacts/{published}/content").content
+    with stack.hub.client("viewer") as client:
+        trained = client.get(f"/artifacts/{published}/content").content
     after = _accuracy(trained, tmp_path / "after.onnx", test_x, test_y)
     assert after > before + 0.3, (before, after)
     # the hub scored every round's global model on the held-out set: the last score is the published model's
     assert history[-1]["eval_accuracy"] == pytest.approx(after, abs=1e-9)
     assert history[-1]["eval_accuracy"] > history[0]["eval_accuracy"] - 0.05
     # the edge combined its devices' updates: the hub received one update per round from the aggregator
-    workers = _api(stack, "GET", f"/tasks/{task['id']}/workers", "viewer")
+    workers = api(stack, "GET", f"/tasks/{task['id']}/workers", "viewer")
     assert any(w["role"] == "aggregator" and w["target_id"] == stack.node_id for w in workers)
     assert back.device_id == stopped.device_id
     if secure:  # a round that closed short of its participants had masks that did not cancel: the survivors revealed their seeds
-        logs = [line["text"] for line in _api(stack, "GET", f"/tasks/{task['id']}/logs?limit=500", "viewer")["items"]]
+        logs = [line["text"] for line in api(stack, "GET", f"/tasks/{task['id']}/logs?limit=500", "viewer")["items"]]
         for r in history:
             if r["contributors"] < r["participants"]:
                 assert any(f"round {int(r['round'])}: " in text and "dropped after masking" in text for text in logs), (r, logs)

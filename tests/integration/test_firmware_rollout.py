@@ -11,26 +11,15 @@ import shutil
 import signal
 import subprocess
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import psutil
-import pytest
 
-from tests.integration.devstack import DevStack, create_deployment, start_devstack, upload_artifact, wait_deployment_final
+from tests.integration.devstack import DevStack, create_deployment, upload_artifact, wait_deployment_final
 from tests.support import AISYNERGY, start, stop, wait_for
 
 SAMPLES = Path(__file__).parent.parent.parent / "firmware_images" / "samples"
-
-
-@pytest.fixture
-def stack(tmp_path: Path) -> Iterator[DevStack]:
-    s = start_devstack(tmp_path, f"sqlite:///{tmp_path / 'hub.db'}")
-    try:
-        yield s
-    finally:
-        s.close()
 
 
 class FirmwareDevice:

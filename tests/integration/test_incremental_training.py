@@ -13,9 +13,7 @@ process keeping a local dataset (``--dataset``).
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import dp_accounting
 import numpy as np
@@ -23,34 +21,18 @@ import pytest
 from dp_accounting.rdp import RdpAccountant
 
 from tests.dp_support import cloud_model, digits
-from tests.integration.devstack import DevStack, create_deployment, start_devstack, upload_artifact, wait_deployment_final
+from tests.integration.devstack import DevStack, api, create_deployment, upload_artifact, wait_deployment_final
 from tests.support import AISYNERGY, start, stop, wait_for
 
 FINAL = {"SUCCEEDED", "FAILED", "CANCELED", "TIMED_OUT"}
 ROWS = 700
 
 
-@pytest.fixture
-def stack(tmp_path: Path) -> Iterator[DevStack]:
-    stack = start_devstack(tmp_path, f"sqlite:///{tmp_path / 'hub.db'}")
-    try:
-        yield stack
-    finally:
-        stack.close()
-
-
-def _api(stack: DevStack, method: str, path: str, role: str = "operator", **kw: Any) -> Any:
-    with stack.hub.client(role) as api:
-        r = api.request(method, path, **kw)
-        assert r.status_code in (200, 201), r.text
-        return r.json()
-
-
 def _infer_accuracy(stack: DevStack, device_id: str, x: np.ndarray, y: np.ndarray) -> tuple[float, str]:
     """The device's ``infer`` command over every row (in messages of 100 rows): top-1 accuracy and the version that answered."""
     right, version = 0, ""
     for start_row in range(0, len(x), 100):
-        answer = _api(stack, "POST", f"/devices/{device_id}/commands", json={"name": "infer", "args": {"inputs": {"x": x[start_row : start_row + 100].tolist()}}, "timeout_s": 20})
+        answer = api(stack, "POST", f"/devices/{device_id}/commands", json={"name": "infer", "args": {"inputs": {"x": x[start_row : start_row + 100].tolist()}}, "timeout_s": 20})
         assert answer["ok"], answer
         logits = np.array(answer["result"]["outputs"]["logits"])
         right += int((logits.argmax(axis=1) == y[start_row : start_row + 100]).sum())
@@ -69,8 +51,8 @@ def test_cloud_train_then_dp_fine_tune_on_the_device_then_infer(stack: DevStack,
     np.savez(tmp_path / "camera.npz", x=x, y=y)
 
     # the device, started with its local dataset
-    device_id = _api(stack, "POST", "/devices", json={"node_id": stack.node_id, "name": "cam-1", "model": "test-board"})["id"]
-    token = _api(stack, "POST", f"/devices/{device_id}/bootstrap-token", json={})["bootstrap_token"]
+    device_id = api(stack, "POST", "/devices", json={"node_id": stack.node_id, "name": "cam-1", "model": "test-board"})["id"]
+    token = api(stack, "POST", f"/devices/{device_id}/bootstrap-token", json={})["bootstrap_token"]
     acl = stack.data / "devices-broker" / "acl"
     wait_for(lambda: acl.exists() and device_id in acl.read_text(), 10, what="the devices' broker knows the device")
     time.sleep(0.3)
@@ -86,28 +68,28 @@ def test_cloud_train_then_dp_fine_tune_on_the_device_then_infer(stack: DevStack,
         assert version == "1.0.0" and before < 0.3, before
 
         # 2. the hub knows how many rows the device keeps, never the rows; an operator sets the budget
-        twin = lambda: _api(stack, "GET", f"/devices/{device_id}/twin", "viewer")["reported"].get("datasets", {})  # noqa: E731
+        twin = lambda: api(stack, "GET", f"/devices/{device_id}/twin", "viewer")["reported"].get("datasets", {})  # noqa: E731
         wait_for(lambda: twin().get("camera", {}).get("rows") == ROWS, 30, what="the dataset reported")
         assert twin() == {"camera": {"rows": ROWS, "shape": [64], "dtype": "float32"}}
-        _api(stack, "PUT", f"/devices/{device_id}/privacy-budgets/camera", json={"epsilon": 10.0, "delta": 1e-5})
+        api(stack, "PUT", f"/devices/{device_id}/privacy-budgets/camera", json={"epsilon": 10.0, "delta": 1e-5})
 
         # 3. DP incremental training on the device
         spec = {"model": {"name": "digits"}, "dataset": "camera", "steps": 100, "batch_size": 64, "learning_rate": 0.5, "clip_norm": 1.0, "noise_multiplier": 1.0}
-        task = _api(stack, "POST", "/tasks", json={"type": "incremental_training", "spec": spec, "placement": {"ids": [device_id]}, "heartbeat_s": 0.5})
-        wait_for(lambda: _api(stack, "GET", f"/tasks/{task['id']}", "viewer")["state"] in FINAL, 120, interval=0.2, what="the training task final")
-        done = _api(stack, "GET", f"/tasks/{task['id']}", "viewer")
+        task = api(stack, "POST", "/tasks", json={"type": "incremental_training", "spec": spec, "placement": {"ids": [device_id]}, "heartbeat_s": 0.5})
+        wait_for(lambda: api(stack, "GET", f"/tasks/{task['id']}", "viewer")["state"] in FINAL, 120, interval=0.2, what="the training task final")
+        done = api(stack, "GET", f"/tasks/{task['id']}", "viewer")
         assert done["state"] == "SUCCEEDED", done
-        outputs = _api(stack, "GET", f"/tasks/{task['id']}/outputs", "viewer")
+        outputs = api(stack, "GET", f"/tasks/{task['id']}/outputs", "viewer")
         assert outputs["complete"] and len(outputs["artifacts"]) == 1
         (spend,) = outputs["privacy"]
         accountant = RdpAccountant()
         accountant.compose(dp_accounting.PoissonSampledDpEvent(64 / ROWS, dp_accounting.GaussianDpEvent(1.0)), 100)
         assert spend["state"] == "spent" and spend["steps"] == 100 and spend["epsilon"] == pytest.approx(accountant.get_epsilon(1e-5), rel=1e-12)
-        (budget,) = _api(stack, "GET", f"/devices/{device_id}/privacy-budgets", "viewer")
+        (budget,) = api(stack, "GET", f"/devices/{device_id}/privacy-budgets", "viewer")
         assert budget["spent"] == pytest.approx(spend["epsilon"], rel=1e-12) and budget["spent"] <= budget["epsilon"]
-        metrics = _api(stack, "GET", f"/tasks/{task['id']}/metrics", "viewer")["totals"]
+        metrics = api(stack, "GET", f"/tasks/{task['id']}/metrics", "viewer")["totals"]
         assert metrics["steps"] == 100 and metrics["train_accuracy"] > before
-        published = _api(stack, "GET", f"/artifacts/{outputs['artifacts'][0]}", "viewer")
+        published = api(stack, "GET", f"/artifacts/{outputs['artifacts'][0]}", "viewer")
         assert (published["kind"], published["name"], published["version"]) == ("model", "digits", "1.0.1")
 
         # 4. the new version rolled out like any model; inference on the device's own data does better

@@ -11,34 +11,16 @@ and are reported as fallbacks; once the edge is back the requests cross again.
 from __future__ import annotations
 
 import signal
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import numpy as np
-import pytest
 
 from device.runtime import open_model
-from tests.integration.devstack import DevStack, create_deployment, start_devstack, upload_artifact, wait_deployment_final
+from tests.integration.devstack import DevStack, api, create_deployment, upload_artifact, wait_deployment_final
 from tests.support import wait_for
 
 MODEL = Path(__file__).parent.parent / "fixtures" / "models" / "digits-cnn.onnx"
-
-
-@pytest.fixture
-def stack(tmp_path: Path) -> Iterator[DevStack]:
-    stack = start_devstack(tmp_path, f"sqlite:///{tmp_path / 'hub.db'}")
-    try:
-        yield stack
-    finally:
-        stack.close()
-
-
-def _api(stack: DevStack, method: str, path: str, role: str = "operator", **kw: Any) -> Any:
-    with stack.hub.client(role) as api:
-        r = api.request(method, path, **kw)
-        assert r.status_code in (200, 201), r.text
-        return r.json()
 
 
 def _device(stack: DevStack, name: str) -> Any:
@@ -50,8 +32,8 @@ def _device(stack: DevStack, name: str) -> Any:
 
 def _metrics(stack: DevStack, task_id: str, role: str) -> dict[str, float]:
     """The latest metrics of the task's worker with ``role``."""
-    workers = {w["id"]: w for w in _api(stack, "GET", f"/tasks/{task_id}/workers", "viewer")}
-    latest = _api(stack, "GET", f"/tasks/{task_id}/metrics", "viewer")["workers"]
+    workers = {w["id"]: w for w in api(stack, "GET", f"/tasks/{task_id}/workers", "viewer")}
+    latest = api(stack, "GET", f"/tasks/{task_id}/metrics", "viewer")["workers"]
     for worker_id, sample in latest.items():
         if workers.get(worker_id, {}).get("role") == role:
             return sample["values"]
@@ -65,9 +47,9 @@ def test_split_inference_answers_like_the_whole_model_and_falls_back_on_the_devi
     deployment = create_deployment(stack, model["id"], {"ids": [dev.device_id]})
     assert wait_deployment_final(stack, deployment["id"])["state"] == "SUCCEEDED"
     spec = {"model": {"name": "digits"}, "timeout_ms": 500, "retry_after_s": 1.0, "report_interval_s": 0.3, "probe_interval_s": 2}
-    task = _api(stack, "POST", "/tasks", json={"type": "split_inference", "spec": spec, "placement": {"ids": [dev.device_id]}, "heartbeat_s": 0.5})
+    task = api(stack, "POST", "/tasks", json={"type": "split_inference", "spec": spec, "placement": {"ids": [dev.device_id]}, "heartbeat_s": 0.5})
     assert task["spec"]["model"]["version"] == "1.0.0"
-    workers = lambda: _api(stack, "GET", f"/tasks/{task['id']}/workers", "viewer")  # noqa: E731
+    workers = lambda: api(stack, "GET", f"/tasks/{task['id']}/workers", "viewer")  # noqa: E731
     wait_for(lambda: sorted((w["role"], w["state"]) for w in workers()) == [("head", "RUNNING"), ("tail", "RUNNING")], 60, what="head and tail RUNNING")
     (tail,) = [w for w in workers() if w["role"] == "tail"]
     assert tail["target_id"] == stack.node_id
@@ -94,15 +76,15 @@ def test_split_inference_answers_like_the_whole_model_and_falls_back_on_the_devi
     # Execute 2: the task stopped (SUCCEEDED, its tail withdrawn with it); the next ones pin the plan, so that
     # every request crosses the link: a middle cut with int8 activations, then edge-only
     def pinned_task(cut: str, quantize: bool) -> dict[str, Any]:
-        created = _api(stack, "POST", "/tasks", json={
+        created = api(stack, "POST", "/tasks", json={
             "type": "split_inference", "placement": {"ids": [dev.device_id]}, "heartbeat_s": 0.5, "spec": {**spec, "cut": cut, "quantize": quantize},
         })  # fmt: skip
         wait_for(lambda: "estimate_ms" in _metrics(stack, created["id"], "head"), 60, what=f"the head pinned to {cut} calibrated")
         return created
 
     def stop(task_id: str) -> None:
-        _api(stack, "POST", f"/tasks/{task_id}/stop")
-        wait_for(lambda: _api(stack, "GET", f"/tasks/{task_id}", "viewer")["state"] == "SUCCEEDED", 30, what="the task stopped")
+        api(stack, "POST", f"/tasks/{task_id}/stop")
+        wait_for(lambda: api(stack, "GET", f"/tasks/{task_id}", "viewer")["state"] == "SUCCEEDED", 30, what="the task stopped")
         wait_for(lambda: not dev.models.routed("digits"), 10, what="the head's route removed")
 
     stop(task["id"])
