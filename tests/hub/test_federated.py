@@ -339,7 +339,8 @@ def test_a_trimmed_mean_that_could_close_a_round_with_too_few_updates_is_refused
 # --- placement and orders --------------------------------------------------------------------------
 
 
-def test_a_flat_task_runs_device_workers_whose_orders_carry_round_one_and_the_models_layer(fleet: TaskFleet) -> None:
+def test_a_flat_task_runs_device_workers_whose_orders_carry_round_one_and_the_models_layer(sqlite_fleet: TaskFleet) -> None:
+    fleet = sqlite_fleet
     # Prepare: gw_a with two devices keeping the dataset, gw_b with one, and one under gw_a that keeps none
     gw_a, gw_b = fleet.node("a"), fleet.node("b")
     model = upload_model(fleet)
@@ -382,7 +383,8 @@ def test_a_flat_task_runs_device_workers_whose_orders_carry_round_one_and_the_mo
     assert fleet.task(task["id"])["state"] == "RUNNING"
 
 
-def test_a_hierarchical_task_puts_an_aggregator_on_each_edge_with_participants_unless_the_strategy_cannot_combine(fleet: TaskFleet) -> None:
+def test_a_hierarchical_task_puts_an_aggregator_on_each_edge_with_participants_unless_the_strategy_cannot_combine(sqlite_fleet: TaskFleet) -> None:
+    fleet = sqlite_fleet
     # Prepare: gw_a with two devices, gw_b with one, gw_c whose only device keeps no dataset
     gw_a, gw_b, gw_c = fleet.node("a"), fleet.node("b"), fleet.node("c")
     model = upload_model(fleet)
@@ -741,7 +743,8 @@ def test_a_retried_task_runs_the_round_it_failed_in_again(sqlite_fleet: TaskFlee
 # --- hierarchy -------------------------------------------------------------------------------------
 
 
-def test_an_edges_combined_update_fuses_like_its_devices_updates_flat(fleet: TaskFleet) -> None:
+def test_an_edges_combined_update_fuses_like_its_devices_updates_flat(sqlite_fleet: TaskFleet) -> None:
+    fleet = sqlite_fleet
     # Prepare: gw_a with a1, a2 and gw_b with b1; a hierarchical and a flat FedAvg task over the same devices
     gw_a, gw_b = fleet.node("a"), fleet.node("b")
     model = upload_model(fleet)
@@ -850,7 +853,8 @@ def test_a_restarted_hub_closes_the_round_it_was_in_and_keeps_fedadams_state(fle
 # --- the end ---------------------------------------------------------------------------------------
 
 
-def test_the_last_round_publishes_the_model_and_the_artefacts_stay_until_the_task_is_deleted(fleet: TaskFleet) -> None:
+def test_the_last_round_publishes_the_model_and_the_artefacts_stay_until_the_task_is_deleted(sqlite_fleet: TaskFleet) -> None:
+    fleet = sqlite_fleet
     # Prepare: two devices, FedAvg, two rounds
     gw = fleet.node()
     model = upload_model(fleet)

@@ -192,7 +192,8 @@ def check_ref(fleet: TaskFleet, ref: contract.InputRef | None, artifact_id: str,
 # --- admission -------------------------------------------------------------------------------------
 
 
-def test_a_split_task_cuts_the_model_at_its_candidate_cuts_into_signed_heads_and_tails(fleet: TaskFleet) -> None:
+def test_a_split_task_cuts_the_model_at_its_candidate_cuts_into_signed_heads_and_tails(sqlite_fleet: TaskFleet) -> None:
+    fleet = sqlite_fleet
     # Prepare: the CNN uploaded, two devices reporting it installed
     gw = fleet.node()
     model = upload(fleet, CNN, fixture_model(CNN))
@@ -251,7 +252,8 @@ def test_a_deep_model_is_cut_at_most_max_split_cuts_times_spread_over_its_depth(
         checked_onnx(read_blob(fleet.blobs, artefact(fleet, part.tail_artifact_id).sha256))
 
 
-def test_given_cuts_are_kept_in_model_order_and_a_pinned_cut_makes_one_part_or_none(fleet: TaskFleet) -> None:
+def test_given_cuts_are_kept_in_model_order_and_a_pinned_cut_makes_one_part_or_none(sqlite_fleet: TaskFleet) -> None:
+    fleet = sqlite_fleet
     gw = fleet.node()
     model = upload(fleet, CNN, fixture_model(CNN))
     device = running(fleet, gw, model)
@@ -281,7 +283,8 @@ def test_given_cuts_are_kept_in_model_order_and_a_pinned_cut_makes_one_part_or_n
 # --- refusals ---------------------------------------------------------------------------------------
 
 
-def test_what_cannot_be_split_is_refused_and_nothing_is_stored(fleet: TaskFleet) -> None:
+def test_what_cannot_be_split_is_refused_and_nothing_is_stored(sqlite_fleet: TaskFleet) -> None:
+    fleet = sqlite_fleet
     # Prepare: a device running the CNN 1.0.0, one reporting 1.1.0, one running nothing; a TFLite model; an ONNX model taking int64
     gw = fleet.node()
     model = upload(fleet, CNN, fixture_model(CNN))
@@ -515,7 +518,8 @@ def test_a_head_that_succeeds_while_others_run_withdraws_the_tail_of_its_node(sq
     assert node_orders(fleet, gw_a) == []
 
 
-def test_a_lost_tail_is_replaced_when_its_node_is_back_while_heads_remain(fleet: TaskFleet) -> None:
+def test_a_lost_tail_is_replaced_when_its_node_is_back_while_heads_remain(sqlite_fleet: TaskFleet) -> None:
+    fleet = sqlite_fleet
     # Prepare: two heads under one node, one tail
     gw = fleet.node()
     model = upload(fleet, MLP, fixture_model(MLP))
@@ -576,7 +580,8 @@ def test_a_failed_tail_is_replaced_on_its_node_at_the_next_tick(sqlite_fleet: Ta
 # --- artefacts --------------------------------------------------------------------------------------
 
 
-def test_the_artefacts_of_a_split_task_stay_until_the_task_is_deleted(fleet: TaskFleet) -> None:
+def test_the_artefacts_of_a_split_task_stay_until_the_task_is_deleted(sqlite_fleet: TaskFleet) -> None:
+    fleet = sqlite_fleet
     # Prepare: two tasks sharing one cut of the CNN (the same stored head and tail)
     gw = fleet.node()
     model = upload(fleet, CNN, fixture_model(CNN))
