@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -49,25 +50,27 @@ def load(session: Any, blobs: Any, artifact_id: str, classes: int | None = None)
     return x, y.astype(np.int64)
 
 
-def features(key: tuple[str, str], body: bytes, x: np.ndarray, output: str) -> np.ndarray:
-    """The body's ``output`` over ``x`` (cached by ``key``: task id and body digest)."""
+def held_out(session: Any, blobs: Any, artifact_id: str, key: tuple[str, str], body: Callable[[], bytes], output: str) -> tuple[np.ndarray, np.ndarray]:
+    """The body's ``output`` over the held-out ``x``, and ``y``: read and computed once per ``key`` (task id and body
+    digest) and hub process, since neither the body nor the set changes during a task."""
     import onnxruntime as ort
 
     with _LOCK:
         if key in _CACHE:
             _CACHE.move_to_end(key)
-            return _CACHE[key][0]
+            return _CACHE[key]
+    x, y = load(session, blobs, artifact_id)
     options = ort.SessionOptions()
     options.intra_op_num_threads = 1
-    session = ort.InferenceSession(body, options, providers=["CPUExecutionProvider"])
-    name = session.get_inputs()[0].name
-    parts = [session.run([output], {name: np.ascontiguousarray(x[i : i + BATCH], dtype=np.float32)})[0] for i in range(0, len(x), BATCH)]
-    out = np.concatenate(parts).reshape(len(x), -1).astype(np.float32)
+    runner = ort.InferenceSession(body(), options, providers=["CPUExecutionProvider"])
+    name = runner.get_inputs()[0].name
+    parts = [runner.run([output], {name: np.ascontiguousarray(x[i : i + BATCH], dtype=np.float32)})[0] for i in range(0, len(x), BATCH)]
+    feats = np.concatenate(parts).reshape(len(x), -1).astype(np.float32)
     with _LOCK:
-        _CACHE[key] = (out, np.empty(0))
+        _CACHE[key] = (feats, y)
         while len(_CACHE) > CACHED:
             _CACHE.popitem(last=False)
-    return out
+    return feats, y
 
 
 def score(feats: np.ndarray, y: np.ndarray, weight: np.ndarray, bias: np.ndarray) -> dict[str, float]:

@@ -43,7 +43,7 @@ from sqlalchemy.engine import Engine
 from sqlmodel import Session
 
 from cloud.convert import utc
-from cloud.fl.task import spec_of, via_edge
+from cloud.fl.task import spec_of
 from cloud.incremental import budgets, surgery
 from cloud.tables import Artifact, Device, FlPlan, FlRoundRow, FlUpdateRow, Task, TaskMetric, TaskWorker
 from interfaces.aggregation import ClientUpdate, Strategy, strategy_from_spec, strategy_from_state, weighted_metrics
@@ -378,8 +378,7 @@ def _evaluate(session: Session, blobs: Any, task: Task, plan: FlPlan, spec: Fede
     try:
         if body is None or spec.eval_inputs is None:
             raise LookupError("the body or the held-out set is gone")
-        x, y = evaluate.load(session, blobs, spec.eval_inputs)
-        feats = evaluate.features((task.id, body.sha256), read_blob(blobs, body.sha256), x, layer.feature)
+        feats, y = evaluate.held_out(session, blobs, spec.eval_inputs, (task.id, body.sha256), lambda: read_blob(blobs, body.sha256), layer.feature)
         return evaluate.score(feats, y, new["weight"], new["bias"])
     except Exception:  # noqa: BLE001 - a missing score must not stop the rounds
         log.exception("task %s: scoring round %s on the held-out set failed", task.id, plan.round)
@@ -482,6 +481,3 @@ def round_due(session: Session, at: datetime) -> set[str]:
         or (r.attempt > 0 and r.deadline_at is not None and utc(r.deadline_at) <= at)
     }  # fmt: skip
 
-
-def uses_via_edge(task: Task) -> bool:
-    return via_edge(spec_of(task))
