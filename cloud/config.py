@@ -7,9 +7,9 @@ from pathlib import Path
 from pydantic import Field, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from interfaces.nodes import MAX_HEARTBEAT_INTERVAL_S, MAX_OFFLINE_AFTER_MISSED, MIN_HEARTBEAT_INTERVAL_S
+
 # Documented bounds (README "Liveness"): the offline timeout is heartbeat_interval_s * offline_after_missed.
-MAX_HEARTBEAT_INTERVAL_S = 300.0
-MAX_OFFLINE_AFTER_MISSED = 10
 
 
 class Settings(BaseSettings):
@@ -20,7 +20,7 @@ class Settings(BaseSettings):
     broker_url: str = Field(default="mqtts://127.0.0.1:8883", description="where the hub connects")
     public_mqtt_url: str | None = Field(default=None, description="what agents are told; default broker_url")
     mqtt_client_id: str = Field(default="hub", description="must equal the hub certificate's CN")
-    heartbeat_interval_s: float = Field(default=10.0, ge=0.2, le=MAX_HEARTBEAT_INTERVAL_S)
+    heartbeat_interval_s: float = Field(default=10.0, ge=MIN_HEARTBEAT_INTERVAL_S, le=MAX_HEARTBEAT_INTERVAL_S)
     offline_after_missed: int = Field(default=3, ge=1, le=MAX_OFFLINE_AFTER_MISSED)
     heartbeat_flush_interval_s: float = Field(default=0.2, gt=0, le=5)
     liveness_check_interval_s: float = Field(default=1.0, gt=0, le=60)

@@ -18,6 +18,14 @@ Labels = Annotated[dict[str, str], AfterValidator(validate_labels)]
 Name = Annotated[str, Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9][A-Za-z0-9 _.:-]*$")]
 Description = Annotated[str, Field(max_length=1024)]
 
+# Documented liveness bounds (README "Liveness settings"; standard 7.2 d 2, 7.2 d 3). A hub announces its
+# heartbeat interval and offline timeout at enrolment; the offline timeout is the interval times the
+# number of missed heartbeats after which a silent node is OFFLINE.
+MIN_HEARTBEAT_INTERVAL_S = 0.2
+MAX_HEARTBEAT_INTERVAL_S = 300.0
+MAX_OFFLINE_AFTER_MISSED = 10
+MAX_OFFLINE_TIMEOUT_S = MAX_HEARTBEAT_INTERVAL_S * MAX_OFFLINE_AFTER_MISSED
+
 
 class _In(NoNul):
     """Request bodies refuse unknown fields and U+0000 in text."""
@@ -88,6 +96,7 @@ class CertificateIssued(BaseModel):
     not_after: datetime
     mqtt_url: str = Field(description="where the agent connects, e.g. mqtts://broker:8883")
     heartbeat_interval_s: float = Field(gt=0)
+    offline_timeout_s: float | None = Field(default=None, gt=0, description="silence after which the hub marks the agent OFFLINE (at most MAX_OFFLINE_TIMEOUT_S)")
     signing_key_pem: str | None = Field(default=None, description="the hub's Ed25519 artefact-signing public key, to pin")
 
 
@@ -173,6 +182,7 @@ class DeviceCertificateIssued(BaseModel):
     not_after: datetime
     mqtt_url: str
     heartbeat_interval_s: float = Field(gt=0)
+    offline_timeout_s: float | None = Field(default=None, gt=0, description="silence after which the hub marks the agent OFFLINE (at most MAX_OFFLINE_TIMEOUT_S)")
     signing_key_pem: str | None = Field(default=None, description="the hub's Ed25519 artefact-signing public key, to pin")
 
 

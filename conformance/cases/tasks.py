@@ -1,0 +1,3 @@
+"""Cases: see conformance/catalogue.py."""
+
+from __future__ import annotations
