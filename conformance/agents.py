@@ -109,6 +109,7 @@ class MqttPeer:
             self.client.will_set(will[0], will[1], qos=1, retain=True)
         self.received: list[Received] = []
         self.suback: dict[int, list[ReasonCode]] = {}
+        self.puback: dict[int, ReasonCode] = {}
         self.connected = threading.Event()
         self.connect_reason: ReasonCode | None = None
         self.disconnected = threading.Event()
@@ -118,6 +119,7 @@ class MqttPeer:
         self.client.on_disconnect = self._on_disconnect
         self.client.on_message = self._on_message
         self.client.on_subscribe = self._on_subscribe
+        self.client.on_publish = self._on_publish
 
     def _on_connect(self, _c: Any, _u: Any, _f: Any, reason: ReasonCode, _p: Any) -> None:
         self.connect_reason = reason
@@ -131,6 +133,9 @@ class MqttPeer:
 
     def _on_subscribe(self, _c: Any, _u: Any, mid: int, reasons: list[ReasonCode], _p: Any) -> None:
         self.suback[mid] = list(reasons)
+
+    def _on_publish(self, _c: Any, _u: Any, mid: int, reason: ReasonCode, _p: Any) -> None:
+        self.puback[mid] = reason
 
     def _on_message(self, _c: Any, _u: Any, message: mqtt.MQTTMessage) -> None:
         item = Received(message.topic, bytes(message.payload), getattr(message, "properties", None), bool(message.retain))
@@ -168,10 +173,17 @@ class MqttPeer:
             time.sleep(0.02)
         return self.suback[mid]
 
-    def publish(self, topic: str, payload: bytes | str, qos: int = 1, retain: bool = False, properties: Properties | None = None, wait: bool = True) -> None:
+    def publish(self, topic: str, payload: bytes | str, qos: int = 1, retain: bool = False, properties: Properties | None = None, wait: bool = True) -> str:
+        """Publish; with QoS 1 wait for the PUBACK and return its reason ("Success", "Not authorized", ...)."""
         info = self.client.publish(topic, payload, qos=qos, retain=retain, properties=properties)
-        if wait and qos > 0:
-            info.wait_for_publish(timeout=10)
+        if not (wait and qos > 0):
+            return "sent"
+        info.wait_for_publish(timeout=10)
+        deadline = time.monotonic() + 2
+        while info.mid not in self.puback and time.monotonic() < deadline:
+            time.sleep(0.01)
+        reason = self.puback.get(info.mid)
+        return "no PUBACK" if reason is None else str(reason)
 
     def messages(self, topic: str | None = None) -> list[Received]:
         with self._lock:
@@ -268,8 +280,8 @@ class Endpoint:
     def handle(self, message: Received) -> None:
         if message.topic == self.topics.desired and message.payload:
             threading.Thread(target=self._on_desired, args=(message,), daemon=True).start()
-        elif message.topic == self.topics.cmd:
-            self._on_command(message)
+        elif message.topic == self.topics.cmd:  # answered off the network thread, which must stay free for the PUBACKs
+            threading.Thread(target=self._on_command, args=(message,), daemon=True).start()
 
     def _on_command(self, message: Received) -> None:
         if not self.answer_commands:
@@ -296,11 +308,13 @@ class Endpoint:
     def _on_desired(self, message: Received) -> None:
         desired = Envelope[DesiredBody].model_validate_json(message.payload).body
         with self._lock:
+            if self.desired and desired.version < self.desired[-1].version:
+                return  # an older document handled after a newer one: the newer one stands
             self.desired.append(desired)
         for order in desired.deployments:
             self._deploy(order)
         self._tasks(desired.tasks)
-        self.report(desired.version, {"converged": True})
+        self.report(desired.version, dict(desired.spec))  # converged to what it was asked
 
     # ---- deployments (DESIGN §4.2) -------------------------------------------------------------------
     def _progress(self, order: DeploymentOrder, state: ExecutionState, detail: str = "", installed: InstalledArtifact | None = None) -> None:
@@ -364,6 +378,12 @@ class Endpoint:
         if self.worker_mode == "fail":
             self._worker_report(order, WorkerState.FAILED, "the simulated worker fails, as the case asked")
             return
+        try:
+            self._serve(order)
+        except RuntimeError:  # paho: the connection is gone (the case stopped the agent); the worker ends with it
+            return
+
+    def _serve(self, order: WorkerOrder) -> None:
         duration = order.spec.get("duration_s")
         started = time.monotonic()
         while self.edge.running.is_set():
@@ -407,7 +427,7 @@ class SimEdge:
 
     def signing_key(self) -> Ed25519PublicKey:
         if self._key is None:
-            pem = self.issued.signing_key_pem or self.target.ok("GET", "/signing-key.pub", token=None)
+            pem = self.issued.signing_key_pem or self.target.call("GET", "/signing-key.pub", token=None).text
             key = serialization.load_pem_public_key(pem.encode() if isinstance(pem, str) else pem)
             assert isinstance(key, Ed25519PublicKey), "the hub's signing key is not Ed25519"
             self._key = key

@@ -370,7 +370,7 @@ class DeploymentPublic(BaseModel):
     id: str
     name: str
     artifact_id: str
-    artifact: ArtifactManifest
+    artifact: ArtifactManifest | None = Field(description="the artefact deployed; null once it was deleted (only a final deployment lets it go)")
     target: DeploymentTarget
     strategy: Strategy
     max_failure_percent: float

@@ -335,7 +335,7 @@ def to_wire(session: Session, rows: list[Deployment]) -> list[DeploymentPublic]:
     for row in rows:
         c = per_state.get(row.id, {})
         out.append(DeploymentPublic(
-            id=row.id, name=row.name, artifact_id=row.artifact_id, artifact=artifact_manifest(artifacts[row.artifact_id]),
+            id=row.id, name=row.name, artifact_id=row.artifact_id, artifact=artifact_manifest(artifacts[row.artifact_id]) if row.artifact_id in artifacts else None,
             target=DeploymentTarget.model_validate(row.target), strategy=row.strategy,  # type: ignore[arg-type]
             max_failure_percent=row.max_failure_percent, failure_policy=FailurePolicy(row.failure_policy), timeout_s=row.timeout_s,
             allow_downgrade=row.allow_downgrade, state=DeploymentState(row.state), reason=row.reason, superseded_by=row.superseded_by,

@@ -23,9 +23,15 @@ BOOTSTRAP_PREFIX = "bst_"
 
 
 def issue_bootstrap(session: Session, owner_id: str, ttl_s: int) -> tuple[str, datetime]:
-    """Add a one-time bootstrap token for ``owner_id`` (not committed); returns it and its expiry."""
+    """Add a one-time bootstrap token for ``owner_id`` (not committed); returns it and its expiry. A token
+    issued earlier and not used yet expires now: reissuing is how a leaked or lost token is replaced."""
     secret = new_secret(BOOTSTRAP_PREFIX)
     at = datetime.now(UTC)
+    session.execute(
+        update(BootstrapToken)
+        .where(BootstrapToken.owner_id == owner_id, BootstrapToken.used_at.is_(None), BootstrapToken.expires_at > at)  # type: ignore[union-attr,arg-type]
+        .values(expires_at=at)
+    )
     expires = at + timedelta(seconds=ttl_s)
     session.add(BootstrapToken(token_hash=hash_secret(secret), owner_id=owner_id, created_at=at, expires_at=expires))
     return secret, expires

@@ -511,6 +511,10 @@ def test_delete_is_refused_while_a_deployment_uses_it(hub: HubUnderTest) -> None
     assert allowed.status_code == 204, allowed.text
     assert_problem(hub.get(f"/artifacts/{created['id']}"), 404, "not_found")
     assert blob_files(hub) == []
+    # the final deployment stays listed, without its artefact
+    listed = hub.get("/deployments")
+    assert listed.status_code == 200, listed.text
+    assert [d["artifact"] for d in listed.json()["items"] if d["id"] == deployment] == [None]
 
 
 def test_in_use_by_executions_and_as_a_rollback_target(hub: HubUnderTest) -> None:

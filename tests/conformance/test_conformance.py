@@ -1,0 +1,119 @@
+"""The conformance suite against running systems, the way a certifier runs it: ``aisynergy conformance``
+as a child process against a stack started with ``aisynergy up``; and against a hub configured out of
+spec, where exactly the matching clause must fail."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import xml.etree.ElementTree as ET
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.support import AISYNERGY, create_token, free_port, start, start_broker, stop, wait_for
+
+pytestmark = pytest.mark.broker
+
+SUITE_TIMEOUT_S = 600
+FAST_LIVENESS = {"AISYNERGY_HEARTBEAT_INTERVAL_S": "1", "AISYNERGY_LIVENESS_CHECK_INTERVAL_S": "0.2"}
+
+
+@dataclass
+class Running:
+    hub_url: str
+    broker_url: str
+    ca: Path
+    tokens: dict[str, str]
+
+
+def _healthy(url: str) -> bool:
+    try:
+        return httpx.get(url + "/healthz", timeout=1).json().get("mqtt", {}).get("connected", False)  # type: ignore[no-any-return]
+    except (httpx.HTTPError, ValueError):
+        return False
+
+
+def _run_suite(system: Running, out: Path, *extra: str) -> tuple[int, str, ET.Element, str]:
+    args = [*AISYNERGY, "conformance", "--hub", system.hub_url, "--broker", system.broker_url, "--token", system.tokens["admin"],
+            "--ca", str(system.ca), "--junit", str(out / "junit.xml"), "--report", str(out / "report.md"), *extra]  # fmt: skip
+    for role in ("operator", "viewer"):
+        if role in system.tokens:
+            args += [f"--{role}-token", system.tokens[role]]
+    done = subprocess.run(args, capture_output=True, text=True, timeout=SUITE_TIMEOUT_S)
+    return done.returncode, done.stdout + done.stderr, ET.parse(out / "junit.xml").getroot(), (out / "report.md").read_text()
+
+
+def _failed_clauses(junit: ET.Element) -> set[str]:
+    return {tc.get("classname", "").removeprefix("clause.") for tc in junit.iter("testcase") if tc.find("failure") is not None or tc.find("error") is not None}
+
+
+def _registered_cases() -> int:
+    import conformance.cases  # noqa: F401
+    from conformance.runner import REGISTRY
+
+    return len(REGISTRY)
+
+
+@pytest.fixture
+def our_stack(tmp_path: Path) -> Iterator[Running]:
+    """``aisynergy up`` (broker, hub on SQLite, one edge agent, one device) on free ports, as a user starts it."""
+    data = tmp_path / "stack"
+    hub_port, broker_port = free_port(), free_port()
+    proc = start([*AISYNERGY, "up", "--data-dir", str(data), "--hub-port", str(hub_port), "--broker-port", str(broker_port),
+                  "--enrol-port", str(free_port()), "--devices", "1", "--no-table"], tmp_path / "up.log", env=FAST_LIVENESS)  # fmt: skip
+    try:
+        hub_url = f"http://127.0.0.1:{hub_port}"
+        wait_for(lambda: "devices " in (tmp_path / "up.log").read_text() or proc.poll() is not None, 120, interval=0.5, what="aisynergy up")
+        assert proc.poll() is None, (tmp_path / "up.log").read_text()[-3000:]
+        assert _healthy(hub_url)
+        db = f"sqlite:///{data / 'hub.db'}"
+        tokens = {"admin": (data / "admin.token").read_text().strip(), **{r: create_token(data, db, r) for r in ("operator", "viewer")}}
+        yield Running(hub_url, f"mqtts://127.0.0.1:{broker_port}", data / "pki" / "ca.crt", tokens)
+    finally:
+        stop(proc, timeout=20)
+
+
+def test_suite_passes_on_our_stack(our_stack: Running, tmp_path: Path) -> None:
+    # Execute: the whole suite, every clause
+    rc, output, junit, report = _run_suite(our_stack, tmp_path)
+
+    # Assert: every case ran and passed (none skipped: all tokens were given), the reports agree
+    assert rc == 0, output[-6000:]
+    cases = list(junit.iter("testcase"))
+    assert len(cases) == _registered_cases()
+    assert not [tc.get("name") for tc in cases if tc.find("skipped") is not None]
+    assert _failed_clauses(junit) == set()
+    assert "| 7.2 d 3 |" in report and "**FAIL**" not in report
+    assert "NOT TESTABLE" in report  # the clauses no interface can observe are listed with their reason
+
+
+def test_a_hub_out_of_spec_fails_exactly_the_matching_clause(tmp_path: Path) -> None:
+    # Prepare: a broker and a hub whose offline timeout (1 s x 100,000 missed heartbeats) is far beyond the documented 3,000 s
+    data = tmp_path / "stack"
+    broker = start_broker(data)
+    port = free_port()
+    hub = start([sys.executable, "-m", "tests.conformance.nonconforming_hub", "--data-dir", str(data), "--port", str(port),
+                 "--broker-url", broker.url, "--offline-after-missed", "100000"], data / "hub.log")  # fmt: skip
+    try:
+        hub_url = f"http://127.0.0.1:{port}"
+        wait_for(lambda: _healthy(hub_url) or hub.poll() is not None, 60, what="hub up")
+        assert hub.poll() is None, (data / "hub.log").read_text()[-3000:]
+        db = f"sqlite:///{(data / 'hub.db').resolve()}"
+        system = Running(hub_url, broker.url, data / "pki" / "ca.crt", {r: create_token(data, db, r) for r in ("admin", "operator", "viewer")})
+
+        # Execute: the whole suite
+        rc, output, junit, report = _run_suite(system, tmp_path)
+    finally:
+        stop(hub)
+        stop(broker.proc)
+
+    # Assert: a non-zero exit, and the only failing clause is 7.2 d 3, for the reason planted
+    assert rc == 1, output[-4000:]
+    assert _failed_clauses(junit) == {"7.2.d.3"}, output[-6000:]
+    failure = next(tc.find("failure") for tc in junit.iter("testcase") if tc.get("name") == "offline_timeout")
+    assert failure is not None and "documented maximum" in failure.get("message", ""), failure.get("message") if failure is not None else None
+    assert "| 7.2 d 3 |" in report and report.count("**FAIL**") == 2  # the clause row and its case row
