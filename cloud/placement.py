@@ -129,20 +129,34 @@ def _matches(acc: Any, req: AcceleratorRequest) -> bool:
     return req.min_memory_bytes is None or acc.memory_bytes >= req.min_memory_bytes
 
 
+def _preference(acc: Any, req: AcceleratorRequest) -> int:
+    """Which matching card a reservation is counted against first: one declared for its purpose, then
+    one for both, then one with no declared purpose (so that the flexible cards stay free longest)."""
+    if req.purpose is not None and acc.purpose == req.purpose:
+        return 0
+    return 1 if acc.purpose == "both" else 2
+
+
 def free_accelerators(resources: Resources | None, reserved: list[dict[str, Any]], req: AcceleratorRequest) -> int:
-    """How many accelerators matching ``req`` the target has that active workers did not reserve."""
+    """How many accelerators matching ``req`` the target has that active workers did not reserve. Each
+    reservation is counted against the cards it could have been given (by type, purpose and memory), so
+    a training card held by one worker leaves the target's inference card free for another."""
     if resources is None:
         return 0
-    have = sum(a.count for a in resources.accelerators if _matches(a, req))
-    taken = 0
+    left = [[acc, acc.count] for acc in resources.accelerators]
     for r in reserved:
         try:
             other = AcceleratorRequest.model_validate(r)
         except ValidationError:
             continue
-        if other.type == req.type:
-            taken += other.count
-    return max(0, have - taken)
+        need = other.count
+        for pool in sorted((p for p in left if _matches(p[0], other)), key=lambda p: _preference(p[0], other)):
+            used = min(need, pool[1])
+            pool[1] -= used
+            need -= used
+            if need == 0:
+                break
+    return sum(count for acc, count in left if _matches(acc, req))
 
 
 def find(session: Session, placement: Placement, model: ModelRef | None, rejected: set[str] | frozenset[str] = frozenset(),

@@ -720,6 +720,13 @@ def training_and_inference_cards(check: Check) -> None:
     t = new_task(check, "inference", inference(model), {"target": "node", "ids": [train.node_id, both.node_id], "accelerators": [{"type": "gpu", "purpose": "inference"}]})
     ws = wait_workers(check, t.id, lambda ws: len(active_on(ws)) == 1, "the inference task over training + both cards")
     check.equal([w.target_id for w in ws], [both.node_id], "purpose inference: the card for both")
+    mixed = edge_with(check, accelerators=[gpu(purpose="training"), gpu(purpose="inference")])
+    model = install_model(check, "node", [mixed.node])
+    hold = new_task(check, "inference", inference(model), {"target": "node", "ids": [mixed.node_id], "accelerators": [{"type": "gpu", "purpose": "training"}]})
+    wait_workers(check, hold.id, lambda ws: len(active_on(ws)) == 1, "a worker holding the training card of a target with one card of each purpose")
+    t = new_task(check, "inference", inference(model), {"target": "node", "ids": [mixed.node_id], "accelerators": [{"type": "gpu", "purpose": "inference"}]})
+    ws = wait_workers(check, t.id, lambda ws: len(active_on(ws)) == 1, "an inference worker beside it")
+    check.equal([w.target_id for w in ws], [mixed.node_id], "the target's inference card is free while its training card is held")
 
 
 @case("6.1.2.b.3", "A running task's progress (chunks and items done, worker counts) and metrics series are visible through its REST views")
