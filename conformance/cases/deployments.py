@@ -46,9 +46,6 @@ SETTLE_S = 1.5  # how long a case watches for something that must not happen (th
 FINAL_WAIT_S = 30.0
 HOLD_LIMIT_S = 90.0  # a held install gives up after this (the case has failed or been cleaned up by then)
 _serial = count(1)
-_DEPLOYED: set[str] = set()
-"""Artefacts named in a POST /deployments: never deleted at clean-up (a deployment must stay readable; see
-``_forget_artifact``)."""
 
 
 # ---- the simulated agent, with what these cases need -------------------------------------------------
@@ -161,10 +158,6 @@ def _upload(check: Check, kind: str, name: str, version: str, fmt: str, data: by
 
 
 def _forget_artifact(check: Check, artifact_id: str) -> None:
-    if artifact_id in _DEPLOYED:
-        # Deleting an artefact whose deployments are all final is allowed (204), but then GET /deployments and
-        # GET /deployments/{id} of those deployments answer 500 for good; a deployed artefact stays.
-        return
     r = check.target.call("DELETE", f"/artifacts/{artifact_id}")
     if r.status_code in (204, 404):
         return
@@ -196,7 +189,6 @@ def deploy(check: Check, artifact_id: str, kind: str, ids: list[str] | None = No
     """``POST /deployments`` (must be 201); canceled after the case unless it is final by then."""
     target: dict[str, Any] = {"kind": kind, **({"ids": ids} if ids is not None else {}), **({"selector": selector} if selector is not None else {})}
     options.setdefault("timeout_s", 120)
-    _DEPLOYED.add(artifact_id)
     r = check.target.call("POST", "/deployments", json={"artifact_id": artifact_id, "target": target, **options})
     if r.status_code != 201:
         raise Unexpected(f"POST /deployments: HTTP {r.status_code} {r.text[:400]}")
@@ -440,6 +432,24 @@ def deploy_by_ids(check: Check) -> None:
     check.check(dep.id in {d["id"] for d in items(check.target, "/deployments", state="SUCCEEDED")}, "GET /deployments?state=SUCCEEDED lists it")
 
 
+@case("8.2.2", "Once its deployment is final the artefact may be deleted; the deployment stays readable, its artefact null")
+def deleted_artifact_keeps_deployment(check: Check) -> None:
+    _, agent = node_agent(check)
+    art, _ = new_artifact(check, "application", "tar.gz")
+    agent.hold()
+    dep = deploy(check, art.id, "node", ids=[agent.ident])
+    wait_ordered(check, agent, execution(dep, agent.ident).id)
+    problem(check.target.call("DELETE", f"/artifacts/{art.id}"), 409, ErrorCode.ARTIFACT_IN_USE)
+    check.note("ok: while the deployment runs the artefact is in use: 409 artifact_in_use")
+    check.target.ok("POST", f"/deployments/{dep.id}/cancel")
+    wait_dep(check, dep.id, _D.CANCELED)
+    r = check.target.call("DELETE", f"/artifacts/{art.id}")
+    check.check(r.status_code == 204, f"DELETE /artifacts/{{id}} after the deployment ended: HTTP {r.status_code}")
+    kept = check.target.ok("GET", f"/deployments/{dep.id}", DeploymentDetail)
+    equal(check, (kept.state, kept.artifact_id, kept.artifact), (_D.CANCELED, art.id, None), "the deployment read back: state, artifact_id, artifact")
+    check.check(dep.id in {d["id"] for d in items(check.target, "/deployments", state="CANCELED")}, "GET /deployments still lists it")
+
+
 @case("8.2.2", "A deployment by label selector to relayed devices reaches exactly the matching ones")
 def deploy_by_selector(check: Check) -> None:
     edge, _ = node_agent(check)
@@ -463,7 +473,6 @@ def deployment_refusals(check: Check) -> None:
     target = check.target
     _, agent = node_agent(check)
     art, _ = new_artifact(check, "model", "onnx")
-    _DEPLOYED.add(art.id)
 
     def post(body: dict[str, Any], token: str | None = "admin") -> httpx.Response:
         return target.call("POST", "/deployments", token=token, json=body)
