@@ -37,14 +37,20 @@ def _healthy(url: str) -> bool:
         return False
 
 
-def _run_suite(system: Running, out: Path, *extra: str) -> tuple[int, str, ET.Element, str]:
+def _start_suite(system: Running, out: Path) -> subprocess.Popen[str]:
+    """``aisynergy conformance`` against ``system``, every clause, reports under ``out``."""
+    out.mkdir(parents=True, exist_ok=True)
     args = [*AISYNERGY, "conformance", "--hub", system.hub_url, "--broker", system.broker_url, "--token", system.tokens["admin"],
-            "--ca", str(system.ca), "--junit", str(out / "junit.xml"), "--report", str(out / "report.md"), *extra]  # fmt: skip
+            "--ca", str(system.ca), "--junit", str(out / "junit.xml"), "--report", str(out / "report.md")]  # fmt: skip
     for role in ("operator", "viewer"):
         if role in system.tokens:
             args += [f"--{role}-token", system.tokens[role]]
-    done = subprocess.run(args, capture_output=True, text=True, timeout=SUITE_TIMEOUT_S)
-    return done.returncode, done.stdout + done.stderr, ET.parse(out / "junit.xml").getroot(), (out / "report.md").read_text()
+    return subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def _finish(proc: subprocess.Popen[str], out: Path) -> tuple[int, str, ET.Element, str]:
+    output, _ = proc.communicate(timeout=SUITE_TIMEOUT_S)
+    return proc.returncode, output, ET.parse(out / "junit.xml").getroot(), (out / "report.md").read_text()
 
 
 def _failed_clauses(junit: ET.Element) -> set[str]:
@@ -77,23 +83,10 @@ def our_stack(tmp_path: Path) -> Iterator[Running]:
         stop(proc, timeout=20)
 
 
-def test_suite_passes_on_our_stack(our_stack: Running, tmp_path: Path) -> None:
-    # Execute: the whole suite, every clause
-    rc, output, junit, report = _run_suite(our_stack, tmp_path)
-
-    # Assert: every case ran and passed (none skipped: all tokens were given), the reports agree
-    assert rc == 0, output[-6000:]
-    cases = list(junit.iter("testcase"))
-    assert len(cases) == _registered_cases()
-    assert not [tc.get("name") for tc in cases if tc.find("skipped") is not None]
-    assert _failed_clauses(junit) == set()
-    assert "| 7.2 d 3 |" in report and "**FAIL**" not in report
-    assert "NOT TESTABLE" in report  # the clauses no interface can observe are listed with their reason
-
-
-def test_a_hub_out_of_spec_fails_exactly_the_matching_clause(tmp_path: Path) -> None:
-    # Prepare: a broker and a hub whose offline timeout (1 s x 100,000 missed heartbeats) is far beyond the documented 3,000 s
-    data = tmp_path / "stack"
+@pytest.fixture
+def out_of_spec(tmp_path: Path) -> Iterator[Running]:
+    """A broker and a hub whose offline timeout (1 s x 100,000 missed heartbeats) is far beyond the documented 3,000 s."""
+    data = tmp_path / "out-of-spec"
     broker = start_broker(data)
     port = free_port()
     hub = start([sys.executable, "-m", "tests.conformance.nonconforming_hub", "--data-dir", str(data), "--port", str(port),
@@ -103,17 +96,30 @@ def test_a_hub_out_of_spec_fails_exactly_the_matching_clause(tmp_path: Path) -> 
         wait_for(lambda: _healthy(hub_url) or hub.poll() is not None, 60, what="hub up")
         assert hub.poll() is None, (data / "hub.log").read_text()[-3000:]
         db = f"sqlite:///{(data / 'hub.db').resolve()}"
-        system = Running(hub_url, broker.url, data / "pki" / "ca.crt", {r: create_token(data, db, r) for r in ("admin", "operator", "viewer")})
-
-        # Execute: the whole suite
-        rc, output, junit, report = _run_suite(system, tmp_path)
+        yield Running(hub_url, broker.url, data / "pki" / "ca.crt", {r: create_token(data, db, r) for r in ("admin", "operator", "viewer")})
     finally:
         stop(hub)
         stop(broker.proc)
 
-    # Assert: a non-zero exit, and the only failing clause is 7.2 d 3, for the reason planted
-    assert rc == 1, output[-4000:]
-    assert _failed_clauses(junit) == {"7.2.d.3"}, output[-6000:]
-    failure = next(tc.find("failure") for tc in junit.iter("testcase") if tc.get("name") == "offline_timeout")
-    assert failure is not None and "documented maximum" in failure.get("message", ""), failure.get("message") if failure is not None else None
-    assert "| 7.2 d 3 |" in report and report.count("**FAIL**") == 2  # the clause row and its case row
+
+def test_suite_passes_on_our_stack_and_fails_exactly_the_broken_clause_of_a_hub_out_of_spec(our_stack: Running, out_of_spec: Running, tmp_path: Path) -> None:
+    # Execute: the whole suite against both systems at once (the cases mostly wait on the systems)
+    ours, broken = _start_suite(our_stack, tmp_path / "ours"), _start_suite(out_of_spec, tmp_path / "broken")
+    rc, output, junit, report = _finish(ours, tmp_path / "ours")
+    rc_broken, output_broken, junit_broken, report_broken = _finish(broken, tmp_path / "broken")
+
+    # Assert (our stack): every case ran and passed (none skipped: all tokens were given), the reports agree
+    assert rc == 0, output[-6000:]
+    cases = list(junit.iter("testcase"))
+    assert len(cases) == _registered_cases()
+    assert not [tc.get("name") for tc in cases if tc.find("skipped") is not None]
+    assert _failed_clauses(junit) == set()
+    assert "| 7.2 d 3 |" in report and "**FAIL**" not in report
+    assert "NOT TESTABLE" in report  # the clauses no interface can observe are listed with their reason
+
+    # Assert (out of spec): a non-zero exit, and the only failing clause is 7.2 d 3, for the reason planted
+    assert rc_broken == 1, output_broken[-4000:]
+    assert _failed_clauses(junit_broken) == {"7.2.d.3"}, output_broken[-6000:]
+    failure = next(tc.find("failure") for tc in junit_broken.iter("testcase") if tc.get("name") == "offline_timeout")
+    assert failure is not None and "documented maximum" in failure.get("message", ""), output_broken[-4000:]
+    assert "| 7.2 d 3 |" in report_broken and report_broken.count("**FAIL**") == 2  # the clause row and its case row

@@ -22,6 +22,14 @@ from interfaces import API_PREFIX
 from interfaces.auth import Role
 from tests.hub.conftest import HubUnderTest, assert_problem, hub_settings, running_hub
 
+
+@pytest.fixture
+def database_url(sqlite_url: str) -> str:
+    """SQLite only here: the problem documents and the guards do not depend on the dialect, and a refused
+    request leaving PostgreSQL untouched is shown by the PostgreSQL variants of test_api_nodes and
+    test_artifacts (the same snapshot comparison)."""
+    return sqlite_url
+
 # One valid request per authenticated write route, so that only the role can be the reason for a refusal.
 WRITE_REQUESTS: dict[tuple[str, str], dict[str, Any] | None] = {
     ("POST", "/nodes"): {"name": "gw-new"},
