@@ -92,15 +92,15 @@ class RequestGuard:
             return
         length = _header(scope, b"content-length")
         if length is not None and (not length.isdigit() or int(length) > self.max_body_bytes):
-            await simple_problem(ErrorCode.PAYLOAD_TOO_LARGE, 413, "Payload too large", f"bodies are limited to {self.max_body_bytes} bytes")(scope, receive, send)
+            await simple_problem(ErrorCode.PAYLOAD_TOO_LARGE, 413, "Payload too large", f"bodies are limited to {self.max_body_bytes} bytes", scope.get("path"))(scope, receive, send)
             return
         body = await _read_body(receive, self.max_body_bytes)
         if body is None:
-            await simple_problem(ErrorCode.PAYLOAD_TOO_LARGE, 413, "Payload too large", f"bodies are limited to {self.max_body_bytes} bytes")(scope, receive, send)
+            await simple_problem(ErrorCode.PAYLOAD_TOO_LARGE, 413, "Payload too large", f"bodies are limited to {self.max_body_bytes} bytes", scope.get("path"))(scope, receive, send)
             return
         ctype = (_header(scope, b"content-type") or "").split(";")[0].strip().lower()
         if body and not (ctype in JSON_TYPES or ctype.endswith("+json") or ctype in FORM_TYPES):
-            await simple_problem(ErrorCode.UNSUPPORTED_MEDIA_TYPE, 415, "Unsupported media type", "send application/json")(scope, receive, send)
+            await simple_problem(ErrorCode.UNSUPPORTED_MEDIA_TYPE, 415, "Unsupported media type", "send application/json", scope.get("path"))(scope, receive, send)
             return
         key = _header(scope, b"idempotency-key")
         if key is None:

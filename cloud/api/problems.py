@@ -9,6 +9,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+import re
 
 from cloud.errors import ApiError
 from interfaces.errors import PROBLEM_MEDIA_TYPE, ErrorCode, Problem
@@ -34,8 +35,23 @@ def problem_response(problem: Problem, headers: dict[str, str] | None = None) ->
     )
 
 
-def simple_problem(code: ErrorCode, status: int, title: str, detail: str) -> JSONResponse:
-    return problem_response(Problem.of(code, status, title, detail))
+def simple_problem(code: ErrorCode, status: int, title: str, detail: str, instance: str | None = None) -> JSONResponse:
+    return problem_response(Problem.of(code, status, title, detail, instance=instance))
+
+
+HTTP_METHODS = frozenset({"get", "put", "post", "delete", "options", "head", "patch", "trace"})
+
+
+def allowed_methods(request: Request) -> str:
+    """Every method the API answers on this path (RFC 9110 15.5.6: a 405 lists them all in Allow), from the
+    app's OpenAPI paths; the router names only the first route whose path matched."""
+    table = getattr(request.app.state, "allowed_methods", None)
+    if table is None:
+        table = [(re.compile("^" + re.sub(r"\\\{[^/]+?\\\}", "[^/]+", re.escape(path)) + "$"), {m.upper() for m in ops if m in HTTP_METHODS})
+                 for path, ops in request.app.openapi().get("paths", {}).items()]  # fmt: skip
+        request.app.state.allowed_methods = table
+    methods = set().union(*(ops for pattern, ops in table if pattern.match(request.url.path)))
+    return ", ".join(sorted(methods))
 
 
 def _clean_errors(errors: Any) -> list[dict[str, Any]]:
@@ -65,7 +81,10 @@ def install(app: FastAPI) -> None:
     async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         code = _HTTP_CODES.get(exc.status_code, ErrorCode.MALFORMED_REQUEST if exc.status_code < 500 else ErrorCode.INTERNAL)
         problem = Problem.of(code, exc.status_code, str(exc.detail) if exc.detail else "Error", str(exc.detail), instance=request.url.path)
-        return problem_response(problem, dict(exc.headers) if exc.headers else None)
+        headers = dict(exc.headers) if exc.headers else {}
+        if exc.status_code == 405:
+            headers["Allow"] = allowed_methods(request) or headers.get("allow", "")
+        return problem_response(problem, headers or None)
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception) -> JSONResponse:

@@ -191,10 +191,12 @@ def errors_not_found_and_method(check: Check) -> None:
                              ("GET", f"/deployments/{new_id('dep')}", {})]:  # fmt: skip
         _expect(check, check.target.call(method, path, **kw), 404, ErrorCode.NOT_FOUND, f"{method} {path}")
     before = _run_nodes(check)
+    answered = {"/nodes": {"GET", "POST"}, f"/nodes/{node.id}": {"GET", "PATCH", "DELETE"}, f"/nodes/{node.id}/status": {"GET"}}  # DESIGN §4.1
     for method, path in [("DELETE", "/nodes"), ("PUT", "/nodes"), ("POST", f"/nodes/{node.id}"), ("PUT", f"/nodes/{node.id}/status")]:
         r = check.target.call(method, path, json={"name": "conf-x", "labels": check.target.labels()})
         _expect(check, r, 405, ErrorCode.METHOD_NOT_ALLOWED, f"{method} {path}")
-        check.note(f"{method} {path}: Allow: {r.headers.get('allow')!r}")
+        allow = {m.strip().upper() for m in r.headers.get("allow", "").split(",") if m.strip()}
+        check.check(answered[path] <= allow and method not in allow, f"{method} {path}: Allow lists the methods the path answers (RFC 9110 15.5.6): {sorted(allow)}")
     check.equal(sorted(_run_nodes(check)), sorted(before), "this run's nodes after the 405s (DELETE /nodes deleted nothing)")
     check.equal(_node(check, node.id)["id"], node.id, "the node is still there")
 

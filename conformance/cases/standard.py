@@ -51,7 +51,7 @@ def edge_both_tiers(check: Check) -> None:
 def isolation_between_edges(check: Check) -> None:
     a, b = new_edge(check), new_edge(check)
     wait_node(check, b.node_id, "ONLINE", 10)
-    before = node_status(check.target, b.node_id)
+    before = check.wait(lambda: (st := node_status(check.target, b.node_id)).health is not None and st, 5 * b.heartbeat_interval_s, "B's first heartbeat")
     forged_hb = envelope(b.node_id, HeartbeatBody(seq=10_000, health=Health.DEGRADED, agent_version="forged", uptime_s=1e6, resources=resources(memory_available=1)))
     reason = a.peer.publish(NODE_HEARTBEAT.topic(node_id=b.node_id), forged_hb.model_dump_json(), qos=1)
     check.equal(reason, "Not authorized", "PUBACK for a heartbeat on another edge's topic")
