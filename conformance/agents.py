@@ -19,7 +19,6 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -48,7 +47,7 @@ from interfaces.resources import Accelerator, CpuReading, DiskReading, MemoryRea
 from interfaces.tasks import TASK_WORKER_EVENT, WorkerAction, WorkerOrder, WorkerReport, WorkerState
 from interfaces.topics import (
     DEVICE_STATE, NODE_CMD, NODE_CMD_REPLY, NODE_DESIRED, NODE_EVENTS, NODE_HEARTBEAT, NODE_REPORTED, NODE_STATE, RELAY_CMD, RELAY_CMD_REPLY,
-    RELAY_DESIRED, RELAY_EVENTS, RELAY_HEARTBEAT, RELAY_REPORTED, RELAY_STATE, Topic,
+    RELAY_DESIRED, RELAY_EVENTS, RELAY_HEARTBEAT, RELAY_REPORTED, RELAY_STATE,
 )  # fmt: skip
 
 AGENT_VERSION = "conformance-sim/1"
@@ -522,8 +521,4 @@ def device_peer(target: Target, identity: Identity) -> MqttPeer:
     return MqttPeer(target, identity, will=(DEVICE_STATE.topic(device_id=identity.ident), will))
 
 
-def now() -> datetime:
-    return datetime.now(UTC)
-
-
-__all__ = ["SimEdge", "Endpoint", "MqttPeer", "Identity", "Topic", "enrol_device", "device_peer", "resources", "make_csr", "publish_model", "now"]
+__all__ = ["SimEdge", "Endpoint", "MqttPeer", "Identity", "enrol_device", "device_peer", "resources", "make_csr", "publish_model"]

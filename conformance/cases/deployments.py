@@ -23,6 +23,7 @@ from itertools import count, pairwise
 from typing import Any
 
 import httpx
+from paho.mqtt.client import topic_matches_sub as mqtt_topic_matches
 from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
@@ -38,6 +39,7 @@ from interfaces.deployments import (
 from interfaces.errors import ErrorCode
 from interfaces.ids import new_id
 from interfaces.nodes import Twin
+from interfaces.topics import Tier, own_subtree
 
 _E = ExecutionState
 _D = DeploymentState
@@ -754,7 +756,7 @@ def model_to_edge_and_device(check: Check) -> None:
     for dep, agent in ((to_node, node), (to_device, device)):
         done = wait_dep(check, dep.id, _D.SUCCEEDED)
         equal(check, states(execution(done, agent.ident)), INSTALL_PATH, f"{dep.target.kind.value} {agent.ident}: execution history")
-    check.check(device.ep.topics.desired.startswith(f"synergy/v1/nodes/{edge.node_id}/"), f"the device's order came through its edge ({device.ep.topics.desired})")
+    check.check(mqtt_topic_matches(own_subtree(Tier.NODE, edge.node_id), device.ep.topics.desired), f"the device's order came through its edge ({device.ep.topics.desired})")
     wait_installed(check, [node, device], art)
 
 

@@ -15,7 +15,9 @@ from conformance.runner import Check, case
 from interfaces.errors import ErrorCode
 from interfaces.messages import ConnectionState, Health, HeartbeatBody, StateBody, envelope
 from interfaces.nodes import MAX_OFFLINE_TIMEOUT_S, CommandResult, Twin
-from interfaces.topics import DEVICE_CMD, DEVICE_HEARTBEAT, NODE_CMD, NODE_DESIRED, NODE_HEARTBEAT, NODE_STATE, RELAY_HEARTBEAT
+from interfaces.topics import (
+    DEVICE_CMD, DEVICE_HEARTBEAT, DEVICE_STATE, NODE_CMD, NODE_DESIRED, NODE_HEARTBEAT, NODE_STATE, PREFIX, RELAY_HEARTBEAT, Tier, own_subtree,
+)  # fmt: skip
 
 TOLERANCE_S = 3.0  # the hub's liveness check and heartbeat batching add at most a few seconds
 
@@ -60,7 +62,7 @@ def isolation_between_edges(check: Check) -> None:
                 "PUBACK for a retained state on another edge's topic")  # fmt: skip
     a.peer.subscribe(f"{NODE_CMD.filter(node_id=b.node_id)}")
     a.peer.subscribe(NODE_DESIRED.topic(node_id=b.node_id))
-    a.peer.subscribe("synergy/v1/#")
+    a.peer.subscribe(f"{PREFIX}/#")
     res = check.target.ok("POST", f"/nodes/{b.node_id}/commands", CommandResult, json={"name": "ping", "args": {"secret": "b-only"}, "timeout_s": 10})
     check.check(res.ok, "B answered its own command")
     time.sleep(2 * b.heartbeat_interval_s)
@@ -82,7 +84,7 @@ def isolation_of_devices(check: Check) -> None:
     check.check(peer.connect(), "the device connects with its own certificate")
     check.cleanup("disconnect device", peer.disconnect)
     own = envelope(d1.ident, StateBody(state=ConnectionState.ONLINE))
-    reason = peer.publish(f"synergy/v1/devices/{d1.ident}/state", own.model_dump_json(), qos=1)
+    reason = peer.publish(DEVICE_STATE.topic(device_id=d1.ident), own.model_dump_json(), qos=1)
     check.check(reason in ("Success", "No matching subscribers"), f"PUBACK on its own subtree: {reason}")
     hb = envelope(d2.ident, HeartbeatBody(seq=1, agent_version="forged", uptime_s=1, resources=resources()))
     check.equal(peer.publish(DEVICE_HEARTBEAT.topic(device_id=d2.ident), hb.model_dump_json(), qos=1), "Not authorized", "PUBACK on another device's topic")
@@ -90,7 +92,7 @@ def isolation_of_devices(check: Check) -> None:
                 "PUBACK on the edge's relay topic")  # fmt: skip
     check.equal(peer.publish(NODE_HEARTBEAT.topic(node_id=edge.node_id), hb.model_dump_json(), qos=1), "Not authorized", "PUBACK on the edge's own topic")
     peer.subscribe(DEVICE_CMD.topic(device_id=d2.ident))
-    peer.subscribe(f"synergy/v1/nodes/{edge.node_id}/#")
+    peer.subscribe(own_subtree(Tier.NODE, edge.node_id))
     check.target.ok("PUT", f"/devices/{d2.ident}/twin", json={"desired": {"secret": "d2-only"}})
     time.sleep(1.5)
     check.equal([m.topic for m in peer.messages() if d2.ident in m.topic or edge.node_id in m.topic], [], "messages of others the device received")
@@ -145,7 +147,7 @@ def runtime_configuration(check: Check) -> None:
     wait_node(check, edge.node_id, "OFFLINE", 10)
     newer = {"runtime": "onnxruntime", "threads": 4}
     version = check.target.ok("PUT", f"/devices/{ep.ident}/twin", Twin, json={"desired": newer}).desired_version
-    peer = MqttPeer(check.target, Identity(check.target.work_dir / "reconnect", edge.node_id, edge.identity.key.read_bytes(), edge.issued, edge.issued.ca_pem))
+    peer = MqttPeer(check.target, edge.identity)  # the same certificate, a new session
     check.check(peer.connect(), "the edge reconnects")
     check.cleanup("disconnect", peer.disconnect)
     peer.subscribe(ep.topics.desired)
