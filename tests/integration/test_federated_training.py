@@ -11,19 +11,23 @@ layers; the others had masked with the stopped device, so they reveal those seed
 
 from __future__ import annotations
 
+import threading
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
 from safetensors.numpy import save
 
 from device.runtime import open_model
+from device.tasks import federated
 from tests.dp_support import cloud_model, digits
 from tests.integration.devstack import DevStack, api, create_deployment, upload_artifact, wait_deployment_final
 from tests.support import wait_for
 
 FINAL = {"SUCCEEDED", "FAILED", "CANCELED", "TIMED_OUT"}
 ROUNDS = 7
+ROUND_TIMEOUT_S = 6
 
 
 def _accuracy(model_bytes: bytes, path: Path, x: np.ndarray, y: np.ndarray) -> float:
@@ -32,7 +36,41 @@ def _accuracy(model_bytes: bytes, path: Path, x: np.ndarray, y: np.ndarray) -> f
     return float((logits.argmax(axis=1) == y).mean())
 
 
-def test_hierarchical_fedavg_with_secure_aggregation_survives_a_participant_that_stops_and_rejoins(stack: DevStack, tmp_path: Path) -> None:
+class _Choreography:
+    """Puts the stop and the return at fixed points of the rounds, whatever the machine's pace.
+
+    The victim is stopped while it trains round 2 (so that round closes short of it). Until the restarted victim
+    trains a round, the others hold each later round until the victim is in it too, or until ``hold_until_s`` before
+    the round's deadline (then it goes on with two, and the next round is held the same way).
+    """
+
+    def __init__(self, victim: str, hold_until_s: float) -> None:
+        self.victim, self.hold_until_s = victim, hold_until_s
+        self.in_round_2 = threading.Event()
+        self.stopped = threading.Event()
+        self.entered: set[int] = set()  # rounds the restarted victim trained in
+        self._cond = threading.Condition()
+        self._original = federated._Participant._round
+
+    def __call__(self, participant: Any, fl: Any) -> bool:
+        w = participant.worker
+        if participant.identity == self.victim:
+            if fl.round == 2 and not self.in_round_2.is_set():
+                self.in_round_2.set()
+                while w.checkpoint():  # the test stops this device now: the round never gets its update
+                    w.wait(0.05)
+                return False
+            if self.stopped.is_set():  # the restarted device
+                with self._cond:
+                    self.entered.add(fl.round)
+                    self._cond.notify_all()
+        elif self.stopped.is_set() and fl.round > 2 and not self.entered:
+            with self._cond:
+                self._cond.wait_for(lambda: fl.round in self.entered, timeout=max(0.0, federated._seconds_left(fl) - self.hold_until_s))
+        return bool(self._original(participant, fl))
+
+
+def test_hierarchical_fedavg_with_secure_aggregation_survives_a_participant_that_stops_and_rejoins(stack: DevStack, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     # the plain (unmasked) path of the edge's combining is covered with the real router in tests/device/test_federated_worker.py
     secure = True
     # Prepare: three devices, each with its own share of the (shifted) images, skewed by label
@@ -56,18 +94,20 @@ def test_hierarchical_fedavg_with_secure_aggregation_survives_a_participant_that
     before = _accuracy(cloud_model(), tmp_path / "before.onnx", test_x, test_y)
     held_out = upload_artifact(stack, save({"x": test_x, "y": test_y}), "dataset", "camera-held-out", "1.0.0", "safetensors")
 
-    # Execute: the task; in round 2 one device stops, later it comes back
+    # Execute: the task; in round 2 one device stops, then it comes back
+    stopped = devices[2]
+    choreography = _Choreography(stopped.device_id, hold_until_s=ROUND_TIMEOUT_S / 2)
+    monkeypatch.setattr(federated._Participant, "_round", lambda participant, fl: choreography(participant, fl))
     spec = {"model": {"name": "digits"}, "dataset": "camera", "rounds": ROUNDS, "local_steps": 40, "batch_size": 32, "learning_rate": 0.5,
-            "min_participants": 2, "round_timeout_s": 4, "topology": "hierarchical", "eval_inputs": held_out["id"],
+            "min_participants": 2, "round_timeout_s": ROUND_TIMEOUT_S, "topology": "hierarchical", "eval_inputs": held_out["id"],
             "secure_aggregation": secure}  # fmt: skip
     task = api(stack, "POST", "/tasks", json={"type": "federated_training", "spec": spec, "placement": {"ids": [dev.device_id for dev in devices]},
                                               "heartbeat_s": 0.5, "retry": {"backoff_s": 0.5, "max_attempts": 5}})  # fmt: skip
     assert task["spec"]["model"]["version"] == "1.0.0"
     rounds = lambda: [s["values"] for s in api(stack, "GET", f"/tasks/{task['id']}/metrics?series=true&worker=hub", "viewer")["series"]]  # noqa: E731
-    wait_for(lambda: len(rounds()) >= 1, 60, interval=0.2, what="round 1 closed")
-    stopped = devices[2]
+    assert choreography.in_round_2.wait(60), "the third device never got round 2"
     stopped.stop()
-    wait_for(lambda: any(r["contributors"] == 2 for r in rounds()), 60, interval=0.2, what="a round closed with 2 of 3")
+    choreography.stopped.set()
     back = stack.restart_device(stopped)
     wait_for(lambda: api(stack, "GET", f"/tasks/{task['id']}", "viewer")["state"] in FINAL, 180, interval=0.3, what="the task final")
 
@@ -76,9 +116,9 @@ def test_hierarchical_fedavg_with_secure_aggregation_survives_a_participant_that
     assert done["state"] == "SUCCEEDED", done
     history = rounds()
     assert [r["round"] for r in history] == list(range(1, ROUNDS + 1))
-    short = [i for i, r in enumerate(history) if r["contributors"] == 2 and r["participants"] >= 2]
-    assert short, history
-    assert any(r["contributors"] == 3 for r in history[short[0] + 1 :]), f"the stopped device never took part again: {history}"
+    assert history[1]["contributors"] == 2, f"round 2 closed without the stopped device's update: {history}"
+    assert any(r["contributors"] == 3 for r in history[2:]), f"the stopped device never took part again: {history}"
+    assert choreography.entered, "the restarted device trained no round"
     assert all(r["examples"] >= 2 * 200 for r in history)
     outputs = api(stack, "GET", f"/tasks/{task['id']}/outputs", "viewer")
     (published,) = outputs["artifacts"]
