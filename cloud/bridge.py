@@ -1,7 +1,9 @@
 """The hub's MQTT bridge: one connection to the broker with the hub's own certificate.
 
 Consumes node and relayed device channels through shared subscriptions (so N replicas split the
-load), validates every payload into the envelope models and hands them to :class:`StatusIngest`;
+load), validates every payload into the envelope models and hands them to :class:`StatusIngest` (one it
+drops, malformed, oversized or from the wrong sender, is counted and answered with a ``message_rejected``
+event recorded on the node it came from, DESIGN §6);
 publishes retained desired documents (and keeps them published: a change made while the broker was
 away goes out on reconnect); sends commands with an MQTT 5 response topic and correlation data and
 waits for the answer. The hub serves REST whether or not the broker is reachable: this loop connects,
@@ -21,9 +23,11 @@ import logging
 import random
 import socket
 import ssl
+import time
 import uuid
 from collections import defaultdict
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
@@ -46,6 +50,7 @@ from interfaces.messages import (
     ReportedBody,
     StateBody,
     envelope,
+    rejection_event,
 )
 from interfaces.topics import (
     HUB_STATE,
@@ -65,12 +70,44 @@ from interfaces.topics import (
 log = logging.getLogger("aisynergy.hub.mqtt")
 HUB_SRC = "hub"
 REPLY_GRACE_S = 1.0
+REJECTIONS_PER_MINUTE = 20
+"""``message_rejected`` events recorded per node a minute at most (a node sending garbage cannot fill the database)."""
 RECEIVE_MAXIMUM = 65535  # the MQTT 5 maximum
 Ack = tuple[int, int, int]  # (connection generation, packet id, QoS)
 
 
 def _hub_state(state: ConnectionState, reason: str | None = None) -> str:
     return envelope(HUB_SRC, StateBody(state=state, reason=reason)).model_dump_json()
+
+
+@dataclass
+class _NodeRejections:
+    window_start: float
+    recorded: int = 0  # events recorded in this window
+    suppressed: int = 0  # drops not recorded since the last event
+    total: int = 0
+
+
+class _Rejections:
+    """Per node: how many of its messages were dropped, and a one-minute window that limits the events recorded."""
+
+    def __init__(self, per_minute: int) -> None:
+        self.per_minute = per_minute
+        self._nodes: dict[str, _NodeRejections] = {}
+
+    def admit(self, node_id: str, now: float) -> tuple[int, int | None]:
+        """Count one dropped message: (the node's total, how many went unrecorded before this one), or (total, None)
+        when this one is over the limit and must not be recorded."""
+        entry = self._nodes.setdefault(node_id, _NodeRejections(window_start=now))
+        entry.total += 1
+        if now - entry.window_start >= 60.0:
+            entry.window_start, entry.recorded = now, 0
+        if entry.recorded >= self.per_minute:
+            entry.suppressed += 1
+            return entry.total, None
+        entry.recorded += 1
+        suppressed, entry.suppressed = entry.suppressed, 0
+        return entry.total, suppressed
 
 
 class BrokerUnavailable(RuntimeError):
@@ -127,6 +164,7 @@ class MqttBridge:
             (RELAY_CMD_REPLY, Envelope[CommandResultBody], self._on_reply, False),
         ]
         self._correlation: bytes | None = None
+        self._rejections = _Rejections(REJECTIONS_PER_MINUTE)
         self._generation = 0  # one per connection: an acknowledgement is only sent on the connection it came on
         ingest.on_persisted = self._acknowledge_from_thread
 
@@ -235,7 +273,7 @@ class MqttBridge:
     def _route(self, topic: str, payload: bytes, properties: Properties | None) -> bool:
         """True when the message went to the ingest (its acknowledgement waits for the commit)."""
         self.counters["messages_received"] += 1
-        if not isinstance(payload, bytes | bytearray) or len(payload) > MAX_MESSAGE_BYTES:
+        if not isinstance(payload, bytes | bytearray):
             self.counters["dropped_invalid"] += 1
             return False
         for pattern, model, handler, ingested in self._routes:
@@ -244,22 +282,45 @@ class MqttBridge:
                 continue
             if not payload:  # a cleared retained message
                 return False
+            if len(payload) > MAX_MESSAGE_BYTES:
+                self.counters["dropped_invalid"] += 1
+                self._reject(ids, topic, f"{len(payload)} bytes exceed the {MAX_MESSAGE_BYTES} byte limit")
+                return False
             try:
                 message = model.model_validate_json(payload)
             except ValidationError as exc:
                 self.counters["dropped_invalid"] += 1
-                log.debug("dropping invalid message on %s: %s", topic, exc)
+                self._reject(ids, topic, exc)
                 return False
             # on relayed topics the sender is the device, or its edge answering for it (unknown device, timeout)
             senders = {ids["node_id"], ids.get("device_id", ids["node_id"])}
             if message.src not in senders:  # type: ignore[attr-defined]
                 self.counters["dropped_src_mismatch"] += 1
+                self._reject(ids, topic, f"src {message.src!r} is not a sender of this topic (expected one of {sorted(senders)})")  # type: ignore[attr-defined]
                 return False
             self._correlation = getattr(properties, "CorrelationData", None)
             handler(ids, message)
             return ingested
         self.counters["dropped_unknown_topic"] += 1
         return False
+
+    def _reject(self, ids: dict[str, str], topic: str, reason: ValidationError | str) -> None:
+        """A message from a node was dropped: record a ``message_rejected`` event on that node (DESIGN §6), at most
+        :data:`REJECTIONS_PER_MINUTE` a minute per node; those over the limit are counted in the next one."""
+        node_id = ids["node_id"]
+        total, suppressed = self._rejections.admit(node_id, time.monotonic())
+        if isinstance(reason, ValidationError):
+            log.warning("dropped a malformed message on %s: %d errors", topic, reason.error_count())
+        else:
+            log.warning("dropped a message on %s: %s", topic, reason)
+        if suppressed is None:
+            self.counters["rejections_suppressed"] += 1
+            return
+        data: dict[str, Any] = {"device_id": ids["device_id"]} if "device_id" in ids else {}
+        if suppressed:
+            data["suppressed"] = suppressed
+        self.ingest.offer_node_event(node_id, envelope(HUB_SRC, rejection_event(topic, reason, total, **data)), recorded_by_hub=True)
+        self.counters["rejections_recorded"] += 1
 
     def _acknowledge_from_thread(self, acks: list[Ack]) -> None:
         """The ingest committed these messages (called from its worker thread)."""

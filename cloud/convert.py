@@ -5,10 +5,10 @@ from __future__ import annotations
 from datetime import UTC, datetime
 
 from cloud.services.twins import diff
-from cloud.tables import Device, DeviceEventRow, Node, NodeTransitionRow
+from cloud.tables import Device, DeviceEventRow, Node, NodeEventRow, NodeTransitionRow
 from interfaces.lifecycle import CONNECTED_STATES, AdminState, NodeState
 from interfaces.messages import Health
-from interfaces.nodes import DeviceEvent, DevicePublic, DeviceStatus, NodeKind, NodePublic, NodeStatus, NodeTransition, Twin
+from interfaces.nodes import DeviceEvent, DevicePublic, DeviceStatus, NodeEvent, NodeKind, NodePublic, NodeStatus, NodeTransition, Twin
 from interfaces.resources import Resources
 
 
@@ -104,6 +104,13 @@ def device_status_to_wire(row: Device) -> DeviceStatus:
         uptime_s=row.uptime_s,
         resources=Resources.model_validate(row.resources) if row.resources else None,
     )
+
+
+def node_event_to_wire(row: NodeEventRow) -> NodeEvent:
+    return NodeEvent(
+        node_id=row.node_id, source=row.source, seq=row.seq, message_id=row.message_id, type=row.type, severity=row.severity,  # type: ignore[arg-type]
+        message=row.message, data=dict(row.data), ts=utc(row.ts), received_at=utc(row.received_at),  # type: ignore[arg-type]
+    )  # fmt: skip
 
 
 def device_event_to_wire(row: DeviceEventRow) -> DeviceEvent:

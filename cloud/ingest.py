@@ -1,8 +1,9 @@
-"""Ingest of what agents report: state, heartbeats, reported documents and device events.
+"""Ingest of what agents report: state, heartbeats, reported documents, device and node events (and the
+``message_rejected`` events the hub records on a node whose message it dropped, DESIGN §6).
 
 Messages are queued in memory (consecutive heartbeats of one node or device collapse into the latest)
 and written every ``flush_interval`` in one transaction: per 500 rows one SELECT of current states,
-one bulk UPDATE, one bulk INSERT of lifecycle transitions, and one INSERT of events that skips ids
+one bulk UPDATE, one bulk INSERT of lifecycle transitions, and one INSERT per event table that skips ids
 already stored (an edge may resend after a lost acknowledgement: each event is kept once). At 10,000
 nodes heartbeating every 10 s this is 5 transactions a second instead of 1,000.
 
@@ -32,7 +33,7 @@ from sqlmodel import Session
 
 from cloud.services import task_reports
 from cloud.services.deployments import APPLIED, apply_progress
-from cloud.tables import Device, DeviceEventRow, Node, NodeTransitionRow
+from cloud.tables import Device, DeviceEventRow, Node, NodeEventRow, NodeTransitionRow
 from interfaces.deployments import EXECUTION_EVENT, ExecutionProgress
 from interfaces.lifecycle import CONNECTED_STATES, NodeState, path_to, state_after_report
 from interfaces.messages import ConnectionState, Envelope, EventBody, Health, HeartbeatBody, ReportedBody, StateBody
@@ -55,7 +56,7 @@ class StatusIngest:
         self.engine = engine
         self._pending: dict[tuple[str, str, str], list[_Op]] = {}
         self._events: list[tuple[str, str, Envelope[EventBody], datetime]] = []
-        self._node_events: list[tuple[str, Envelope[EventBody], datetime]] = []
+        self._node_events: list[tuple[str, Envelope[EventBody], datetime, bool]] = []
         self._acks: list[Any] = []
         self._lock = threading.Lock()
         self.counters: dict[str, int] = defaultdict(int)
@@ -86,13 +87,11 @@ class StatusIngest:
         with self._lock:
             self._events.append((node_id, device_id, message, datetime.now(UTC)))
 
-    def offer_node_event(self, node_id: str, message: Envelope[EventBody]) -> None:
-        """Queue an edge node's own event (execution progress and task reports are acted on; there is no node event table)."""
-        if message.body.type != EXECUTION_EVENT and message.body.type not in TASK_EVENTS:
-            self.counters["node_events_ignored"] += 1
-            return
+    def offer_node_event(self, node_id: str, message: Envelope[EventBody], recorded_by_hub: bool = False) -> None:
+        """Queue an event of an edge node: its own (execution progress and task reports are acted on, the rest
+        stored), or one the hub records about it (``recorded_by_hub``: a message from the node that it dropped)."""
         with self._lock:
-            self._node_events.append((node_id, message, datetime.now(UTC)))
+            self._node_events.append((node_id, message, datetime.now(UTC), recorded_by_hub))
 
     @property
     def backlog(self) -> int:
@@ -119,12 +118,14 @@ class StatusIngest:
                 written += self._insert_events(session, events)
             if node_events:
                 live_nodes = set(session.execute(
-                    select(Node.id).where(Node.id.in_({n for n, _, _ in node_events}), Node.state != NodeState.DELETED.value)  # type: ignore[attr-defined]
+                    select(Node.id).where(Node.id.in_({n for n, _, _, _ in node_events}), Node.state != NodeState.DELETED.value)  # type: ignore[attr-defined]
                 ).scalars())  # fmt: skip
-                self.counters["dropped_unknown_node"] += sum(1 for n, _, _ in node_events if n not in live_nodes)
-                live = [(NODE, n, m, at) for n, m, at in node_events if n in live_nodes]
-                written += self._apply_progress(session, [r for r in live if r[2].body.type == EXECUTION_EVENT])
-                written += self._apply_task_reports(session, [r for r in live if r[2].body.type in TASK_EVENTS])
+                self.counters["dropped_unknown_node"] += sum(1 for n, _, _, _ in node_events if n not in live_nodes)
+                known = [(n, m, at, by_hub) for n, m, at, by_hub in node_events if n in live_nodes]
+                reports = [(NODE, n, m, at) for n, m, at, by_hub in known if not by_hub]
+                written += self._apply_progress(session, [r for r in reports if r[2].body.type == EXECUTION_EVENT])
+                written += self._apply_task_reports(session, [r for r in reports if r[2].body.type in TASK_EVENTS])
+                written += self._insert_node_events(session, [e for e in known if e[3] or (e[1].body.type != EXECUTION_EVENT and e[1].body.type not in TASK_EVENTS)])
             session.commit()
         self._persisted(acks)
         if self._wake_scheduler:
@@ -214,10 +215,18 @@ class StatusIngest:
         progress += self._apply_progress(session, [(DEVICE, d, m, at) for n, d, m, at in known if m.body.type == EXECUTION_EVENT])
         if not rows:
             return progress
-        dialect = session.get_bind().dialect.name
-        stmt = (postgresql.insert if dialect == "postgresql" else sqlite.insert)(DeviceEventRow).on_conflict_do_nothing(index_elements=["message_id"])
-        inserted = session.connection().execute(stmt, rows).rowcount
-        self.counters["events_stored"] += max(inserted, 0)
+        self.counters["events_stored"] += _insert_once(session, DeviceEventRow, rows)
+        return len(rows)
+
+    def _insert_node_events(self, session: Session, events: list[tuple[str, Envelope[EventBody], datetime, bool]]) -> int:
+        if not events:
+            return 0
+        rows = [
+            {"message_id": m.id, "node_id": n, "source": "hub" if by_hub else "node", "seq": m.body.seq, "type": m.body.type,
+             "severity": m.body.severity, "message": m.body.message, "data": m.body.data, "ts": m.ts, "received_at": at}
+            for n, m, at, by_hub in events
+        ]  # fmt: skip
+        self.counters["node_events_stored"] += _insert_once(session, NodeEventRow, rows)
         return len(rows)
 
     def _apply_task_reports(self, session: Session, reports: list[tuple[str, str, Envelope[EventBody], datetime]]) -> int:
@@ -251,3 +260,10 @@ class StatusIngest:
             self.counters[f"execution_reports_{outcome}"] += 1
             applied += outcome == APPLIED
         return applied
+
+
+def _insert_once(session: Session, table: Any, rows: list[dict[str, Any]]) -> int:
+    """Insert ``rows``, skipping a ``message_id`` already stored (a resent message); the number inserted."""
+    dialect = session.get_bind().dialect.name
+    stmt = (postgresql.insert if dialect == "postgresql" else sqlite.insert)(table).on_conflict_do_nothing(index_elements=["message_id"])
+    return max(session.connection().execute(stmt, rows).rowcount, 0)

@@ -147,6 +147,26 @@ class DeviceEventRow(SQLModel, table=True):
     received_at: datetime = _ts(nullable=False)
 
 
+class NodeEventRow(SQLModel, table=True):
+    """An edge node's own events (``source`` node), and those the hub records about it (``source`` hub, e.g. a
+    message it dropped); ``message_id`` (the envelope id) makes delivery idempotent."""
+
+    __tablename__ = "node_events"
+    __table_args__ = (Index("ix_node_events_node", "node_id", "id"),)
+
+    id: int | None = Field(default=None, primary_key=True)
+    message_id: str = Field(unique=True, max_length=64)
+    node_id: str = Field(max_length=64)
+    source: str = Field(max_length=8)
+    seq: int | None = None
+    type: str = Field(max_length=64)
+    severity: str = Field(max_length=16)
+    message: str | None = Field(default=None, sa_column=Column(Text, nullable=True))
+    data: dict[str, Any] = Field(default_factory=dict, sa_column=Column(JSON, nullable=False))
+    ts: datetime = _ts(nullable=False)
+    received_at: datetime = _ts(nullable=False)
+
+
 class ApiToken(SQLModel, table=True):
     __tablename__ = "api_tokens"
 

@@ -78,6 +78,7 @@ from interfaces import API_PREFIX
 from interfaces.deployments import EXECUTION_EVENT, EXECUTION_FAILURES, INSTALLED_KEY, ExecutionProgress
 from interfaces.messages import (
     MAX_MESSAGE_BYTES,
+    MESSAGE_REJECTED_EVENT,
     CommandBody,
     CommandError,
     CommandResultBody,
@@ -630,7 +631,7 @@ class Device:
             total = self._dropped
         log.warning("rejected a malformed message on %s: %s", message.topic, str(exc).splitlines()[0])
         log.debug("malformed payload: %r", message.payload[:1024])
-        self._report_error("message_rejected", str(exc), topic=message.topic, rejected_total=total)
+        self._report_error(MESSAGE_REJECTED_EVENT, str(exc), topic=message.topic, rejected_total=total)
 
     def _on_desired(self, message: mqtt.MQTTMessage) -> None:
         if not message.payload:

@@ -38,6 +38,7 @@ from interfaces.messages import (
     ReportedBody,
     StateBody,
     envelope,
+    rejection_event,
 )
 from interfaces.resources import Resources
 from interfaces.topics import (
@@ -64,16 +65,6 @@ except PackageNotFoundError:  # pragma: no cover - running from a bare checkout
 
 def state_body(state: ConnectionState, reason: str | None = None) -> StateBody:
     return StateBody(state=state, agent_version=AGENT_VERSION, reason=reason)
-
-
-def rejection_event(topic: str, exc: ValidationError | str, rejected_total: int, **data: Any) -> EventBody:
-    """The ``message_rejected`` event that answers a dropped malformed message (DESIGN §6)."""
-    return EventBody(
-        type="message_rejected",
-        severity="error",
-        message=str(exc)[:8192],
-        data={"topic": topic, "rejected_total": rejected_total, **data},
-    )
 
 
 class NodeService:

@@ -33,7 +33,6 @@ from paho.mqtt.properties import Properties
 from pydantic import ValidationError
 
 from edge.link import Link
-from edge.node import rejection_event
 from edge.store import EdgeStore, LearnedFrom, Scope
 from interfaces.deployments import DeploymentOrder
 from interfaces.messages import (
@@ -44,6 +43,7 @@ from interfaces.messages import (
     Envelope,
     StateBody,
     envelope,
+    rejection_event,
 )
 from interfaces.topics import (
     DEVICE_CMD,

@@ -123,6 +123,20 @@ class EventBody(_Body):
     data: dict[str, Any] = Field(default_factory=dict)
 
 
+MESSAGE_REJECTED_EVENT = "message_rejected"
+"""The error event that answers a dropped malformed message (DESIGN §6), from whichever end dropped it."""
+
+
+def rejection_event(topic: str, reason: object, rejected_total: int, **data: Any) -> EventBody:
+    """The ``message_rejected`` event for a message dropped on ``topic`` (``reason``: the validation error or why)."""
+    return EventBody(
+        type=MESSAGE_REJECTED_EVENT,
+        severity="error",
+        message=str(reason)[:8192],
+        data={"topic": topic, "rejected_total": rejected_total, **data},
+    )
+
+
 B = TypeVar("B", bound=_Body)
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from datetime import datetime
 from enum import StrEnum
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
@@ -217,8 +217,7 @@ class CommandResult(BaseModel):
     duration_ms: float
 
 
-class DeviceEvent(BaseModel):
-    device_id: str
+class _StoredEvent(BaseModel):
     seq: int | None
     message_id: str
     type: str
@@ -227,3 +226,15 @@ class DeviceEvent(BaseModel):
     data: dict[str, Any]
     ts: datetime
     received_at: datetime
+
+
+class NodeEvent(_StoredEvent):
+    """An edge node's own event (``source`` node), or one the hub recorded about the node (``source`` hub: for
+    example ``message_rejected`` when it dropped a malformed message the node sent, DESIGN §6)."""
+
+    node_id: str
+    source: Literal["node", "hub"]
+
+
+class DeviceEvent(_StoredEvent):
+    device_id: str

@@ -91,11 +91,7 @@ def enrol(session: Session, ca: CertificateAuthority, device_id: str, body: Cert
     return enrolment.enrol(session, ca, Device, device_id, body.csr_pem, body.bootstrap_token, validity)  # type: ignore[no-any-return]
 
 
-def events(session: Session, device_id: str, limit: int, after: int | None) -> tuple[list[DeviceEventRow], int | None]:
-    """A device's events in arrival order; ``after`` is the last id of the previous page."""
+def events(session: Session, device_id: str, limit: int, cursor: str | None) -> tuple[list[DeviceEventRow], str | None]:
+    """A device's events in arrival order, a page after ``cursor``."""
     get(session, device_id)
-    query = select(DeviceEventRow).where(DeviceEventRow.device_id == device_id)
-    if after is not None:
-        query = query.where(DeviceEventRow.id > after)  # type: ignore[operator]
-    rows = list(session.exec(query.order_by(DeviceEventRow.id).limit(limit + 1)).scalars())  # type: ignore[call-overload,arg-type]
-    return rows[:limit], (rows[limit - 1].id if len(rows) > limit else None)
+    return page(session, select(DeviceEventRow).where(DeviceEventRow.device_id == device_id), DeviceEventRow.id, limit, cursor, numeric=True)

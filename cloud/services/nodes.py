@@ -16,7 +16,7 @@ from cloud.pki import CertificateAuthority
 from cloud.services import enrolment, twins
 from cloud.services.labels import apply_patch, clear_labels, selector_clause, set_labels
 from cloud.services.paging import page, parse_selector_or_400
-from cloud.tables import Certificate, Device, Node, NodeTransitionRow
+from cloud.tables import Certificate, Device, Node, NodeEventRow, NodeTransitionRow
 from interfaces.errors import ErrorCode
 from interfaces.ids import is_id, new_id
 from interfaces.lifecycle import AdminState, IllegalTransition, NodeState, check_transition
@@ -136,6 +136,12 @@ def delete(session: Session, node_id: str) -> Node:
     session.commit()
     log.info("deleted node %s and revoked its certificates", node_id)
     return node
+
+
+def events(session: Session, node_id: str, limit: int, cursor: str | None) -> tuple[list[NodeEventRow], str | None]:
+    """The node's events (its own, and those the hub recorded about it) in arrival order, a page after ``cursor``."""
+    get(session, node_id)
+    return page(session, select(NodeEventRow).where(NodeEventRow.node_id == node_id), NodeEventRow.id, limit, cursor, numeric=True)
 
 
 def history(session: Session, node_id: str, limit: int) -> list[NodeTransitionRow]:

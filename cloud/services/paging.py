@@ -22,13 +22,16 @@ def parse_selector_or_400(text: str | None) -> list[Requirement]:
         raise BadRequest(str(exc), code=ErrorCode.INVALID_SELECTOR) from exc
 
 
-def page(session: Session, query: Select, id_column: Any, limit: int, cursor: str | None) -> tuple[list[Any], str | None]:
+def page(session: Session, query: Select, id_column: Any, limit: int, cursor: str | None, numeric: bool = False) -> tuple[list[Any], str | None]:
+    """One page of ``query`` in ``id_column`` order after ``cursor``; ``numeric``: the ids are integers (event logs)."""
     if cursor:
         try:
-            after = decode_cursor(cursor)
-        except CursorError as exc:
-            raise BadRequest(str(exc), code=ErrorCode.INVALID_CURSOR) from exc
+            after: Any = decode_cursor(cursor)
+            if numeric:
+                after = int(after)
+        except (CursorError, ValueError) as exc:
+            raise BadRequest("cursor is not one this server issued", code=ErrorCode.INVALID_CURSOR) from exc
         query = query.where(id_column > after)
     rows = list(session.exec(query.order_by(id_column).limit(limit + 1)).scalars())  # type: ignore[call-overload]
-    next_cursor = encode_cursor(rows[limit - 1].id) if len(rows) > limit else None
+    next_cursor = encode_cursor(str(rows[limit - 1].id)) if len(rows) > limit else None
     return rows[:limit], next_cursor

@@ -22,6 +22,7 @@ from interfaces.errors import ERROR_TYPE_PREFIX, ErrorCode, Problem
 from interfaces.ids import new_id
 from interfaces.messages import (
     MAX_MESSAGE_BYTES,
+    MESSAGE_REJECTED_EVENT,
     ConnectionState,
     DesiredBody,
     Envelope,
@@ -32,7 +33,7 @@ from interfaces.messages import (
     StateBody,
     envelope,
 )
-from interfaces.nodes import DeviceEvent, NodePublic, NodeRegistered, NodeStatus, Twin
+from interfaces.nodes import DeviceEvent, NodeEvent, NodePublic, NodeRegistered, NodeStatus, Twin
 from interfaces.pagination import MAX_LIMIT
 from interfaces.topics import NODE_DESIRED, NODE_EVENTS, NODE_HEARTBEAT, NODE_REPORTED, NODE_STATE
 
@@ -421,7 +422,7 @@ def _metrics_dropped(check: Check) -> dict[str, float]:
     return out
 
 
-@case("8.0.5", "Malformed, foreign and oversized messages on a node's own topics are dropped: status, twin, history and events unchanged, the node stays ONLINE")
+@case("8.0.5", "Malformed, foreign and oversized messages on a node's own topics are dropped and answered with error events on the node: status, twin, history and device events unchanged, the node stays ONLINE")
 def mqtt_malformed_dropped(check: Check) -> None:
     target = check.target
     edge = new_edge(check)
@@ -457,6 +458,7 @@ def mqtt_malformed_dropped(check: Check) -> None:
     twin0 = target.ok("GET", f"/nodes/{node_id}/twin")
     history0 = target.ok("GET", f"/nodes/{node_id}/history")
     events0 = items(target, events_path)
+    node_events0 = items(target, f"/nodes/{node_id}/events")
 
     good_hb = HeartbeatBody(seq=10_000, health=Health.DEGRADED, health_detail="conf-evil", agent_version="conf-evil", uptime_s=987654.0,
                             resources=resources(memory_available=42))  # fmt: skip
@@ -506,6 +508,15 @@ def mqtt_malformed_dropped(check: Check) -> None:
     check.equal(events1[: len(events0)], events0, "the device's earlier events")
     check.equal([e.type for e in new_events], ["conformance.sentinel"], "events stored since (only the sentinel)")
     check.note(f"the node of the forged src ({other.id}) is {_node(check, other.id)['state']}")
+    # DESIGN §6: each dropped message is answered with an error event, recorded on the node that sent it
+    node_events1 = items(target, f"/nodes/{node_id}/events")
+    check.equal(node_events1[: len(node_events0)], node_events0, "the node's earlier events")
+    answers = [NodeEvent.model_validate(e) for e in node_events1[len(node_events0):]]
+    rejected = [e for e in answers if e.type == MESSAGE_REJECTED_EVENT]
+    check.equal([e.type for e in answers if e.type != MESSAGE_REJECTED_EVENT], [], "node events since other than the error events")
+    check.check(bool(rejected) and all(e.source == "hub" and e.severity == "error" for e in rejected), "error events recorded by the hub, severity error")
+    check.equal(sorted({str(e.data.get("topic")) for e in rejected}), sorted({t for _, t, _ in junk}), "the topics the error events name (every topic that got junk)")
+    check.check(len(rejected) <= len(junk), f"{len(rejected)} error events for {len(junk)} dropped messages (none invented; a hub may count a flood instead of recording each)")
 
     # the sender's valid messages are still taken in
     edge.node.heartbeats.set()
@@ -517,7 +528,6 @@ def mqtt_malformed_dropped(check: Check) -> None:
                 ("ONLINE", AGENT_VERSION, 1_234_567_890), "status from the next valid heartbeat")  # fmt: skip
     after = _metrics_dropped(check)
     check.note("hub drop counters (evidence): " + ", ".join(f"{k} +{after.get(k, 0) - metrics_before.get(k, 0):g}" for k in sorted(after)) if after else "no drop counters in /metrics")
-    check.note("DESIGN §6 also answers a dropped message with an error event; the topic table has no hub->edge events channel, so it is not observable here")
 
 
 @case("8.0.5", "The hub's desired document for a node is an Envelope[DesiredBody] from 'hub', retained on the node's desired topic, with the twin's version")

@@ -13,15 +13,13 @@ from cloud.api.deps import (
 )  # fmt: skip
 from cloud.api.problems import PROBLEM_RESPONSES
 from cloud.convert import device_event_to_wire, device_status_to_wire, device_to_wire, twin_to_wire
-from cloud.errors import BadRequest
 from cloud.services import devices as device_service
 from cloud.services import revocation
-from interfaces.errors import ErrorCode
 from interfaces.nodes import (
     BootstrapTokenReissue, CertificateRequest, CommandRequest, CommandResult, DeviceCertificateIssued, DeviceCreate,
     DeviceEvent, DevicePublic, DeviceStatus, DeviceUpdate, Twin, TwinUpdate,
 )  # fmt: skip
-from interfaces.pagination import CursorError, Page, decode_cursor, encode_cursor
+from interfaces.pagination import Page
 from interfaces.topics import RELAY_CMD, RELAY_CMD_REPLY
 
 router = APIRouter(prefix="/devices", tags=["devices"], responses=PROBLEM_RESPONSES)
@@ -87,14 +85,8 @@ def device_status(device_id: str, session: SessionDep, _: Viewer) -> DeviceStatu
 @router.get("/{device_id}/events")
 def device_events(device_id: str, session: SessionDep, _: Viewer, limit: Limit = DEFAULT_PAGE, cursor: Cursor = None) -> Page[DeviceEvent]:
     """The device's events in arrival order (each kept once, however often its edge resent it)."""
-    after = None
-    if cursor:
-        try:
-            after = int(decode_cursor(cursor))
-        except (CursorError, ValueError) as exc:
-            raise BadRequest("cursor is not one this server issued", code=ErrorCode.INVALID_CURSOR) from exc
-    rows, last = device_service.events(session, device_id, limit, after)
-    return Page[DeviceEvent](items=[device_event_to_wire(r) for r in rows], next_cursor=encode_cursor(str(last)) if last else None)
+    rows, next_cursor = device_service.events(session, device_id, limit, cursor)
+    return Page[DeviceEvent](items=[device_event_to_wire(r) for r in rows], next_cursor=next_cursor)
 
 
 @router.post("/{device_id}/bootstrap-token", status_code=status.HTTP_201_CREATED)

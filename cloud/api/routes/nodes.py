@@ -11,7 +11,7 @@ from cloud.api.deps import DEFAULT_PAGE, Admin, CADep, Cursor, IdempotencyKey, L
 from cloud.api.problems import PROBLEM_RESPONSES
 from cloud.api import commands
 from cloud.api.deps import poke_desired, read_one
-from cloud.convert import device_to_wire, node_status_to_wire, node_to_wire, transition_to_wire, twin_to_wire
+from cloud.convert import device_to_wire, node_event_to_wire, node_status_to_wire, node_to_wire, transition_to_wire, twin_to_wire
 from cloud.services import devices as device_service
 from cloud.services import nodes as node_service
 from cloud.services import revocation
@@ -25,6 +25,7 @@ from interfaces.nodes import (
     CommandResult,
     DevicePublic,
     NodeCreate,
+    NodeEvent,
     NodePublic,
     NodeRegistered,
     NodeStatus,
@@ -89,6 +90,16 @@ def set_admin_state(node_id: str, body: AdminStateUpdate, session: SessionDep, _
 def node_status(node_id: str, session: SessionDep, _: Viewer) -> NodeStatus:
     """Connection state, last heartbeat, resources and agent version."""
     return node_status_to_wire(node_service.get(session, node_id))
+
+
+@router.get("/{node_id}/events")
+def node_events(node_id: str, session: SessionDep, _: Viewer, limit: Limit = DEFAULT_PAGE, cursor: Cursor = None) -> Page[NodeEvent]:
+    """The node's events in arrival order: its own (``source`` node; execution and task reports go to their
+    deployments and tasks instead), and those the hub recorded about it (``source`` hub): a ``message_rejected``
+    for each message from the node that the hub dropped as malformed (at most 20 a minute; ``data.suppressed``
+    counts those left out)."""
+    rows, next_cursor = node_service.events(session, node_id, limit, cursor)
+    return Page[NodeEvent](items=[node_event_to_wire(r) for r in rows], next_cursor=next_cursor)
 
 
 @router.get("/{node_id}/history")
