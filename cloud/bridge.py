@@ -309,13 +309,12 @@ class MqttBridge:
         :data:`REJECTIONS_PER_MINUTE` a minute per node; those over the limit are counted in the next one."""
         node_id = ids["node_id"]
         total, suppressed = self._rejections.admit(node_id, time.monotonic())
-        if isinstance(reason, ValidationError):
-            log.warning("dropped a malformed message on %s: %d errors", topic, reason.error_count())
-        else:
-            log.warning("dropped a message on %s: %s", topic, reason)
-        if suppressed is None:
+        why = f"{reason.error_count()} validation errors" if isinstance(reason, ValidationError) else reason
+        if suppressed is None:  # a flood: counted, not logged or recorded one by one
             self.counters["rejections_suppressed"] += 1
+            log.debug("dropped a message on %s: %s", topic, why)
             return
+        log.warning("dropped a message on %s: %s", topic, why)
         data: dict[str, Any] = {"device_id": ids["device_id"]} if "device_id" in ids else {}
         if suppressed:
             data["suppressed"] = suppressed
