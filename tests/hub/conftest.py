@@ -57,6 +57,11 @@ def assert_problem(response: httpx.Response, status: int, code: str) -> dict[str
     return doc
 
 
+SQLITE_ONLY = pytest.mark.parametrize("database_url", ["sqlite"], indirect=True)
+"""For a test of request handling that no database dialect changes (parsing, validation, serving bytes): its
+PostgreSQL variant would only cost CI time."""
+
+
 @dataclass
 class HubUnderTest:
     app: FastAPI

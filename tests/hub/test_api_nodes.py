@@ -12,7 +12,7 @@ from cryptography import x509
 from cryptography.x509.oid import NameOID
 
 from interfaces.auth import Role
-from tests.hub.conftest import HubUnderTest, assert_problem
+from tests.hub.conftest import SQLITE_ONLY, HubUnderTest, assert_problem
 
 
 def _ts(value: str) -> datetime:
@@ -263,6 +263,7 @@ def test_selector_follows_label_changes(hub: HubUnderTest, labelled: dict[str, s
     assert with_gpu == [labelled["d"]]
 
 
+@SQLITE_ONLY
 @pytest.mark.parametrize("selector", ["zone=a,,tier", ",", "bad key=1", "=a", "!", "zone=a b", "zone!=x/y", "a" * 300])
 def test_invalid_selector_is_400(hub: HubUnderTest, labelled: dict[str, str], selector: str) -> None:
     # Execute
@@ -274,6 +275,7 @@ def test_invalid_selector_is_400(hub: HubUnderTest, labelled: dict[str, str], se
     assert_problem(devices, 400, "invalid_selector")
 
 
+@SQLITE_ONLY
 @pytest.mark.parametrize("cursor", ["!!!", "%%%", "A", "AA"])
 def test_invalid_cursor_is_400(hub: HubUnderTest, cursor: str) -> None:
     # Prepare
@@ -288,6 +290,7 @@ def test_invalid_cursor_is_400(hub: HubUnderTest, cursor: str) -> None:
     assert_problem(devices, 400, "invalid_cursor")
 
 
+@SQLITE_ONLY
 @pytest.mark.parametrize("limit", [0, -1, 501, "x"])
 def test_out_of_range_limit_is_422(hub: HubUnderTest, limit: object) -> None:
     # Execute

@@ -20,7 +20,7 @@ from cloud.tables import Artifact, ArtifactDelta, Deployment, Execution
 from device.ota.verify import VerificationError, load_public_key, verify_manifest
 from interfaces.auth import Role
 from interfaces.deployments import DELTA_MEDIA_TYPE, DOWNLOAD_TOKEN_HEADER, SignedManifest
-from tests.hub.conftest import HubUnderTest, assert_problem, hub_settings, running_hub
+from tests.hub.conftest import SQLITE_ONLY, HubUnderTest, assert_problem, hub_settings, running_hub
 
 PAYLOAD = os.urandom(100_000)
 
@@ -270,6 +270,7 @@ def test_upload_above_the_configured_maximum_is_413_and_leaves_nothing(database_
 # ---- Range, ETag, If-Range ------------------------------------------------------------------------
 
 
+@SQLITE_ONLY
 @pytest.mark.parametrize(
     ("range_header", "first", "last"),
     [("bytes=0-99", 0, 99), ("bytes=99990-", 99_990, 99_999), ("bytes=-10", 99_990, 99_999), ("bytes=50-200000", 50, 99_999), ("bytes=-200000", 0, 99_999)],
@@ -288,6 +289,7 @@ def test_range_requests_are_206(hub: HubUnderTest, range_header: str, first: int
     assert r.headers["content-length"] == str(last - first + 1)
 
 
+@SQLITE_ONLY
 @pytest.mark.parametrize("range_header", ["bytes=100000-", "bytes=200000-300000", "bytes=-0"])
 def test_unsatisfiable_range_is_416(hub: HubUnderTest, range_header: str) -> None:
     # Prepare
@@ -301,6 +303,7 @@ def test_unsatisfiable_range_is_416(hub: HubUnderTest, range_header: str) -> Non
     assert r.headers["content-range"] == f"bytes */{len(PAYLOAD)}"
 
 
+@SQLITE_ONLY
 @pytest.mark.parametrize("range_header", ["bytes=0-1,5-6", "items=0-5", "bytes=9-2", "bytes=abc"])
 def test_several_or_malformed_ranges_get_everything(hub: HubUnderTest, range_header: str) -> None:
     # Prepare
