@@ -218,7 +218,7 @@ class RawPair:
         from paho.mqtt.packettypes import PacketTypes
         from paho.mqtt.properties import Properties
 
-        from cloud.bridge import HUB_SRC
+        from interfaces.messages import HUB_SRC
         from cloud.pki import CertificateAuthority, make_csr, new_private_key
         from interfaces.messages import CommandBody, CommandResultBody, envelope
         from interfaces.topics import DEVICE_CMD, DEVICE_CMD_REPLY

@@ -40,6 +40,7 @@ from pydantic import BaseModel, ValidationError
 from cloud.desired import DesiredPublisher
 from cloud.ingest import DEVICE, NODE, StatusIngest
 from interfaces.messages import (
+    HUB_SRC,
     MAX_MESSAGE_BYTES,
     CommandBody,
     CommandResultBody,
@@ -68,7 +69,6 @@ from interfaces.topics import (
 )
 
 log = logging.getLogger("aisynergy.hub.mqtt")
-HUB_SRC = "hub"
 REPLY_GRACE_S = 1.0
 REJECTIONS_PER_MINUTE = 20
 """``message_rejected`` events recorded per node a minute at most (a node sending garbage cannot fill the database)."""
@@ -318,7 +318,7 @@ class MqttBridge:
         data: dict[str, Any] = {"device_id": ids["device_id"]} if "device_id" in ids else {}
         if suppressed:
             data["suppressed"] = suppressed
-        self.ingest.offer_node_event(node_id, envelope(HUB_SRC, rejection_event(topic, reason, total, **data)), recorded_by_hub=True)
+        self.ingest.offer_node_event(node_id, envelope(HUB_SRC, rejection_event(topic, reason, total, **data)))
         self.counters["rejections_recorded"] += 1
 
     def _acknowledge_from_thread(self, acks: list[Ack]) -> None:

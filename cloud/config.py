@@ -7,9 +7,8 @@ from pathlib import Path
 from pydantic import Field, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from interfaces.nodes import MAX_HEARTBEAT_INTERVAL_S, MAX_OFFLINE_AFTER_MISSED, MIN_HEARTBEAT_INTERVAL_S
-
 # Documented bounds (README "Liveness"): the offline timeout is heartbeat_interval_s * offline_after_missed.
+from interfaces.nodes import MAX_HEARTBEAT_INTERVAL_S, MAX_OFFLINE_AFTER_MISSED, MIN_HEARTBEAT_INTERVAL_S
 
 
 class Settings(BaseSettings):

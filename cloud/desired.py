@@ -23,7 +23,7 @@ from sqlmodel import Session
 from cloud.tables import Device, Node
 from interfaces.deployments import DeploymentOrder
 from interfaces.lifecycle import NodeState
-from interfaces.messages import DesiredBody, envelope
+from interfaces.messages import HUB_SRC, DesiredBody, envelope
 from interfaces.tasks import WorkerOrder
 from interfaces.topics import NODE_DESIRED, RELAY_DESIRED
 
@@ -111,4 +111,4 @@ def _payload(version: int, spec: dict[str, Any], orders: list[dict[str, Any]], o
         version=version, spec=spec, deployments=[DeploymentOrder.model_validate(o) for o in orders or []], deployments_version=orders_version,
         tasks=[WorkerOrder.model_validate(o) for o in tasks or []], tasks_version=tasks_version,
     )  # fmt: skip
-    return envelope("hub", body).model_dump_json().encode()
+    return envelope(HUB_SRC, body).model_dump_json().encode()

@@ -36,7 +36,7 @@ from cloud.services.deployments import APPLIED, apply_progress
 from cloud.tables import Device, DeviceEventRow, Node, NodeEventRow, NodeTransitionRow
 from interfaces.deployments import EXECUTION_EVENT, ExecutionProgress
 from interfaces.lifecycle import CONNECTED_STATES, NodeState, path_to, state_after_report
-from interfaces.messages import ConnectionState, Envelope, EventBody, Health, HeartbeatBody, ReportedBody, StateBody
+from interfaces.messages import HUB_SRC, ConnectionState, Envelope, EventBody, Health, HeartbeatBody, ReportedBody, StateBody
 from interfaces.tasks import TASK_EVENTS
 
 log = logging.getLogger("aisynergy.hub.ingest")
@@ -56,7 +56,7 @@ class StatusIngest:
         self.engine = engine
         self._pending: dict[tuple[str, str, str], list[_Op]] = {}
         self._events: list[tuple[str, str, Envelope[EventBody], datetime]] = []
-        self._node_events: list[tuple[str, Envelope[EventBody], datetime, bool]] = []
+        self._node_events: list[tuple[str, Envelope[EventBody], datetime]] = []
         self._acks: list[Any] = []
         self._lock = threading.Lock()
         self.counters: dict[str, int] = defaultdict(int)
@@ -87,11 +87,11 @@ class StatusIngest:
         with self._lock:
             self._events.append((node_id, device_id, message, datetime.now(UTC)))
 
-    def offer_node_event(self, node_id: str, message: Envelope[EventBody], recorded_by_hub: bool = False) -> None:
+    def offer_node_event(self, node_id: str, message: Envelope[EventBody]) -> None:
         """Queue an event of an edge node: its own (execution progress and task reports are acted on, the rest
-        stored), or one the hub records about it (``recorded_by_hub``: a message from the node that it dropped)."""
+        stored), or one the hub records about it (``src`` hub: a message from the node that it dropped)."""
         with self._lock:
-            self._node_events.append((node_id, message, datetime.now(UTC), recorded_by_hub))
+            self._node_events.append((node_id, message, datetime.now(UTC)))
 
     @property
     def backlog(self) -> int:
@@ -118,14 +118,13 @@ class StatusIngest:
                 written += self._insert_events(session, events)
             if node_events:
                 live_nodes = set(session.execute(
-                    select(Node.id).where(Node.id.in_({n for n, _, _, _ in node_events}), Node.state != NodeState.DELETED.value)  # type: ignore[attr-defined]
+                    select(Node.id).where(Node.id.in_({n for n, _, _ in node_events}), Node.state != NodeState.DELETED.value)  # type: ignore[attr-defined]
                 ).scalars())  # fmt: skip
-                self.counters["dropped_unknown_node"] += sum(1 for n, _, _, _ in node_events if n not in live_nodes)
-                known = [(n, m, at, by_hub) for n, m, at, by_hub in node_events if n in live_nodes]
-                reports = [(NODE, n, m, at) for n, m, at, by_hub in known if not by_hub]
-                written += self._apply_progress(session, [r for r in reports if r[2].body.type == EXECUTION_EVENT])
-                written += self._apply_task_reports(session, [r for r in reports if r[2].body.type in TASK_EVENTS])
-                written += self._insert_node_events(session, [e for e in known if e[3] or (e[1].body.type != EXECUTION_EVENT and e[1].body.type not in TASK_EVENTS)])
+                self.counters["dropped_unknown_node"] += sum(1 for n, _, _ in node_events if n not in live_nodes)
+                live = [(NODE, n, m, at) for n, m, at in node_events if n in live_nodes]
+                written += self._apply_progress(session, [r for r in live if r[2].body.type == EXECUTION_EVENT])
+                written += self._apply_task_reports(session, [r for r in live if r[2].body.type in TASK_EVENTS])
+                written += self._insert_node_events(session, [(n, m, at) for _, n, m, at in live if m.body.type != EXECUTION_EVENT and m.body.type not in TASK_EVENTS])
             session.commit()
         self._persisted(acks)
         if self._wake_scheduler:
@@ -218,13 +217,13 @@ class StatusIngest:
         self.counters["events_stored"] += _insert_once(session, DeviceEventRow, rows)
         return len(rows)
 
-    def _insert_node_events(self, session: Session, events: list[tuple[str, Envelope[EventBody], datetime, bool]]) -> int:
+    def _insert_node_events(self, session: Session, events: list[tuple[str, Envelope[EventBody], datetime]]) -> int:
         if not events:
             return 0
         rows = [
-            {"message_id": m.id, "node_id": n, "source": "hub" if by_hub else "node", "seq": m.body.seq, "type": m.body.type,
+            {"message_id": m.id, "node_id": n, "source": "hub" if m.src == HUB_SRC else "node", "seq": m.body.seq, "type": m.body.type,
              "severity": m.body.severity, "message": m.body.message, "data": m.body.data, "ts": m.ts, "received_at": at}
-            for n, m, at, by_hub in events
+            for n, m, at in events
         ]  # fmt: skip
         self.counters["node_events_stored"] += _insert_once(session, NodeEventRow, rows)
         return len(rows)

@@ -154,6 +154,10 @@ class Envelope(BaseModel, Generic[B]):
     body: B
 
 
+HUB_SRC = "hub"
+"""The ``src`` of every envelope the hub sends or records (a node or device id never equals it)."""
+
+
 def envelope(src: str, body: B, reply_to: str | None = None) -> Envelope[B]:
     """Wrap ``body`` in a fresh envelope from ``src``."""
     return Envelope[type(body)](  # type: ignore[index]

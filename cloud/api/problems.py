@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import logging
+import re
 from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
-import re
 
 from cloud.errors import ApiError
 from interfaces.errors import PROBLEM_MEDIA_TYPE, ErrorCode, Problem

@@ -199,6 +199,17 @@ def deploy(check: Check, artifact_id: str, kind: str, ids: list[str] | None = No
     return dep
 
 
+def held_rollout(check: Check, n: int, strategy: dict[str, Any], held: int | None = None) -> tuple[list[Agent], DeploymentDetail]:
+    """``n`` simulated devices under a new edge, the first ``held`` of them (all by default) holding their installs,
+    and a deployment of a new model to them (in that order) with ``strategy``."""
+    edge, _ = node_agent(check)
+    agents = device_agents(check, edge, n)
+    for a in agents[:held]:
+        a.hold()
+    art, _ = new_artifact(check, "model", "onnx")
+    return agents, deploy(check, art.id, "device", ids=[a.ident for a in agents], strategy=strategy)
+
+
 def get_dep(check: Check, deployment_id: str) -> DeploymentDetail:
     return check.target.ok("GET", f"/deployments/{deployment_id}", DeploymentDetail)  # type: ignore[no-any-return]
 
@@ -504,12 +515,7 @@ def deployment_refusals(check: Check) -> None:
 
 @case("8.2.3", "rolling{batch_size: 1} over three devices releases one target at a time, each only after the one before is final")
 def rolling_in_order(check: Check) -> None:
-    edge, _ = node_agent(check)
-    agents = device_agents(check, edge, 3)
-    for a in agents:
-        a.hold()
-    art, _ = new_artifact(check, "model", "onnx")
-    dep = deploy(check, art.id, "device", ids=[a.ident for a in agents], strategy={"type": "rolling", "batch_size": 1})
+    agents, dep = held_rollout(check, 3, {"type": "rolling", "batch_size": 1})
     equal(check, dep.batches, 3, "batches")
     equal(check, [execution(dep, a.ident).batch for a in agents], [0, 1, 2], "batch of each target, in the order of the ids")
     for i, agent in enumerate(agents):
@@ -535,12 +541,7 @@ def rolling_in_order(check: Check) -> None:
 
 @case("8.2.3", "canary{percent: 25, then all_at_once} over three devices: one canary first, the other two together once it is ACTIVE")
 def canary_first(check: Check) -> None:
-    edge, _ = node_agent(check)
-    agents = device_agents(check, edge, 3)
-    for a in agents:
-        a.hold()
-    art, _ = new_artifact(check, "model", "onnx")
-    dep = deploy(check, art.id, "device", ids=[a.ident for a in agents], strategy={"type": "canary", "percent": 25, "then": {"type": "all_at_once"}})
+    agents, dep = held_rollout(check, 3, {"type": "canary", "percent": 25, "then": {"type": "all_at_once"}})
     equal(check, dep.batches, 2, "batches (canary, then the rest)")
     equal(check, [execution(dep, a.ident).batch for a in agents], [0, 1, 1], "batch of each target (batch 0 = the canary: ceil(3 x 25%) = 1)")
     canary, rest = agents[0], agents[1:]
@@ -565,12 +566,7 @@ def canary_first(check: Check) -> None:
 
 @case("8.2.4", "pause holds further batches (in-flight ones finish), resume releases them; pause of a paused, resume of a running, cancel of a succeeded one: 409 illegal_transition")
 def pause_resume(check: Check) -> None:
-    edge, _ = node_agent(check)
-    first, second = device_agents(check, edge, 2)
-    first.hold()
-    second.hold()
-    art, _ = new_artifact(check, "model", "onnx")
-    dep = deploy(check, art.id, "device", ids=[first.ident, second.ident], strategy={"type": "rolling", "batch_size": 1})
+    (first, second), dep = held_rollout(check, 2, {"type": "rolling", "batch_size": 1})
     wait_ordered(check, first, execution(dep, first.ident).id)
     r = action(check, dep.id, "pause")
     equal(check, r.status_code, 200, "POST pause of a RUNNING deployment")
@@ -596,11 +592,7 @@ def pause_resume(check: Check) -> None:
 
 @case("8.2.4", "cancel: in-flight and unreleased executions become CANCELED, the order is withdrawn; late reports change nothing; a second cancel is refused")
 def cancel_withdraws(check: Check) -> None:
-    edge, _ = node_agent(check)
-    first, second = device_agents(check, edge, 2)
-    first.hold()
-    art, _ = new_artifact(check, "model", "onnx")
-    dep = deploy(check, art.id, "device", ids=[first.ident, second.ident], strategy={"type": "rolling", "batch_size": 1})
+    (first, second), dep = held_rollout(check, 2, {"type": "rolling", "batch_size": 1}, held=1)
     x1, x2 = execution(dep, first.ident).id, execution(dep, second.ident).id
     wait_ordered(check, first, x1)
     r = action(check, dep.id, "cancel")

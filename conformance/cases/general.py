@@ -21,6 +21,7 @@ from conformance.runner import Check, case
 from interfaces.errors import ERROR_TYPE_PREFIX, ErrorCode, Problem
 from interfaces.ids import new_id
 from interfaces.messages import (
+    HUB_SRC,
     MAX_MESSAGE_BYTES,
     MESSAGE_REJECTED_EVENT,
     ConnectionState,
@@ -548,7 +549,7 @@ def mqtt_desired_envelope(check: Check) -> None:
     check.check(live is not None, f"the desired document with the marker arrives on {topic}")
     assert live is not None
     doc = Envelope[DesiredBody].model_validate_json(live.payload)  # strict: unknown fields refused
-    check.equal((doc.src, doc.kind, doc.v), ("hub", DesiredBody.KIND, 1), "envelope src, kind, v")
+    check.equal((doc.src, doc.kind, doc.v), (HUB_SRC, DesiredBody.KIND, 1), "envelope src, kind, v")
     check.equal(doc.body.version, twin.desired_version, "desired version = the twin's desired_version")
     check.equal(doc.body.spec.get("conf-marker"), marker, "spec carries the desired document")
     # a fresh subscription gets the retained copy, flagged retained
