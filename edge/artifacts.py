@@ -24,10 +24,27 @@ Blobs and leftover partial downloads stay within a size budget (default 2 GiB): 
 go first, never one being served or written. A blob's mtime is its LRU stamp, so the order survives a
 restart. ``prefetch`` fetches an ordered artefact in the background, so that devices find it here even
 when the hub is gone by the time they ask.
+
+Integrity. A cached blob is checked before it is served: its SHA-256 against its name, which is the digest
+the hub signed (the token's grant, the manifest's ``sha256``; a delta's: the digest it was verified against
+when fetched), and first its size against the size it had when those bytes verified (a device's request
+carries the token, not the manifest; the digest fixes the size). A blob that fails (flipped bits, a
+truncated or unreadable file) is dropped, counted (``corrupt_dropped``), logged, and fetched again from
+the hub: the request that found it waits for that download and gets the good bytes, or, with the hub
+unreachable, 503 ``hub_unreachable``, which the device retries. Hashing a large blob on every Range
+request would cost a full read each time, so the cache keeps, in memory, the stamp of each blob as last
+verified: device, inode, size, mtime_ns and ctime_ns. The full check (``integrity_checks``) runs only
+when the stamp differs: once per change of the file, and once per blob after a restart. A download,
+hashed before it is moved into the cache, is recorded then (no second read); the LRU touch moves the
+record along under the cache's lock. Its limit: a change that keeps the stamp goes
+unseen until the edge restarts: bits that rot below the file system, a write within the file system's
+timestamp granularity of the last check, or one between that check and the touch (microseconds). The
+device still refuses such bytes (SHA-256 + Ed25519), so nothing wrong is installed.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
@@ -40,7 +57,7 @@ from collections.abc import Callable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import BinaryIO
+from typing import BinaryIO, NamedTuple
 from urllib.parse import parse_qs, urlsplit
 
 import httpx
@@ -58,6 +75,7 @@ log = logging.getLogger("aisynergy.edge.artifacts")
 
 DEFAULT_BUDGET_BYTES = 2 * 1024**3
 CHUNK = 64 * 1024
+HASH_CHUNK = 1024 * 1024
 ROUTE = re.compile(rf"^{re.escape(API_PREFIX)}/artifacts/([^/]+)/(content|delta)$")
 SIGNING_KEY_PATH = f"{API_PREFIX}/signing-key.pub"
 CONTENT_MEDIA_TYPE = "application/octet-stream"
@@ -130,14 +148,30 @@ class _Download:
     failure: Answer | None = None
 
 
+class _Stamp(NamedTuple):
+    """What a blob's file looked like when its bytes last verified; any write or rename changes it."""
+
+    dev: int
+    ino: int
+    size: int
+    mtime_ns: int
+    ctime_ns: int
+
+
+def _stamp(stat: os.stat_result) -> _Stamp:
+    return _Stamp(stat.st_dev, stat.st_ino, stat.st_size, stat.st_mtime_ns, stat.st_ctime_ns)
+
+
 @dataclass
 class _Blob:
-    """A cached blob, open and pinned (not evicted) until :meth:`release`."""
+    """A cached blob, open and pinned (not evicted) until :meth:`release`; ``verified``: its bytes are known good."""
 
     sha256: str
     size: int
     handle: BinaryIO
     _unpin: Callable[[str], None]
+    stamp: _Stamp
+    verified: bool = False
 
     def release(self) -> None:
         self.handle.close()
@@ -171,6 +205,8 @@ class ArtifactCache:
         self.budget_bytes = budget_bytes
         self.upstream_requests = 0  # requests sent to the hub for blobs (metrics, tests)
         self.hits = 0
+        self.integrity_checks = 0  # full SHA-256 reads of cached blobs
+        self.corrupt_dropped = 0  # cached blobs that failed their check and were dropped
         self._key = signing_key
         self._pin_key = pin_signing_key
         self._key_lock = threading.Lock()
@@ -183,6 +219,8 @@ class ArtifactCache:
         self._pins: Counter[str] = Counter()
         self._downloads: dict[str, _Download] = {}
         self._writing: set[str] = set()  # names of .part files being written
+        self._verified: dict[str, _Stamp] = {}  # blob -> its stamp when its bytes last verified
+        self._checks: dict[str, threading.Lock] = {}  # blob -> held while it is hashed, so once for all who ask
         self._executor = ThreadPoolExecutor(max_workers=prefetch_workers, thread_name_prefix="artifact-prefetch")
         self._closed = False
         (self.root / "deltas").mkdir(parents=True, exist_ok=True)
@@ -325,18 +363,23 @@ class ArtifactCache:
         return self._acquire(f"delta:{base}-{target}", lookup, fetch)
 
     def _acquire(self, key: str, lookup: Callable[[], str | None], fetch: Callable[[], str]) -> _Blob:
-        """Look the blob up and pin it; on a miss, download it once however many ask at the same time."""
-        for _ in range(3):  # a blob evicted between its download and our look-up is fetched again
+        """Look the blob up, pin and check it; on a miss or a bad blob, download it once however many ask at
+        the same time."""
+        for _ in range(4):  # a blob dropped as corrupt, or evicted between its download and our look-up, is fetched again
             with self._lock:
                 sha = lookup()
                 blob = self._open(sha) if sha is not None else None
-                if blob is not None:
-                    self.hits += 1
+                if blob is None:
+                    download = self._downloads.get(key)
+                    owner = download is None
+                    if download is None:
+                        download = self._downloads[key] = _Download()
+            if blob is not None:
+                if self._intact(blob):
+                    with self._lock:
+                        self.hits += 1
                     return blob
-                download = self._downloads.get(key)
-                owner = download is None
-                if download is None:
-                    download = self._downloads[key] = _Download()
+                continue
             if not owner:
                 download.done.wait()
                 if download.failure is not None:
@@ -357,12 +400,13 @@ class ArtifactCache:
                 download.done.set()
             with self._lock:  # _insert pinned it for us
                 blob = self._open(sha, pinned=True)
-            if blob is not None:
+            if blob is not None and self._intact(blob):
                 return blob
         raise _Failure(problem(503, ErrorCode.HUB_UNREACHABLE, "The artefact cannot be kept in the cache", key))
 
     def _open(self, sha256: str, pinned: bool = False) -> _Blob | None:
-        """Under ``_lock``: open and pin a cached blob, and mark it used (its mtime)."""
+        """Under ``_lock``: open and pin a cached blob. One whose file is as it was when it last verified is
+        ``verified`` and marked used (its mtime); any other is checked by :meth:`_intact` first."""
         path = self.blob_path(sha256)
         try:
             handle = path.open("rb")
@@ -370,13 +414,91 @@ class ArtifactCache:
             if pinned:
                 self._unpin_locked(sha256)
             return None
-        try:
-            path.touch()
-        except OSError:
-            pass
         if not pinned:
             self._pins[sha256] += 1
-        return _Blob(sha256, os.fstat(handle.fileno()).st_size, handle, self._unpin)  # type: ignore[arg-type]
+        stamp = _stamp(os.fstat(handle.fileno()))
+        blob = _Blob(sha256, stamp.size, handle, self._unpin, stamp)  # type: ignore[arg-type]
+        if self._verified.get(sha256) == stamp:
+            blob.verified = True
+            self._touch(blob)
+        return blob
+
+    def _touch(self, blob: _Blob) -> None:
+        """Under ``_lock``: mark a verified blob used (its mtime, set on the open file) and move its record along."""
+        now = time.time_ns()
+        try:
+            os.utime(blob.handle.fileno() if os.utime in os.supports_fd else self.blob_path(blob.sha256), ns=(now, now))
+            self._verified[blob.sha256] = _stamp(os.fstat(blob.handle.fileno()))
+        except OSError:
+            pass  # not touched: the record still holds, the LRU order is a little off
+
+    # ---- integrity ----------------------------------------------------------------------------------
+    def _intact(self, blob: _Blob) -> bool:
+        """The blob's bytes are the ones its name promises (verified before, or hashed now, once however many
+        ask); ``False``: it was dropped as corrupt, or another request dropped or replaced it meanwhile, and
+        is released: look it up again."""
+        if blob.verified:
+            return True
+        with self._lock:
+            check = self._checks.setdefault(blob.sha256, threading.Lock())
+        with check:
+            intact = self._check(blob)
+        if not intact:
+            blob.release()
+        return intact
+
+    def _check(self, blob: _Blob) -> bool:
+        """Under the blob's check lock: the size against the record, else the SHA-256; drop a bad blob."""
+        sha = blob.sha256
+        with self._lock:
+            if not self._current(blob):
+                return False
+            stamp = _stamp(os.fstat(blob.handle.fileno()))
+            recorded = self._verified.get(sha)
+            if recorded == stamp:  # checked by another request while this one waited
+                blob.verified = True
+                return True
+        if recorded is not None and recorded.size != stamp.size:
+            fault: str | None = f"it holds {stamp.size} bytes, {recorded.size} when it was verified"
+        else:
+            fault = self._digest_fault(blob)
+        with self._lock:
+            if fault is None:
+                blob.verified = True
+                if self._current(blob) and _stamp(os.fstat(blob.handle.fileno())) == stamp:  # nothing wrote it while it was read
+                    self._touch(blob)
+                return True
+            self.corrupt_dropped += 1
+            self._verified.pop(sha, None)
+            if self._current(blob):
+                self.blob_path(sha).unlink(missing_ok=True)
+        log.error("cached blob %s is corrupt (%s): dropped; fetching it again from the hub", sha, fault)
+        return False
+
+    def _digest_fault(self, blob: _Blob) -> str | None:
+        """Hash the open file (the inode that will be served); what is wrong with it, or ``None``."""
+        with self._lock:
+            self.integrity_checks += 1
+        digest, offset, fd = hashlib.sha256(), 0, blob.handle.fileno()
+        started = time.monotonic()
+        try:
+            while chunk := os.pread(fd, HASH_CHUNK, offset):
+                digest.update(chunk)
+                offset += len(chunk)
+        except OSError as exc:
+            return f"unreadable after {offset} bytes: {exc}"
+        if digest.hexdigest() != blob.sha256:
+            return f"its {offset} bytes have SHA-256 {digest.hexdigest()}"
+        log.info("verified cached blob %s (%s bytes) in %.2f s", blob.sha256, offset, time.monotonic() - started)
+        return None
+
+    def _current(self, blob: _Blob) -> bool:
+        """Under ``_lock``: the cache still names this open file (not dropped, evicted or replaced)."""
+        try:
+            stat = self.blob_path(blob.sha256).stat()
+        except OSError:
+            return False
+        return (stat.st_dev, stat.st_ino) == (blob.stamp.dev, blob.stamp.ino)
 
     def _unpin(self, sha256: str) -> None:
         with self._lock:
@@ -502,6 +624,7 @@ class ArtifactCache:
         with self._lock:
             target = self.blob_path(sha256)
             part.replace(target)
+            self._verified[sha256] = _stamp(target.stat())  # hashed as it arrived: no second read
             self._writing.discard(part.name)
             self._pins[sha256] += 1
             self._evict()
@@ -527,6 +650,8 @@ class ArtifactCache:
             if total <= self.budget_bytes:
                 break
             path.unlink(missing_ok=True)
+            self._verified.pop(path.name, None)
+            self._checks.pop(path.name, None)
             total -= size
             log.info("evicted %s (%s bytes) to keep the cache within %s bytes", path.name, size, self.budget_bytes)
         if total > self.budget_bytes:

@@ -132,9 +132,15 @@ class HubArtefacts:
             def log_message(self, *args: object) -> None:
                 pass
 
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.handler, self.port, self.running = Handler, 0, False
+        self.start()
+
+    def start(self) -> None:
+        """Listen; after :meth:`stop`, on the same port again (the hub is back)."""
+        self.server = ThreadingHTTPServer(("127.0.0.1", self.port), self.handler)
         self.server.daemon_threads = True
-        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        self.port = self.server.server_address[1]
+        self.url = f"http://127.0.0.1:{self.port}"
         threading.Thread(target=self.server.serve_forever, args=(0.05,), daemon=True).start()
         self.running = True
 
