@@ -7,8 +7,10 @@
     aisynergy firmware sign fw.fw --key vendor.key [-o fw.manifest.json]
     aisynergy firmware inspect fw.fw [--manifest fw.manifest.json --public-key vendor.pub] [--json]
 
-Exit codes: 0 done; 1 the image is invalid, or it does not match its manifest, or the signature is
-bad; 2 usage.
+Exit codes: 0 done; 1 the image is invalid (also: damaged, a corrupt or truncated gzip stream, or a file
+that does not match the digest its firmware.json records), or it does not match its manifest, or the
+signature is bad; 2 usage. An image built before per-file digests is inspected on its archive alone, and
+the report says so.
 """
 
 from __future__ import annotations
@@ -22,9 +24,11 @@ from pathlib import Path
 import click
 from pydantic import ValidationError
 
-from device.ota.firmware_image import ImageError, read_image
+from device.ota.firmware_image import FIRMWARE_JSON, ImageError, read_image
 from device.ota.verify import VerificationError, key_id, load_public_key, sha256_file, verify_manifest
-from firmware_images.image import BuildError, build_image, check_manifest, generate_key, load_private_key, sign_image
+from firmware_images.image import (
+    BuildError, build_image, check_identity, check_signed_file, generate_key, load_private_key, sign_image,
+)  # fmt: skip
 from interfaces.deployments import SignedManifest
 
 EXISTING_FILE = click.Path(exists=True, dir_okay=False, path_type=Path)
@@ -90,29 +94,44 @@ def sign(image: Path, key_path: Path, out: Path | None, created_at: datetime | N
 @click.option("--public-key", "public_key_path", type=EXISTING_FILE, help="the Ed25519 public key (PEM) that signed the manifest")
 @click.option("--json", "as_json", is_flag=True, help="one JSON document on stdout")
 def inspect(image: Path, manifest_path: Path | None, public_key_path: Path | None, as_json: bool) -> None:
-    """Print IMAGE's firmware.json, SHA-256, size and members; with --manifest, verify it (exit 1 on mismatch)."""
+    """Read all of IMAGE and print its firmware.json, SHA-256, size and members; exit 1 if it is damaged or a
+    file does not match its recorded digest; with --manifest, verify it too (exit 1 on mismatch)."""
     if (manifest_path is None) != (public_key_path is None):
         raise click.UsageError("--manifest and --public-key go together")
+    signed, problem = None, None
+    if manifest_path is not None and public_key_path is not None:
+        try:  # the signed file first, as the device does: a tampered image says so rather than "damaged"
+            signed = SignedManifest.model_validate_json(manifest_path.read_bytes())
+            verify_manifest(load_public_key(public_key_path.read_bytes()), signed)
+            check_signed_file(image, signed)
+        except (ValidationError, VerificationError, ValueError) as exc:
+            problem = str(exc).splitlines()[0]
     try:
         contents = read_image(image)
     except ImageError as exc:
+        if problem is not None:
+            click.echo(f"Error: the image does not match the manifest: {problem}", err=True)
         raise click.ClickException(f"invalid image: {exc}") from None
+    if signed is not None and problem is None:
+        try:
+            check_identity(contents, signed)
+        except ImageError as exc:
+            problem = str(exc)
+    files = [m for m in contents.members if m.type == "file" and m.name != FIRMWARE_JSON]
     report: dict[str, object] = {
-        "firmware": contents.info.model_dump(mode="json", exclude_none=True),
+        "firmware": contents.info.model_dump(mode="json", exclude_none=True, exclude={"files"}),
         "sha256": sha256_file(image),
         "size": image.stat().st_size,
-        "members": [{"name": m.name, "type": m.type, "size": m.size, "mode": f"{m.mode:04o}"} for m in contents.members],
+        "digests": {"recorded": contents.digests_recorded, "verified": len(files) if contents.digests_recorded else 0},
+        "members": [
+            {"name": m.name, "type": m.type, "size": m.size, "mode": f"{m.mode:04o}", **({"sha256": m.sha256} if m.sha256 else {})}
+            for m in contents.members
+        ],
     }
-    problem = None
-    if manifest_path is not None and public_key_path is not None:
-        try:
-            signed = SignedManifest.model_validate_json(manifest_path.read_bytes())
-            verify_manifest(load_public_key(public_key_path.read_bytes()), signed)
-            check_manifest(image, signed)
-            report["manifest"] = {"verified": True, "key_id": signed.key_id, "created_at": signed.manifest.created_at.isoformat()}
-        except (ValidationError, VerificationError, ValueError) as exc:
-            problem = str(exc).splitlines()[0]
-            report["manifest"] = {"verified": False, "error": problem}
+    if problem is not None:
+        report["manifest"] = {"verified": False, "error": problem}
+    elif signed is not None:
+        report["manifest"] = {"verified": True, "key_id": signed.key_id, "created_at": signed.manifest.created_at.isoformat()}
     if as_json:
         click.echo(json.dumps(report, indent=2))
     else:
@@ -126,6 +145,12 @@ def _print_report(report: dict[str, object]) -> None:
     click.echo("firmware.json: " + json.dumps(report["firmware"], indent=2, sort_keys=True))
     click.echo(f"sha256: {report['sha256']}")
     click.echo(f"size: {report['size']}")
+    digests = report["digests"]
+    assert isinstance(digests, dict)
+    if digests["recorded"]:
+        click.echo(f"files: {digests['verified']} match the SHA-256 and size firmware.json records; the gzip stream checks out")
+    else:
+        click.echo("files: no digests recorded (an image built before per-file digests); only the gzip stream was checked")
     click.echo("members:")
     for m in report["members"]:  # type: ignore[attr-defined]
         click.echo(f"  {m['type']:<8} {m['mode']} {m['size']:>9}  {m['name']}")

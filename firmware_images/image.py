@@ -4,7 +4,8 @@ The build is deterministic: ``firmware.json`` first, then the other members sort
 mtime 0, uid/gid 0, no user or group names, mode 0755 (directories, owner-executable files) or 0644, and a
 gzip header without a name or a time. The same source gives the same bytes (with the same zlib), which a
 binary delta between two versions needs; for deltas that hold only what changed, build with
-``compress_level`` 0 (see :func:`build_image`).
+``compress_level`` 0 (see :func:`build_image`). The ``firmware.json`` written records the SHA-256 and size
+of every other file (``files``), which the device checks before it writes a slot.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 from pydantic import ValidationError
 
-from device.ota.firmware_image import FIRMWARE_JSON, FirmwareInfo, ImageError, read_image
+from device.ota.firmware_image import FIRMWARE_JSON, FileDigest, FirmwareInfo, ImageContents, ImageError, read_image
 from device.ota.verify import sha256_file, verify_content
 from interfaces.deployments import ArtifactFormat, ArtifactKind, ArtifactManifest, SignedManifest, manifest_signing_bytes
 
@@ -37,6 +38,9 @@ class BuildError(ValueError):
 def build_image(src: Path, out: Path, *, name: str | None = None, version: str | None = None, compress_level: int = 9) -> FirmwareInfo:
     """Pack ``src`` (holding ``firmware.json``) into the image ``out``; ``name``/``version`` override firmware.json.
 
+    The ``files`` of the ``firmware.json`` written are the SHA-256 and size of every file packed (``files`` in
+    the source, as in an unpacked slot, is replaced). The image is read back as the device reads it before it
+    replaces ``out``: a file that changed while it was packed is a :class:`BuildError`, and no image is left.
     ``compress_level`` 0 stores the tar uncompressed inside the gzip: a larger image, but a binary delta
     between two versions then holds only what changed (a change early in a compressed stream alters all of it).
     """
@@ -48,24 +52,48 @@ def build_image(src: Path, out: Path, *, name: str | None = None, version: str |
         raise BuildError(f"cannot read {src / FIRMWARE_JSON}: {exc}") from exc
     except ValidationError as exc:
         raise BuildError(f"{src / FIRMWARE_JSON} is not valid: {exc}") from exc
+    paths = _walk(src)
+    files = {path.relative_to(src).as_posix(): _digest(path) for path in paths if path.is_file()}
+    try:
+        info = FirmwareInfo.model_validate({**info.model_dump(exclude={"files"}), "files": files})
+    except ValidationError as exc:
+        raise BuildError(f"{src} cannot be described in {FIRMWARE_JSON}: {exc}") from exc
+    tmp = out.with_name(f".{out.name}.tmp")
+    try:
+        _pack(src, paths, info, files, tmp, compress_level)
+        read_image(tmp)  # what the device will accept, checked here rather than on the device
+    except ImageError as exc:
+        tmp.unlink(missing_ok=True)
+        raise BuildError(f"the image built from {src} does not check out (did a file change while it was packed?): {exc}") from exc
+    except OSError as exc:
+        tmp.unlink(missing_ok=True)
+        raise BuildError(f"cannot pack {src} into {out}: {exc}") from exc
+    os.replace(tmp, out)
+    return info
+
+
+def _pack(src: Path, paths: list[Path], info: FirmwareInfo, files: dict[str, FileDigest], tmp: Path, compress_level: int) -> None:
     raw = io.BytesIO()
     with tarfile.open(fileobj=raw, mode="w", format=tarfile.PAX_FORMAT) as tar:
         header = (json.dumps(info.model_dump(mode="json", exclude_none=True), indent=2, sort_keys=True) + "\n").encode()
         tar.addfile(_tarinfo(FIRMWARE_JSON, tarfile.REGTYPE, len(header), 0o644), io.BytesIO(header))
-        for path in _walk(src):
+        for path in paths:
             rel = path.relative_to(src).as_posix()
             if path.is_dir():
                 tar.addfile(_tarinfo(rel, tarfile.DIRTYPE, 0, 0o755))
             else:
                 mode = 0o755 if path.stat().st_mode & 0o100 else 0o644
                 with path.open("rb") as f:
-                    tar.addfile(_tarinfo(rel, tarfile.REGTYPE, path.stat().st_size, mode), f)
-    tmp = out.with_name(f".{out.name}.tmp")
+                    tar.addfile(_tarinfo(rel, tarfile.REGTYPE, files[rel].size, mode), f)  # the size that was hashed
     with open(tmp, "wb") as f, gzip.GzipFile(filename="", mode="wb", fileobj=f, compresslevel=compress_level, mtime=0) as gz:
         gz.write(raw.getvalue())
-    os.replace(tmp, out)
-    read_image(out)  # what the device will accept, checked here rather than on the device
-    return info
+
+
+def _digest(path: Path) -> FileDigest:
+    try:
+        return FileDigest(sha256=sha256_file(path), size=path.stat().st_size)
+    except OSError as exc:
+        raise BuildError(f"cannot read {path}: {exc}") from exc
 
 
 def _walk(src: Path) -> list[Path]:
@@ -127,13 +155,18 @@ def sign_image(image: Path, key: Ed25519PrivateKey, *, created_at: datetime | No
     return SignedManifest(manifest=manifest, signature=base64.b64encode(signature).decode(), key_id=key_id(key.public_key()))
 
 
-def check_manifest(image: Path, signed: SignedManifest) -> None:
-    """The image is the one ``signed`` describes (after its signature was verified), or ImageError/VerificationError."""
+def check_signed_file(image: Path, signed: SignedManifest) -> None:
+    """The image file is the one ``signed`` describes (kind, format, size, SHA-256; after its signature was
+    verified), or ImageError/VerificationError. What it holds is checked by :func:`read_image` and :func:`check_identity`."""
     manifest = signed.manifest
     if manifest.kind is not ArtifactKind.FIRMWARE or manifest.format is not ArtifactFormat.FIRMWARE:
         raise ImageError(f"the manifest is for a {manifest.kind} in format {manifest.format}")
     verify_content(signed, image)
-    contents = read_image(image)
+
+
+def check_identity(contents: ImageContents, signed: SignedManifest) -> None:
+    """The image's firmware.json names the manifest's name and version, or ImageError."""
+    manifest = signed.manifest
     if (contents.info.name, contents.info.version) != (manifest.name, manifest.version):
         raise ImageError(f"the image says {contents.info.name} {contents.info.version}; the manifest {manifest.name} {manifest.version}")
 

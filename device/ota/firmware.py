@@ -159,7 +159,9 @@ class FirmwareSlots:
         """Write the verified ``image`` into the inactive slot and make it pending; the next boot() tries it.
 
         ``signed`` must already have been verified against the pinned key; the image is checked against it
-        (size, SHA-256, kind, name and version) here. Raises :class:`~device.ota.verify.VerificationError`
+        (size, SHA-256, kind, name and version) here, and read whole before the slot is written: a damaged
+        gzip stream or a file that does not match its digest in ``firmware.json`` is an ``ImageError``
+        (:mod:`device.ota.firmware_image`). Raises :class:`~device.ota.verify.VerificationError`
         (``ImageError`` included) for an image to REJECT, :class:`FirmwareError` when an install waits.
         """
         if confirm_timeout_s <= 0:

@@ -8,11 +8,13 @@ For each order not already finished (see :mod:`device.ota.store`)::
 The manifest's signature is checked against the pinned hub key before a byte is fetched, and the
 content's size and SHA-256 before anything is installed: a failure is REJECTED with the reason and
 nothing changes. So is a downgrade, unless the order says ``allow_downgrade``; the same version with the
-same content is ACTIVE at once. A delta (bsdiff4) is used when offered and its base is here; any problem
-with it falls back to the full download. Models are swapped atomically in :class:`ModelHost`;
-applications are unpacked and their ``current`` link switched; firmware goes to the inactive slot of
-``FirmwareSlots`` and the device reboots: the execution ends at the next start
-(:meth:`Updater.report_boot`), ACTIVE when the new slot confirmed, ROLLED_BACK when the old one came back.
+same content is ACTIVE at once. A firmware image is read whole before its slot is written: a damaged gzip
+stream or a file that does not match the digest its ``firmware.json`` records is REJECTED too, and the old
+slot runs on. A delta (bsdiff4) is used when offered and its base is here; any problem with it falls back
+to the full download. Models are swapped atomically in :class:`ModelHost`; applications are unpacked and
+their ``current`` link switched; firmware goes to the inactive slot of ``FirmwareSlots`` and the device
+reboots: the execution ends at the next start (:meth:`Updater.report_boot`), ACTIVE when the new slot
+confirmed, ROLLED_BACK when the old one came back.
 """
 
 from __future__ import annotations
@@ -270,10 +272,14 @@ class Updater:
         m = signed.manifest
         installed = InstalledArtifact(name=m.name, version=m.version, sha256=m.sha256, artifact_id=order.artifact_id)
         if m.kind is ArtifactKind.FIRMWARE:
+            from device.ota.verify import VerificationError
+
             assert self.firmware is not None and self.reboot is not None
             self.store.firmware_waits(order.execution_id, order.action)
             try:
                 self.firmware.install(path, signed, order.execution_id, order.confirm_timeout_s)
+            except VerificationError as exc:  # the signed bytes hold a bad image: nothing was written
+                raise _Refused(S.REJECTED, f"firmware image refused: {exc}") from exc
             except Exception as exc:
                 raise _Refused(S.FAILED, f"firmware install failed: {type(exc).__name__}: {exc}") from exc
             finally:

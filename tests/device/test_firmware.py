@@ -1,9 +1,13 @@
-"""Firmware images and A/B slots: the tool (build, sign, inspect), the reader's refusals, commit-after-boot,
-and ``kill -9`` of real processes during install and during boot confirmation."""
+"""Firmware images and A/B slots: the tool (build, sign, inspect), the reader's refusals (unsafe members, a
+damaged gzip stream, files that do not match their recorded digests), commit-after-boot, the updater's
+REJECTED for a signed but damaged image, and ``kill -9`` of real processes during install and during boot
+confirmation."""
 
 from __future__ import annotations
 
+import base64
 import gzip
+import hashlib
 import io
 import json
 import os
@@ -14,17 +18,23 @@ import subprocess
 import sys
 import tarfile
 import time
+from datetime import UTC, datetime
 from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
 
+from cloud.signing import SigningKey
 from device.ota.firmware import FirmwareSlots
 from device.ota.firmware_image import ImageError, read_image, unpack_image
-from device.ota.verify import VerificationError, load_public_key, sha256_file, verify_manifest
+from device.ota.updater import Updater
+from device.ota.verify import VerificationError, load_public_key, sha256_file, verify_content, verify_manifest
 from firmware_images.cli import firmware
-from firmware_images.image import build_image, load_private_key, sign_image
-from interfaces.deployments import SignedManifest
+from firmware_images.image import build_image, key_id, load_private_key, sign_image
+from interfaces.deployments import (
+    ArtifactFormat, ArtifactKind, ArtifactManifest, ExecutionProgress, ExecutionState, SignedManifest, manifest_signing_bytes,
+)  # fmt: skip
+from tests.device.ota_support import blob_server, make_order
 
 REPO = Path(__file__).resolve().parents[2]
 SAMPLES = REPO / "firmware_images" / "samples"
@@ -53,6 +63,73 @@ def custom_source(tmp_path: Path, version: str, health: str, timeout_s: float = 
     (src / "app" / "config.json").write_text(json.dumps({"firmware_version": version}))
     (src / "health.py").write_text(health)
     return src
+
+
+def sign_sample_key(image: Path) -> SignedManifest:
+    """A manifest of ``image``'s bytes signed with the sample key, whatever they hold (as the hub signs an
+    upload; ``sign_image`` would refuse to sign a damaged image)."""
+    key = load_private_key(SAMPLE_KEY.read_bytes())
+    manifest = ArtifactManifest(
+        name="sensor-fw", version="1.1.0", kind=ArtifactKind.FIRMWARE, format=ArtifactFormat.FIRMWARE,
+        sha256=sha256_file(image), size=image.stat().st_size, created_at=datetime.now(UTC),
+    )  # fmt: skip
+    signature = base64.b64encode(key.sign(manifest_signing_bytes(manifest))).decode()
+    return SignedManifest(manifest=manifest, signature=signature, key_id=key_id(key.public_key()))
+
+
+def corrupt_gzip(image: Path, out: Path, how: str) -> Path:
+    """``image`` with its gzip stream damaged: a byte flipped in the compressed data or in the CRC, or its tail cut off."""
+    data = bytearray(image.read_bytes())
+    if how == "flip":
+        data[len(data) // 2] ^= 0x01  # inside the compressed data, well away from the gzip header and trailer
+    elif how == "crc":
+        data[-8] ^= 0x01  # the trailer's CRC-32
+    else:
+        del data[-64:]  # the trailer and the tar's zero padding: every member is still whole
+    out.write_bytes(bytes(data))
+    return out
+
+
+def repack(image: Path, out: Path, files: dict[str, bytes | None]) -> Path:
+    """``image`` packed again, with real tar and gzip: each name in ``files`` gets that content (None: left
+    out; a name the image lacks: added). The stream is sound; only what it holds differs."""
+    raw = io.BytesIO()
+    with tarfile.open(image) as source, tarfile.open(fileobj=raw, mode="w", format=tarfile.PAX_FORMAT) as target:
+        for info in source.getmembers():
+            extracted = source.extractfile(info) if info.isreg() else None
+            data = extracted.read() if extracted is not None else None
+            if info.name in files:
+                data = files[info.name]
+                if data is None:
+                    continue
+                info.size = len(data)
+            target.addfile(info, io.BytesIO(data) if data is not None else None)
+        for name in files.keys() - set(source.getnames()):
+            added = files[name]
+            assert added is not None
+            info = tarfile.TarInfo(name)
+            info.size = len(added)
+            target.addfile(info, io.BytesIO(added))
+    out.write_bytes(gzip.compress(raw.getvalue(), mtime=0))
+    return out
+
+
+def firmware_json(image: Path) -> dict:  # type: ignore[type-arg]
+    with tarfile.open(image) as tar:
+        extracted = tar.extractfile("firmware.json")
+        assert extracted is not None
+        return json.loads(extracted.read())  # type: ignore[no-any-return]
+
+
+def inspect_image(image: Path, signed: SignedManifest | None, tmp_path: Path) -> tuple[int, str]:
+    """``aisynergy firmware inspect`` (with the signed manifest and the sample key, if given): exit code, output."""
+    args = ["inspect", str(image)]
+    if signed is not None:
+        manifest = tmp_path / f"{image.name}.manifest.json"
+        manifest.write_text(signed.model_dump_json())
+        args += ["--manifest", str(manifest), "--public-key", str(SAMPLE_PUB)]
+    result = CliRunner().invoke(firmware, args)
+    return result.exit_code, result.output
 
 
 HANGING_HEALTH = """
@@ -163,6 +240,8 @@ def test_keygen_build_sign_inspect_round_trip(tmp_path: Path) -> None:
     assert report["firmware"]["version"] == "1.1.1" and report["manifest"]["verified"] is True
     assert report["sha256"] == signed.manifest.sha256 and report["size"] == image.stat().st_size
     assert "app/config.json" in [m["name"] for m in report["members"]]
+    assert report["digests"] == {"recorded": True, "verified": 3}
+    assert all(len(m["sha256"]) == 64 for m in report["members"] if m["type"] == "file")
     assert runner.invoke(firmware, ["keygen", str(key)]).exit_code == 1  # never overwrites a key
 
 
@@ -184,6 +263,118 @@ def test_inspect_detects_a_tampered_image_and_a_foreign_key(tmp_path: Path) -> N
     result = runner.invoke(firmware, ["inspect", good, "--manifest", str(SAMPLES / "sensor-fw-1.0.0.manifest.json"), "--public-key", str(SAMPLE_PUB)])
     assert result.exit_code == 1
     assert runner.invoke(firmware, ["inspect", good, "--manifest", str(manifest), "--public-key", str(SAMPLE_PUB)]).exit_code == 0
+
+
+def test_build_records_the_digest_and_size_of_every_file(tmp_path: Path) -> None:
+    image = tmp_path / "fw.fw"
+    src = SAMPLES / "sensor-fw-1.1.0"
+
+    info = build_image(src, image)
+
+    expected = {rel: {"sha256": hashlib.sha256((src / rel).read_bytes()).hexdigest(), "size": (src / rel).stat().st_size}
+                for rel in ("app/config.json", "app/sensor.py", "health.py")}  # fmt: skip
+    assert firmware_json(image)["files"] == expected
+    assert info.files is not None and {k: v.model_dump() for k, v in info.files.items()} == expected
+    contents = read_image(image)
+    assert contents.digests_recorded
+    assert {m.name: m.sha256 for m in contents.members if m.type == "file" and m.name != "firmware.json"} == {k: v["sha256"] for k, v in expected.items()}
+    for version in ("1.0.0", "1.1.0"):  # the committed samples carry them too
+        assert firmware_json(sample(version)[0])["files"].keys() == expected.keys()
+
+    unpacked = tmp_path / "unpacked"  # an unpacked image: its firmware.json lists files, which a build replaces
+    unpack_image(image, unpacked)
+    (unpacked / "app" / "config.json").write_text('{"firmware_version": "1.1.1"}')
+    rebuilt = tmp_path / "rebuilt.fw"
+    build_image(unpacked, rebuilt, version="1.1.1")
+    assert firmware_json(rebuilt)["files"]["app/config.json"]["size"] == len('{"firmware_version": "1.1.1"}')
+    assert read_image(rebuilt).info.version == "1.1.1"
+
+
+@pytest.mark.parametrize("level", [0, 9])
+@pytest.mark.parametrize("how", ["flip", "crc", "truncate"])
+def test_a_signed_image_with_a_damaged_gzip_stream_is_rejected_and_the_old_slot_runs(tmp_path: Path, level: int, how: str) -> None:
+    # Prepare: slot a runs 1.0.0; a 1.1.0 image damaged after it was built, then signed (its outer bytes check out)
+    slots = provisioned(tmp_path)
+    good = tmp_path / "good.fw"
+    build_image(SAMPLES / "sensor-fw-1.1.0", good, compress_level=level)
+    image = corrupt_gzip(good, tmp_path / "damaged.fw", how)
+    signed = sign_sample_key(image)
+    verify_manifest(load_public_key(SAMPLE_PUB.read_bytes()), signed)
+    verify_content(signed, image)
+
+    # Execute + Assert: the install refuses it before the slot is written
+    with pytest.raises(ImageError, match="damaged"):
+        slots.install(image, signed, "ex-damaged", 60)
+    assert not (slots.root / "b").exists()
+    assert slots.boot().outcome == "normal"
+    assert_settled(slots, "1.0.0", "a")
+
+    # Execute + Assert: so does inspect, with and without the (valid) manifest
+    for manifest in (signed, None):
+        code, output = inspect_image(image, manifest, tmp_path)
+        assert code == 1, output
+        assert "invalid image: the image is damaged" in output
+    with pytest.raises(ImageError, match="damaged"):
+        sign_image(image, load_private_key(SAMPLE_KEY.read_bytes()))  # the tool does not sign it either
+
+
+def test_a_file_that_does_not_match_its_recorded_digest_is_rejected(tmp_path: Path) -> None:
+    # Prepare: images whose gzip stream is sound but whose files are not what firmware.json records
+    slots = provisioned(tmp_path)
+    good, _ = sample("1.1.0")
+    config = (SAMPLES / "sensor-fw-1.1.0" / "app" / "config.json").read_bytes()
+    cases = {
+        "same size, other bytes": ({"app/config.json": config.replace(b"1.1.0", b"6.6.6")}, "does not match firmware.json: SHA-256"),
+        "other size": ({"app/config.json": config + b" "}, f"has {len(config) + 1} bytes; firmware.json records {len(config)}"),
+        "a file left out": ({"health.py": None}, "lists 'health.py', which is not a regular file"),
+        "a file added": ({"app/extra.py": b"print('not built')"}, "'app/extra.py' is not listed"),
+    }
+    for i, (files, message) in enumerate(cases.values()):
+        image = repack(good, tmp_path / f"mismatch-{i}.fw", files)
+        signed = sign_sample_key(image)
+
+        # Execute + Assert
+        with pytest.raises(ImageError, match=message):
+            slots.install(image, signed, f"ex-mismatch-{i}", 60)
+        assert not (slots.root / "b").exists()
+        code, output = inspect_image(image, signed, tmp_path)
+        assert code == 1 and message in output, output
+    assert slots.boot().outcome == "normal"
+    assert_settled(slots, "1.0.0", "a")
+
+
+def test_an_image_built_before_digests_is_accepted_on_its_archive_alone(tmp_path: Path) -> None:
+    """Images built before firmware.json recorded ``files`` still install (a rollback to them must work),
+    checked by the gzip stream's CRC; the report says that no digests were checked."""
+    # Prepare
+    slots = provisioned(tmp_path)
+    header = firmware_json(sample("1.1.0")[0])
+    del header["files"]
+    legacy = repack(sample("1.1.0")[0], tmp_path / "legacy.fw", {"firmware.json": json.dumps(header).encode()})
+
+    # Execute + Assert
+    assert not read_image(legacy).digests_recorded
+    code, output = inspect_image(legacy, sign_sample_key(legacy), tmp_path)
+    assert code == 0 and "no digests recorded" in output and "manifest: verified" in output, output
+    damaged = corrupt_gzip(legacy, tmp_path / "legacy-damaged.fw", "flip")
+    with pytest.raises(ImageError, match="CRC check failed"):
+        slots.install(damaged, sign_sample_key(damaged), "ex-legacy-damaged", 60)
+    slots.install(legacy, sign_sample_key(legacy), "ex-legacy", 60)
+    assert slots.boot().outcome == "confirmed"
+    assert_settled(slots, "1.1.0", "b")
+
+
+def test_a_damaged_tar_header_in_a_sound_gzip_stream_is_not_taken_for_the_end_of_the_archive(tmp_path: Path) -> None:
+    image, _ = sample("1.1.0")
+    with tarfile.open(image) as tar:
+        offset = tar.getmember("app/sensor.py").offset
+    raw = bytearray(gzip.decompress(image.read_bytes()))
+    raw[offset] ^= 0x01  # the header's checksum no longer matches: tarfile alone would stop here, quietly
+    broken = tmp_path / "broken-header.fw"
+    broken.write_bytes(gzip.compress(bytes(raw), mtime=0))
+
+    with pytest.raises(ImageError, match="data after the end of its archive"):
+        read_image(broken)
 
 
 def _tar(tmp_path: Path, members: list[tuple[tarfile.TarInfo, bytes | None]], with_header: bool = True) -> Path:
@@ -239,6 +430,9 @@ def test_reader_refuses_missing_or_invalid_firmware_json_and_oversized_images(tm
     bad = _member("firmware.json")
     with pytest.raises(ImageError, match="not valid"):
         read_image(_tar(tmp_path, [(bad, b'{"name": "x", "version": "one"}')], with_header=False))
+    coerced = b'{"name": "x", "version": "1.0.0", "health": {"argv": ["true"]}, "files": {"a": {"sha256": "%s", "size": "1"}}}' % (b"0" * 64)
+    with pytest.raises(ImageError, match="not valid"):  # strict: a size given as a string is not taken for a number
+        read_image(_tar(tmp_path, [(_member("firmware.json"), coerced), (_member("a"), b"1")], with_header=False))
     (tmp_path / "junk.fw").write_bytes(b"not a tar")
     with pytest.raises(ImageError, match="not a gzip tar"):
         read_image(tmp_path / "junk.fw")
@@ -319,6 +513,44 @@ def test_install_refuses_an_image_that_is_not_the_signed_one(tmp_path: Path) -> 
     assert slots.boot().outcome == "normal"
     assert_settled(slots, "1.0.0", "a")
     assert not (slots.root / "b").exists()
+
+
+# ---- the updater: REJECTED before the slot is written -------------------------------------------------
+
+
+def test_the_updater_rejects_damaged_signed_images_and_installs_a_good_one(tmp_path: Path) -> None:
+    # Prepare: a device on 1.0.0 (slot a); hub-signed orders for a damaged image, a mismatching one, a good one
+    S = ExecutionState
+    slots = provisioned(tmp_path)
+    signing = SigningKey.load_or_create(tmp_path / "hub-pki")
+    events: list[ExecutionProgress] = []
+    reboots: list[int] = []
+    good, _ = sample("1.1.0")
+    damaged = corrupt_gzip(good, tmp_path / "damaged.fw", "truncate").read_bytes()
+    config = (SAMPLES / "sensor-fw-1.1.0" / "app" / "config.json").read_bytes()
+    mismatch = repack(good, tmp_path / "mismatch.fw", {"app/config.json": config.replace(b"1.1.0", b"6.6.6")}).read_bytes()
+    firmware_kind = {"name": "sensor-fw", "kind": ArtifactKind.FIRMWARE, "fmt": ArtifactFormat.FIRMWARE}
+    with blob_server() as server:
+        orders = [make_order(signing, server, data, "1.1.0", **firmware_kind) for data in (damaged, mismatch, good.read_bytes())]  # type: ignore[arg-type]
+        updater = Updater(tmp_path / "data", signing.public_pem, server.base_url, events.append, slots, lambda: reboots.append(1))
+
+        # Execute
+        updater.apply(orders[:2])
+        refused = [[(e.state, e.detail) for e in events if e.execution_id == o.execution_id] for o in orders[:2]]
+        running = (slots.active().version, (slots.root / "b").exists(), slots.boot().outcome)  # type: ignore[union-attr]
+        updater.apply(orders[2:])
+        result = slots.boot()  # the agent's next start, after the reboot
+        updater.report_boot(result)
+
+    # Assert: both REJECTED, with the reason, after the outer checks passed and before the slot was written
+    for states, reason in zip(refused, ("damaged", "does not match firmware.json"), strict=True):
+        assert [state for state, _ in states] == [S.DOWNLOADING, S.DOWNLOADED, S.VERIFYING, S.INSTALLING, S.REJECTED]
+        assert "firmware image refused" in states[-1][1] and reason in states[-1][1], states[-1][1]
+    assert running == ("1.0.0", False, "normal")  # the old slot ran on; nothing was written to the other
+    assert reboots == [1]  # only for the good image
+    assert (result.outcome, result.execution_id) == ("confirmed", orders[2].execution_id)
+    assert [e.state for e in events if e.execution_id == orders[2].execution_id][-1] is S.ACTIVE
+    assert_settled(slots, "1.1.0", "b")
 
 
 # ---- kill -9 -------------------------------------------------------------------------------------------

@@ -95,7 +95,19 @@ def _slow_image(tmp: Path) -> Path:
     return image
 
 
-def test_firmware_arrives_as_a_delta_boots_the_new_slot_and_a_kill_during_confirmation_rolls_back(stack: DevStack, tmp_path: Path) -> None:
+def _damaged_image(tmp: Path) -> Path:
+    """Firmware 1.2.1, built by the tool, then its gzip stream cut short (the hub signs the bytes as uploaded)."""
+    src = tmp / "sensor-fw-1.2.1"
+    shutil.copytree(SAMPLES / "sensor-fw-1.1.0", src)
+    doc = json.loads((src / "firmware.json").read_text())
+    (src / "firmware.json").write_text(json.dumps({**doc, "version": "1.2.1"}))
+    image = tmp / "sensor-fw-1.2.1.fw"
+    subprocess.run([*AISYNERGY, "firmware", "build", str(src), "-o", str(image), "--compress-level", "0"], check=True, capture_output=True)
+    image.write_bytes(image.read_bytes()[:-64])  # the gzip trailer (CRC, length) and the tar's zero padding
+    return image
+
+
+def test_firmware_delta_boots_the_new_slot_a_damaged_image_is_rejected_a_kill_during_confirmation_rolls_back(stack: DevStack, tmp_path: Path) -> None:
     # Prepare: a device on factory firmware 1.0.0 (slot a); the hub holds 1.0.0 too, so it can offer a delta
     device = FirmwareDevice(stack, "sensor-1")
     device.start()
@@ -116,6 +128,17 @@ def test_firmware_arrives_as_a_delta_boots_the_new_slot_and_a_kill_during_confir
         assert device.installed_firmware()["slot"] == "b"  # type: ignore[index]
         delta_used = _progress(stack, device.device_id, execution["id"])
         assert any(p.get("via_delta") for p in delta_used), delta_used
+
+        # Execute: a signed 1.2.1 whose gzip stream is damaged
+        damaged = _wait_deployment(stack, _deploy(stack, _upload(stack, _damaged_image(tmp_path), "1.2.1"), device.device_id))
+
+        # Assert: REJECTED before its slot was written; 1.1.0 runs on from slot b
+        execution = damaged["executions"][0]
+        assert execution["state"] == "REJECTED", execution
+        assert "damaged" in execution["detail"], execution["detail"]
+        assert "ACTIVE" not in [t["to_state"] for t in execution["history"]]
+        assert device.installed_firmware()["version"] == "1.1.0"  # type: ignore[index]
+        assert device.installed_firmware()["slot"] == "b"  # type: ignore[index]
 
         # Execute: 1.3.0 whose health check hangs; kill -9 the device while it confirms, start it again
         v130 = _upload(stack, _slow_image(tmp_path), "1.3.0")
