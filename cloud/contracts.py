@@ -3,7 +3,8 @@
 - ``interfaces/openapi.json``: the hub's OpenAPI document;
 - ``interfaces/schemas/<channel>.json``: the JSON Schema of every MQTT payload in the topic table;
 - ``interfaces/schemas/events/<type>.json``: the JSON Schema of ``EventBody.data`` of each event type the hub acts on;
-- ``interfaces/TOPICS.md``: the topic table.
+- ``interfaces/TOPICS.md``: the topic table;
+- ``interfaces/asyncapi.json``: the AsyncAPI 3.0 document of the MQTT protocol (``interfaces.asyncapi``).
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import json
 from pathlib import Path
 
 import interfaces
+from interfaces.asyncapi import asyncapi_document
 from interfaces.messages import EVENT_DATA
 from interfaces.topics import TOPICS, topic_table_markdown
 
@@ -28,6 +30,7 @@ def render() -> dict[Path, str]:
 
     app = create_app(Settings(enable_mqtt=False, data_dir=Path("/nonexistent")))
     files: dict[Path, str] = {ROOT / "openapi.json": _dump(app.openapi()), ROOT / "TOPICS.md": topic_table_markdown()}
+    files[ROOT / "asyncapi.json"] = _dump(asyncapi_document())
     for topic in TOPICS:
         # the channel ("cmd-reply"), or the topic below the prefix for topics without ids ("hub-state")
         name = (topic.pattern.rsplit("}/", 1)[1] if "}/" in topic.pattern else topic.pattern.split("/", 2)[2]).replace("/", "-")
