@@ -20,7 +20,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import random
+import math
 import socket
 import ssl
 import time
@@ -53,6 +53,7 @@ from interfaces.messages import (
     envelope,
     rejection_event,
 )
+from interfaces.reconnect import RECONNECT_CAP_S, reconnect_delay
 from interfaces.topics import (
     HUB_STATE,
     NODE_CMD_REPLY,
@@ -134,7 +135,7 @@ def tls_context(pki_dir: Path, identity: str) -> ssl.SSLContext:
 
 class MqttBridge:
     def __init__(self, broker_url: str, pki_dir: Path, identity: str, ingest: StatusIngest,
-                 desired: DesiredPublisher | None = None, max_backoff_s: float = 30.0,
+                 desired: DesiredPublisher | None = None, max_backoff_s: float = RECONNECT_CAP_S,
                  session_expiry_s: int = 86_400) -> None:  # fmt: skip
         self.host, self.port, self.tls = parse_broker_url(broker_url)
         self.pki_dir = pki_dir
@@ -221,7 +222,7 @@ class MqttBridge:
                 self._client = None
                 self.connected.clear()
             attempt += 1
-            await asyncio.sleep(random.uniform(0, min(self.max_backoff_s, 1.5 ** min(10, attempt))))
+            await asyncio.sleep(reconnect_delay(attempt, self.max_backoff_s))
 
     async def _consume(self, client: aiomqtt.Client) -> None:
         generation = self._generation
@@ -356,6 +357,7 @@ class MqttBridge:
         props = Properties(PacketTypes.PUBLISH)
         props.ResponseTopic = reply_topic
         props.CorrelationData = correlation
+        props.MessageExpiryInterval = max(1, math.ceil(body.timeout_s))  # an agent away longer never runs it late
         try:
             await client.publish(topic, envelope(HUB_SRC, body).model_dump_json(), qos=1, properties=props)
             self.counters["commands_sent"] += 1

@@ -32,11 +32,18 @@ Local datasets (DESIGN §5): :attr:`Device.datasets` (a :class:`~device.local_da
 ``<data dir>/datasets``) keeps data that never leaves the device; training workers read it, and the reported
 status describes it under ``datasets`` (rows, row shape), reported again whenever a dataset is added or removed.
 
+Events are stored before they leave (:mod:`device.outbox`): each one waits in ``<data dir>/outbox.db`` until
+the edge acknowledges on ``events/ack`` that it has stored it, and is sent again after any reconnect until then,
+in order and with the same envelope (the edge and the hub keep it once). ``durable_events=True`` (the default):
+when :meth:`Device.emit` returns, the event survives a power cut; ``False``: it survives one within
+``commit_window_s`` (50 ms), and emit costs no fsync.
+
 Threads: paho's network thread runs the callbacks and answers ``ping`` and unknown commands itself (so
 they are answered while a handler is busy); the application's command handlers run one at a time on the
-``commands`` worker, the desired handler on the ``desired`` worker (the newest document wins).
-QoS 1 messages published while disconnected wait in memory (``max_queued``) and leave in order after
-the reconnect; they do not survive a restart of the process.
+``commands`` worker, the desired handler on the ``desired`` worker (the newest document wins); the ``events``
+sender publishes the stored events. Other QoS 1 messages (state, reported, command answers) published while
+disconnected wait in memory (``max_queued``) and leave in order after the reconnect; the reported status is
+published again on every connect.
 """
 
 from __future__ import annotations
@@ -64,7 +71,7 @@ from pydantic import BaseModel
 from device.commands import Commands, failure
 from device.connection import PahoLog, parse_mqtt_url, reconnect_delay, tls_context
 from device.desired import DesiredStore
-from device.errors import ConfigError, IdentityError, NotRunning, OutboxFull
+from device.errors import ConfigError, IdentityError, NotRunning, OutboxFull, StoredStateError
 from device.fl import FlChannel
 from device.heartbeat import Heartbeats
 from device.identity import Enrolment, IdentityStore
@@ -72,7 +79,7 @@ from device.local_data import LocalDatasets
 from device.ota.models import ModelHost, model_commands
 from device.resources import ResourceSampler
 from device.split.channel import InferChannel
-from device.sequence import EventSequence
+from device.outbox import DEFAULT_MAX_EVENTS, OUTBOX_FILE, Outbox
 from device.tasks import InputFetcher, WorkerHost
 from interfaces import API_PREFIX
 from interfaces.deployments import EXECUTION_EVENT, EXECUTION_FAILURES, INSTALLED_KEY, ExecutionProgress
@@ -85,17 +92,20 @@ from interfaces.messages import (
     ConnectionState,
     Envelope,
     EventBody,
+    EventsAckBody,
     HeartbeatBody,
     ReportedBody,
     StateBody,
     envelope,
 )
 from interfaces.privacy import DATASETS_KEY
+from interfaces.reconnect import RECONNECT_CAP_S
 from interfaces.topics import (
     DEVICE_CMD,
     DEVICE_CMD_REPLY,
     DEVICE_DESIRED,
     DEVICE_EVENTS,
+    DEVICE_EVENTS_ACK,
     DEVICE_FL,
     DEVICE_HEARTBEAT,
     DEVICE_INFER_REPLY,
@@ -131,6 +141,7 @@ class DeviceStats:
     reconnects: int
     next_event_seq: int | None
     rss_bytes: int
+    events_waiting: int = 0  # events the edge has not acknowledged yet
 
 
 class _Worker:
@@ -172,8 +183,10 @@ class Device:
         heartbeat_interval_s: float | None = None,
         *,
         keepalive_s: int = 30,
-        reconnect_cap_s: float = 60.0,
+        reconnect_cap_s: float = RECONNECT_CAP_S,
         max_queued: int = 1000,
+        durable_events: bool = True,
+        max_events_waiting: int = DEFAULT_MAX_EVENTS,
         sampler: ResourceSampler | None = None,
         reboot: Callable[[], None] | None = None,
         firmware_boot: BootResult | None = None,
@@ -193,6 +206,7 @@ class Device:
         self._enrol_url, self._bootstrap_token = enrol_url, bootstrap_token
         self._mqtt_url, self._heartbeat_interval_s = mqtt_url, heartbeat_interval_s
         self._keepalive_s, self._reconnect_cap_s, self._max_queued = keepalive_s, reconnect_cap_s, max_queued
+        self._durable_events, self._max_events_waiting = durable_events, max_events_waiting
         self._sampler = sampler
         self._reboot = reboot
         self.firmware_boot = firmware_boot  # what FirmwareSlots.boot() decided at this start; None without firmware slots
@@ -214,9 +228,9 @@ class Device:
         self._client: mqtt.Client | None = None
         self._connected = threading.Event()
         self._stopping = threading.Event()
-        self._event_lock = threading.Lock()  # held from taking a seq to handing the event to paho
+        self._event_lock = threading.Lock()  # guards _accepting_events against stop()
         self._accepting_events = False
-        self._sequence: EventSequence | None = None
+        self._outbox: Outbox | None = None
         self._stats_lock = threading.Lock()
         self._messages_in = self._messages_out = self._dropped = self._reconnects = 0
         self._attempt = 0
@@ -266,7 +280,12 @@ class Device:
             except OSError as exc:  # ssl.SSLError included: the key does not match the certificate
                 raise IdentityError(f"cannot load the device certificate and key: {exc}") from exc
             self._desired = DesiredStore(self.data_dir / "desired.json")
-            self._sequence = EventSequence(self.data_dir / "event-seq")
+            self._outbox = Outbox(
+                self.data_dir / OUTBOX_FILE,
+                durable=self._durable_events,
+                max_events=self._max_events_waiting,
+                legacy_sequence=self.data_dir / "event-seq",
+            )
             sampler = self._sampler or ResourceSampler(self.data_dir)
             self._heartbeats = Heartbeats(interval, sampler, AGENT_VERSION, self._send_heartbeat, self._connected)
             self._command_worker, self._desired_worker = _Worker("aisynergy-commands"), _Worker("aisynergy-desired")
@@ -275,6 +294,8 @@ class Device:
             self._client = self._make_client(tls)
             self._updater = self._make_updater(enrolment)
             self._desired_worker.submit(lambda: self.tasks.apply(self._desired.record.tasks))  # what ran before
+            self._sender = threading.Thread(target=self._send_events, name="aisynergy-events", daemon=True)
+            self._sender.start()
             log.info("connecting to mqtts://%s:%s as %s", self._host, self._port, self.device_id)
             self._client.connect_async(self._host, self._port, keepalive=self._keepalive_s, clean_start=True)
             self._client.loop_start()
@@ -293,11 +314,9 @@ class Device:
         self.tasks.stop(timeout_s / 2)  # before events close: their last log lines still leave
         with self._event_lock:
             self._accepting_events = False
-            assert self._sequence is not None
-            try:
-                self._sequence.close()
-            except OSError as exc:  # harmless: the reserved ceiling on disk still rules out a repeat
-                log.warning("cannot record the event sequence: %s", exc)
+        assert self._outbox is not None
+        self._outbox.close(timeout_s)  # what the edge has not acknowledged leaves at the next start
+        self._sender.join(timeout_s)
         self._heartbeats.stop(timeout_s)
         self._command_worker.close()
         self._desired_worker.close()
@@ -357,37 +376,77 @@ class Device:
     def stats(self) -> DeviceStats:
         with self._stats_lock:
             counts = (self._messages_in, self._messages_out, self._dropped, self._reconnects)
-        next_seq = self._sequence.peek if self._sequence else None
-        return DeviceStats(self.connected, *counts, next_seq, psutil.Process().memory_info().rss)
+        outbox = self._outbox
+        next_seq = outbox.next_seq if outbox is not None else None
+        waiting = outbox.waiting if outbox is not None else 0
+        return DeviceStats(self.connected, *counts, next_seq, psutil.Process().memory_info().rss, waiting)
 
     # ---- events -------------------------------------------------------------------------------------
     def emit(
         self, type: str, data: dict[str, Any] | None = None, *, severity: Severity = "info", message: str | None = None
     ) -> int:
-        """Publish an event (QoS 1, in order) and return its ``seq``; queued while disconnected.
+        """Store an event for the edge and return its ``seq``; it leaves in order, now or after a reconnect.
+
+        Durability: with ``durable_events`` (the default), when this returns the event is committed to the
+        device's outbox with an fsync and survives a power cut; without it, it is committed within 50 ms. It is
+        kept until the edge has stored it (see :mod:`device.outbox`).
 
         Raises ``ValueError`` for an invalid event, :class:`~device.errors.NotRunning` before
-        :meth:`start` or after :meth:`stop`, :class:`~device.errors.OutboxFull` when ``max_queued``
-        messages already wait for the broker.
+        :meth:`start` or after :meth:`stop`, :class:`~device.errors.OutboxFull` when ``max_events_waiting``
+        events already wait for the edge (nothing is stored: the application decides what to do),
+        :class:`~device.errors.StoredStateError` when the outbox cannot be written.
         """
         return self._send_event(EventBody(type=type, severity=severity, message=message, data=data or {}))
 
     def _send_event(self, body: EventBody) -> int:
         with self._event_lock:
-            if not self._accepting_events or self._sequence is None:
+            if not self._accepting_events or self._outbox is None:
                 raise NotRunning("the device is not running; call start() first")
-            seq = self._sequence.next()
-            info = self._publish(DEVICE_EVENTS, body.model_copy(update={"seq": seq}))
-        if info.rc == MQTTErrorCode.MQTT_ERR_QUEUE_SIZE:
-            raise OutboxFull(f"{self._max_queued} messages wait for the broker; event {body.type} (seq {seq}) dropped")
-        log.debug("event %s seq %s queued", body.type, seq)
+            outbox = self._outbox
+
+        def payload(seq: int, prev: int | None) -> bytes:
+            event = body.model_copy(update={"seq": seq, "prev_seq": prev})
+            return envelope(self.device_id, event).model_dump_json().encode()
+
+        seq = outbox.append(payload)
+        log.debug("event %s seq %s stored", body.type, seq)
         return seq
+
+    def _send_events(self) -> None:
+        """The ``events`` sender: publish the stored events in order while connected (see :mod:`device.outbox`)."""
+        outbox, topic = self._outbox, DEVICE_EVENTS.topic(device_id=self.device_id)
+        assert outbox is not None
+        while not self._stopping.is_set():
+            client = self._client
+            rows = outbox.sendable(client is not None and self._connected.is_set())
+            if not rows:
+                outbox.wait(0.5)
+                continue
+            for seq, payload in rows:
+                assert client is not None
+                info = client.publish(topic, payload, qos=DEVICE_EVENTS.qos, retain=DEVICE_EVENTS.retain)
+                if info.rc not in (MQTTErrorCode.MQTT_ERR_SUCCESS, MQTTErrorCode.MQTT_ERR_NO_CONN):
+                    log.warning("event %s not handed to the broker (%s); it is sent again", seq, info.rc)
+                    outbox.rewind()
+                    break
+                with self._stats_lock:
+                    self._messages_out += 1
+
+    def _on_events_ack(self, message: mqtt.MQTTMessage) -> None:
+        try:
+            ack: Envelope[EventsAckBody] = self._parse(DEVICE_EVENTS_ACK, message)
+        except ValueError as exc:
+            self._reject(message, exc)
+            return
+        assert self._outbox is not None
+        done = self._outbox.acknowledge(ack.body.seq, ack.body.resend)
+        log.debug("the edge has stored events up to %s (%s newly; resend=%s)", ack.body.seq, done, ack.body.resend)
 
     def _report_error(self, type: str, message: str, **data: Any) -> None:
         """An error event from the agent itself; never raises (it runs in callbacks and workers)."""
         try:
             self._send_event(EventBody(type=type, severity="error", message=message[:8192], data=data))
-        except (NotRunning, OutboxFull, ValueError, OSError) as exc:
+        except (NotRunning, OutboxFull, StoredStateError, ValueError, OSError) as exc:
             log.warning("could not report %s: %s", type, exc)
 
     # ---- enrolment and connection -------------------------------------------------------------------
@@ -441,7 +500,7 @@ class Device:
         severity: Severity = "error" if progress.state in EXECUTION_FAILURES else "info"
         try:
             self.emit(EXECUTION_EVENT, progress.model_dump(mode="json", exclude_none=True), severity=severity)
-        except (NotRunning, OutboxFull) as exc:  # the order is delivered again; a finished one is reported again
+        except (NotRunning, OutboxFull, StoredStateError) as exc:  # the order is delivered again; a finished one is reported again
             log.warning("could not report execution %s %s: %s", progress.execution_id, progress.state, exc)
 
     def _with_installed(self, status: dict[str, Any]) -> dict[str, Any]:
@@ -518,7 +577,10 @@ class Device:
         log.info("connected to %s:%s as %s", self._host, self._port, self.device_id)
         self._attempt = 0
         self._connected.set()
-        client.subscribe([(t.topic(device_id=self.device_id), t.qos) for t in (DEVICE_DESIRED, DEVICE_CMD, DEVICE_INFER_REPLY)])
+        wanted = (DEVICE_DESIRED, DEVICE_CMD, DEVICE_INFER_REPLY, DEVICE_EVENTS_ACK)
+        client.subscribe([(t.topic(device_id=self.device_id), t.qos) for t in wanted])
+        assert self._outbox is not None
+        self._outbox.rewind()  # what the edge has not acknowledged leaves again, in order
         self._publish(DEVICE_STATE, self._state(ConnectionState.ONLINE))
         record = self._desired.record
         if record.applied_version >= 0:  # say it again: a report queued when the process last ended never left
@@ -612,6 +674,8 @@ class Device:
                 self._on_desired(message)
             elif message.topic == DEVICE_CMD.topic(device_id=self.device_id):
                 self._on_command(message)
+            elif message.topic == DEVICE_EVENTS_ACK.topic(device_id=self.device_id):
+                self._on_events_ack(message)
             elif message.topic == self.infer.reply_topic:
                 self.infer.on_reply(message.payload, message.properties)
             else:

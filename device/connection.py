@@ -1,14 +1,14 @@
-"""How the device reaches its broker: the URL, mutual TLS and the reconnect delay."""
+"""How an agent (a device, or an edge node) reaches its broker: the URL, mutual TLS and the reconnect delay."""
 
 from __future__ import annotations
 
 import logging
-import random
 import ssl
 from pathlib import Path
 from urllib.parse import urlsplit
 
 from device.errors import ConfigError
+from interfaces.reconnect import reconnect_delay  # one back-off for every agent (capped: see its module)
 
 MQTTS_DEFAULT_PORT = 8883
 
@@ -33,9 +33,7 @@ def tls_context(ca_path: Path, cert_path: Path, key_path: Path) -> ssl.SSLContex
     return context
 
 
-def reconnect_delay(attempt: int, cap_s: float) -> float:
-    """Full-jitter exponential back-off, so that a fleet does not reconnect in lock step after an outage."""
-    return random.uniform(0, min(cap_s, 1.5 ** min(10, attempt)))
+__all__ = ["MQTTS_DEFAULT_PORT", "PahoLog", "parse_mqtt_url", "reconnect_delay", "tls_context"]
 
 
 class PahoLog(logging.Filter):

@@ -29,12 +29,14 @@ from edge.artifacts import DEFAULT_BUDGET_BYTES, ArtifactCache
 from edge.deployments import NodeDeployments
 from edge.enrol_proxy import EnrolmentProxy
 from edge.identity import IdentityStore
-from edge.link import Link, LinkSettings, parse_mqtt_url, tls_context
+from device.connection import parse_mqtt_url, tls_context
+from edge.link import Link, LinkSettings
 from edge.node import NodeService
 from edge.relay import DeviceRelay
 from edge.fl import FlRouter
 from edge.split import TailRouter
 from edge.store import EdgeStore, LearnedFrom
+from interfaces.reconnect import RECONNECT_CAP_S
 
 log = logging.getLogger("aisynergy.edge")
 
@@ -49,14 +51,14 @@ class AgentConfig:
     mqtt_url: str
     data_dir: Path
     heartbeat_interval_s: float = 10.0
-    reconnect_cap_s: float = 1.5**10
+    reconnect_cap_s: float = RECONNECT_CAP_S
     keepalive_s: int = 30
     connect_timeout_s: float = 10.0
     downstream_mqtt_url: str | None = None  # the devices' broker; None: the hub's broker
     device_mqtt_url: str | None = None  # what enrolling devices are told; None: the downstream URL
     device_listen: tuple[str, int] | None = None  # the device enrolment proxy; None: off
     hub_url: str | None = None  # where the enrolment proxy forwards to and the node downloads its own artefacts
-    downstream_session_expiry_s: int = 3600  # a separate devices' broker queues their messages this long
+    downstream_session_expiry_s: int = 3600  # the devices' broker queues their messages this long while the edge is away
     artifact_cache_bytes: int = DEFAULT_BUDGET_BYTES  # the artefact cache served on device_listen keeps within this
 
 
@@ -75,8 +77,15 @@ class EdgeAgent:
         self.config = config
         self.node_id = config.node_id
         self.identity = IdentityStore(config.data_dir)
-        tls = tls_context(self.identity)
-        settings = LinkSettings(config.keepalive_s, config.connect_timeout_s, config.reconnect_cap_s)
+        tls = tls_context(self.identity.ca_path, self.identity.cert_path, self.identity.key_path)
+        # the link that serves the devices keeps its session while the edge restarts (their events wait in the
+        # broker); the hub's commands carry a message expiry, so none runs late
+        settings = LinkSettings(
+            config.keepalive_s,
+            config.connect_timeout_s,
+            config.reconnect_cap_s,
+            config.downstream_session_expiry_s if shared else 0,
+        )
         self.up = Link("upstream", config.mqtt_url, config.node_id, tls, settings)
         self.down = self.up
         if not shared:

@@ -14,20 +14,19 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import random
 import socket
 import ssl
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
-from urllib.parse import urlsplit
 
 import aiomqtt
 from aiomqtt.exceptions import MqttConnectError
 from paho.mqtt.packettypes import PacketTypes
 from paho.mqtt.properties import Properties
 
-from edge.identity import IdentityStore
+from device.connection import parse_mqtt_url, reconnect_delay
+from interfaces.reconnect import RECONNECT_CAP_S
 from interfaces.topics import Topic
 
 # Small request/response packets must not wait for the peer's delayed ACK (~40 ms per hop on Linux).
@@ -35,30 +34,12 @@ PENDING_CALLS_WARNING = 10_000  # aiomqtt warns above this many publishes awaiti
 NO_DELAY = ((socket.IPPROTO_TCP, socket.TCP_NODELAY, 1),)
 log = logging.getLogger("aisynergy.edge")
 
-MQTTS_DEFAULT_PORT = 8883
-
 Handler = Callable[[aiomqtt.Client, aiomqtt.Message, dict[str, str]], Awaitable[None]]
 SessionTask = Callable[[aiomqtt.Client], Awaitable[None]]
 
 
 class NotConnected(aiomqtt.MqttError):
     """The link has no session right now."""
-
-
-def parse_mqtt_url(url: str) -> tuple[str, int]:
-    """``mqtts://host[:port]`` -> (host, port); links are always TLS."""
-    parts = urlsplit(url)
-    if parts.scheme not in ("mqtts", "ssl") or not parts.hostname:
-        raise ValueError(f"{url!r} is not an mqtts://host[:port] URL")
-    return parts.hostname, parts.port or MQTTS_DEFAULT_PORT
-
-
-def tls_context(identity: IdentityStore) -> ssl.SSLContext:
-    """Trust only the hub CA, verify the broker's host name, present the node certificate."""
-    context = ssl.create_default_context(ssl.Purpose.SERVER_AUTH, cafile=str(identity.ca_path))
-    context.minimum_version = ssl.TLSVersion.TLSv1_2
-    context.load_cert_chain(str(identity.cert_path), str(identity.key_path))
-    return context
 
 
 def _is_tls_failure(exc: BaseException, reason: str) -> bool:
@@ -88,7 +69,7 @@ class _LastError(logging.Filter):
 class LinkSettings:
     keepalive_s: int = 30
     connect_timeout_s: float = 10.0
-    reconnect_cap_s: float = 1.5**10
+    reconnect_cap_s: float = RECONNECT_CAP_S
     session_expiry_s: int = 0  # > 0: the broker keeps our subscriptions and queues QoS 1 while we are away
 
 
@@ -181,7 +162,7 @@ class Link:
                     log.info("%s: disconnecting", self.name)
                     return
             except aiomqtt.MqttError as exc:
-                delay = random.uniform(0, min(self._settings.reconnect_cap_s, 1.5 ** min(10, attempt)))
+                delay = reconnect_delay(attempt, self._settings.reconnect_cap_s)
                 self._log_failure(exc, delay)
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(stop.wait(), delay)

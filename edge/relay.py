@@ -10,6 +10,11 @@ The hub never touches device topics; it talks to the edge under the edge's own s
     device -> hub  state, reported, events  through the outbox: SQLite first, then published in order
                                   with QoS 1, each row deleted after its PUBACK (the envelope id is the
                                   hub's idempotency key, so a resend after a lost PUBACK is harmless)
+                   events         also acknowledged to the device on DEVICE_EVENTS_ACK once committed (the
+                                  device keeps each event until then, see :mod:`device.outbox`); stored only
+                                  in order: a seq at or below the device's last stored one is a duplicate
+                                  (dropped, acknowledged again), one whose ``prev_seq`` is above it comes after
+                                  a hole (dropped, and the device is asked to resend what follows)
                    heartbeat      forwarded while the upstream is connected, dropped otherwise
 
 Device envelopes travel upstream unchanged. The downstream broker's ACL delivers only our devices.
@@ -18,11 +23,13 @@ Device envelopes travel upstream unchanged. The downstream broker's ACL delivers
 from __future__ import annotations
 
 import asyncio
-import threading
 import functools
 import logging
 import math
+import threading
+import time
 import uuid
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -33,7 +40,7 @@ from paho.mqtt.properties import Properties
 from pydantic import ValidationError
 
 from edge.link import Link
-from edge.store import EdgeStore, LearnedFrom, Scope
+from edge.store import EdgeStore, LearnedFrom, OutboxRow, Scope
 from interfaces.deployments import DeploymentOrder
 from interfaces.messages import (
     MAX_MESSAGE_BYTES,
@@ -41,6 +48,8 @@ from interfaces.messages import (
     CommandResultBody,
     ConnectionState,
     Envelope,
+    EventBody,
+    EventsAckBody,
     StateBody,
     envelope,
     rejection_event,
@@ -50,6 +59,7 @@ from interfaces.topics import (
     DEVICE_CMD_REPLY,
     DEVICE_DESIRED,
     DEVICE_EVENTS,
+    DEVICE_EVENTS_ACK,
     DEVICE_HEARTBEAT,
     DEVICE_REPORTED,
     DEVICE_STATE,
@@ -78,6 +88,9 @@ QUEUED: dict[Topic[Any], Topic[Any]] = {
 
 GROUP_COMMIT_S = 0.005  # messages arriving within this share one outbox transaction
 REDELIVER_DESIRED_AFTER_S = (0.0, 1.0, 3.0, 10.0, 30.0)  # after a device comes online (see _on_device_online)
+ACK_DELAY_S = 0.02  # acknowledgements due within this go out together, one per device
+RESEND_EVERY_S = 1.0  # at most one resend request per device this often (events in flight follow the first)
+RESEND_DELIVERED_S = 10.0  # what the broker acknowledged this long before a session ended goes again (see _pump_outbox)
 
 def _bytes(payload: object) -> bytes:
     return bytes(payload) if isinstance(payload, (bytes, bytearray)) else str(payload or "").encode()
@@ -134,6 +147,16 @@ class DeviceRelay:
         self._commands: set[asyncio.Task[None]] = set()
         self._background: set[asyncio.Task[None]] = set()
         self._staged: list[tuple[str, bytes, int, bool]] = []  # accepted, not yet committed to the outbox
+        self._staged_seq: dict[str, int] = {}  # device id -> highest event seq among the staged messages
+        self._stored_seq = store.device_seqs()  # device id -> highest event seq committed (what we acknowledge)
+        self._accepted_seq = dict(self._stored_seq)  # ... committed or staged
+        self._resend_asked: dict[str, float] = {}  # device id -> loop time of the last resend request
+        self._acks_due: dict[str, bool] = {}  # device id -> resend flag, sent within ACK_DELAY_S
+        self._acker: asyncio.Task[None] | None = None
+        self._delivered: deque[tuple[float, OutboxRow]] = deque()  # (monotonic time, row) acknowledged by the broker
+        self._session_ended: float | None = None
+        self.duplicates = 0  # device events received again (dropped)
+        self.out_of_order = 0  # device events received after a hole (dropped; the device resends)
         self._staged_lock = threading.Lock()
         self._committer: asyncio.Task[None] | None = None
         self._commit_scheduled = False
@@ -149,7 +172,7 @@ class DeviceRelay:
 
     async def close(self) -> None:
         """Cancel the commands still waiting for a device, and the pending re-deliveries."""
-        tasks = [*self._commands, *self._background]
+        tasks = [*self._commands, *self._background, *([self._acker] if self._acker is not None else [])]
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
@@ -162,6 +185,8 @@ class DeviceRelay:
         if not payload:  # the hub cleared it: the device is no longer ours
             self._store.forget_desired(Scope.DEVICE, device_id)
             self._store.forget_device(device_id)
+            self._stored_seq.pop(device_id, None)
+            self._accepted_seq.pop(device_id, None)
             log.info("the hub cleared the desired document of %s; device forgotten", device_id)
             await self._publish_down(downstream, b"")
             return
@@ -328,10 +353,59 @@ class DeviceRelay:
         if not payload:
             log.debug("ignoring an empty message on %s", message.topic.value)
             return
-        if self._valid(device_topic, message.topic.value, payload, device_id):
-            self.enqueue(relay_topic.topic(node_id=self.node_id, device_id=device_id), payload, relay_topic)
-            if device_topic is DEVICE_STATE:
-                await self._on_device_online(device_id, payload)
+        parsed = self._valid(device_topic, message.topic.value, payload, device_id)
+        if parsed is None:
+            return
+        seq: int | None = None
+        if device_topic is DEVICE_EVENTS:
+            body: EventBody = parsed.body
+            seq = body.seq
+            if seq is not None and not self._admit_event(device_id, seq, body.prev_seq):
+                return
+        topic = relay_topic.topic(node_id=self.node_id, device_id=device_id)
+        if not self.enqueue(topic, payload, relay_topic, device_seq=(device_id, seq) if seq is not None else None):
+            return  # outbox full: not acknowledged, so the device keeps the event and sends it again
+        if device_topic is DEVICE_STATE:
+            await self._on_device_online(device_id, payload)
+
+    def _admit_event(self, device_id: str, seq: int, prev_seq: int | None) -> bool:
+        """Whether a device's event is the next one to store (see the module docstring)."""
+        last = self._accepted_seq.get(device_id)
+        if last is not None and seq <= last:
+            self.duplicates += 1
+            log.debug("event %s of %s is stored already (last %s)", seq, device_id, last)
+            self._request_ack(device_id)
+            return False
+        if last is not None and prev_seq is not None and prev_seq > last:
+            self.out_of_order += 1
+            now = asyncio.get_running_loop().time()
+            if now - self._resend_asked.get(device_id, -RESEND_EVERY_S) >= RESEND_EVERY_S:
+                self._resend_asked[device_id] = now
+                log.info("event %s of %s follows %s, but %s is the last stored: asking for a resend", seq, device_id, prev_seq, last)
+                self._request_ack(device_id, resend=True)
+            return False
+        self._resend_asked.pop(device_id, None)
+        return True
+
+    def _request_ack(self, device_id: str, resend: bool = False) -> None:
+        """Acknowledge ``device_id``'s events soon (with those of other devices due meanwhile)."""
+        self._acks_due[device_id] = self._acks_due.get(device_id, False) or resend
+        if self._acker is None or self._acker.done():
+            self._acker = asyncio.get_running_loop().create_task(self._send_acks())
+
+    async def _send_acks(self) -> None:
+        await asyncio.sleep(ACK_DELAY_S)
+        due, self._acks_due = self._acks_due, {}
+        sends = []
+        for device_id, resend in due.items():
+            ack = EventsAckBody(seq=self._stored_seq.get(device_id), resend=resend)
+            payload = envelope(self.node_id, ack).model_dump_json().encode()
+            topic = DEVICE_EVENTS_ACK.topic(device_id=device_id)
+            sends.append(self.down.publish(topic, payload, qos=DEVICE_EVENTS_ACK.qos, retain=DEVICE_EVENTS_ACK.retain))
+        results = await asyncio.gather(*sends, return_exceptions=True)
+        failed = sum(isinstance(r, BaseException) for r in results)
+        if failed:  # the devices send again, unacknowledged; the next acknowledgement covers these
+            log.debug("%s of %s event acknowledgements not sent", failed, len(results))
 
     async def _on_device_online(self, device_id: str, payload: bytes) -> None:
         """A device came online: publish its stored desired document again, now and a few times more.
@@ -362,7 +436,7 @@ class DeviceRelay:
         if not self.up.connected.is_set():
             log.debug("upstream down: heartbeat of %s dropped", device_id)
             return
-        if not self._valid(DEVICE_HEARTBEAT, message.topic.value, payload, device_id):
+        if self._valid(DEVICE_HEARTBEAT, message.topic.value, payload, device_id) is None:
             return
         topic = RELAY_HEARTBEAT.topic(node_id=self.node_id, device_id=device_id)
         try:
@@ -370,16 +444,16 @@ class DeviceRelay:
         except aiomqtt.MqttError as exc:
             log.debug("heartbeat of %s dropped: %s", device_id, exc)
 
-    def _valid(self, topic: Topic[Any], where: str, payload: bytes, device_id: str) -> bool:
+    def _valid(self, topic: Topic[Any], where: str, payload: bytes, device_id: str) -> Any:
+        """The message validated into the topic's model, or ``None`` (rejected: counted and reported)."""
         if len(payload) > MAX_MESSAGE_BYTES:
             self._reject(where, f"{len(payload)} bytes is more than {MAX_MESSAGE_BYTES}", device_id=device_id)
-            return False
+            return None
         try:
-            topic.payload.model_validate_json(payload)
+            return topic.payload.model_validate_json(payload)
         except ValidationError as exc:
             self._reject(where, exc, device_id=device_id)
-            return False
-        return True
+            return None
 
     def _reject(self, where: str, exc: ValidationError | str, **data: Any) -> None:
         """Drop a malformed message, count it and tell the hub on the node's ``events`` (DESIGN §6)."""
@@ -392,9 +466,10 @@ class DeviceRelay:
         event = envelope(self.node_id, rejection_event(where, exc, self.rejected, **data))
         self.enqueue(NODE_EVENTS.topic(node_id=self.node_id), event.model_dump_json().encode(), NODE_EVENTS)
 
-    def enqueue(self, topic: str, payload: bytes, kind: Topic[Any]) -> bool:
+    def enqueue(self, topic: str, payload: bytes, kind: Topic[Any], device_seq: tuple[str, int] | None = None) -> bool:
         """Store ``payload`` for the hub (store-and-forward, delivered in order with the devices' messages);
         ``False`` when the outbox is full and it was dropped. Safe from any thread (the node's own events).
+        ``device_seq``: a device's event and its seq, acknowledged to the device once committed.
 
         Messages arriving together are committed together (group commit: one transaction, one fsync, in a
         worker thread) a few milliseconds after the first of them; the pump sends only committed rows.
@@ -406,6 +481,10 @@ class DeviceRelay:
                     log.error("the outbox holds %s messages; %s dropped so far", self._limit, self.dropped)
                 return False
             self._staged.append((topic, payload, kind.qos, kind.retain))
+            if device_seq is not None:
+                device_id, seq = device_seq
+                self._staged_seq[device_id] = seq
+                self._accepted_seq[device_id] = seq
             schedule, self._commit_scheduled = not self._commit_scheduled, True
         if schedule:
             try:
@@ -430,8 +509,11 @@ class DeviceRelay:
         """The only committer while it runs, so that bursts reach the outbox in arrival order."""
         while True:
             await asyncio.sleep(GROUP_COMMIT_S)
-            await asyncio.to_thread(self._commit_staged)
+            committed = await asyncio.to_thread(self._commit_staged)
             self._outbox_ready.set()
+            for device_id, seq in committed.items():  # stored: the devices may forget these events
+                self._stored_seq[device_id] = max(seq, self._stored_seq.get(device_id, seq))
+                self._request_ack(device_id)
             if self._commit_done():
                 return
 
@@ -443,11 +525,21 @@ class DeviceRelay:
             self._commit_scheduled = False
             return True
 
-    def _commit_staged(self) -> int:
+    def _commit_staged(self) -> dict[str, int]:
+        """Commit what is staged; the devices' highest event seqs in it (now stored)."""
         with self._staged_lock:
             rows, self._staged = self._staged, []
-        self._store.enqueue_many(rows)
-        return len(rows)
+            seqs, self._staged_seq = self._staged_seq, {}
+        try:
+            self._store.enqueue_many(rows, seqs)
+        except BaseException:
+            with self._staged_lock:  # not stored: forget the seqs too, so the devices' resends are taken
+                for device_id in seqs:
+                    self._accepted_seq[device_id] = self._stored_seq.get(device_id, -1)
+                    if device_id not in self._stored_seq:
+                        del self._accepted_seq[device_id]
+            raise
+        return seqs
 
     async def flush_staged(self) -> None:
         """Commit what is staged now (a clean stop)."""
@@ -471,9 +563,37 @@ class DeviceRelay:
 
     async def _pump_outbox(self, client: aiomqtt.Client) -> None:
         """Deliver the outbox in order while the upstream session lasts and the hub is online; a row goes
-        after its PUBACK."""
+        after its PUBACK.
+
+        A broker acknowledges what it holds, not what the hub has stored: a broker killed with messages still
+        on their way to the hub loses them (its persistence is not written per message). So the rows delivered
+        in the last :data:`RESEND_DELIVERED_S` before a session ended go again, first, at the next one: what was
+        lost was the newest, so order holds, and the hub keeps each envelope once.
+        """
         self._loop = asyncio.get_running_loop()
         self._hub_online.clear()  # learn it afresh from this session's retained HUB_STATE
+        ended = self._session_ended
+        again = [row for at, row in self._delivered if ended is not None and at >= ended - RESEND_DELIVERED_S]
+        self._delivered.clear()
+        try:
+            await self._pump(client, again)
+        finally:
+            self._session_ended = time.monotonic()
+
+    async def _pump(self, client: aiomqtt.Client, again: list[OutboxRow]) -> None:
+        if again:
+            await self._hub_online.wait()
+            log.info("sending the %s messages delivered just before the last session ended again", len(again))
+            for start in range(0, len(again), self._window):
+                rows = again[start : start + self._window]
+                results = await asyncio.gather(
+                    *(client.publish(r.topic, r.payload, qos=r.qos, retain=r.retain) for r in rows), return_exceptions=True
+                )
+                failure = next((r for r in results if isinstance(r, BaseException)), None)
+                if failure is not None:
+                    self._delivered.extend((0.0, row) for row in again[start:])  # still owed at the next session
+                    self._session_ended = time.monotonic()
+                    raise failure
         while True:
             await self._hub_online.wait()
             rows = self._store.outbox_head(self._window)
@@ -487,10 +607,14 @@ class DeviceRelay:
                 return_exceptions=True,
             )
             delivered = []
+            now = time.monotonic()
             for row, result in zip(rows, results, strict=True):
                 if isinstance(result, BaseException):
                     break
                 delivered.append(row.id)
+                self._delivered.append((now, row))
+            while self._delivered and self._delivered[0][0] < now - RESEND_DELIVERED_S:
+                self._delivered.popleft()
             self._store.delete_outbox(delivered)
             failure = next((r for r in results if isinstance(r, BaseException)), None)
             if failure is not None:

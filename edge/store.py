@@ -5,6 +5,8 @@ Tables::
     desired   the latest desired document per node and per device (version + the hub's envelope bytes)
     devices   the device registry: ids learned from relayed desired documents and from enrolments
     outbox    store-and-forward queue of messages for the hub, delivered in ``id`` order
+    device_seq  per device, the highest event seq stored (committed with the outbox rows that carry it): what
+              the edge acknowledges to the device, and below which a device's event is a duplicate
 
 One connection guarded by a lock: the asyncio loop and the enrolment proxy's HTTP threads share it.
 Every write commits at once with ``synchronous=FULL``, so a message in the outbox survives a crash or a
@@ -21,7 +23,7 @@ from datetime import UTC, datetime
 from enum import StrEnum
 from pathlib import Path
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS desired (
@@ -44,6 +46,10 @@ CREATE TABLE IF NOT EXISTS outbox (
     qos        INTEGER NOT NULL,
     retain     INTEGER NOT NULL,
     created_at TEXT NOT NULL
+);
+CREATE TABLE IF NOT EXISTS device_seq (
+    device_id TEXT PRIMARY KEY,
+    seq       INTEGER NOT NULL
 );
 """
 
@@ -147,6 +153,7 @@ class EdgeStore:
     def forget_device(self, device_id: str) -> None:
         with self._lock:
             self._db.execute("DELETE FROM devices WHERE device_id = ?", (device_id,))
+            self._db.execute("DELETE FROM device_seq WHERE device_id = ?", (device_id,))
 
     # ---- outbox -------------------------------------------------------------------------------------
     def enqueue(self, topic: str, payload: bytes, qos: int, retain: bool) -> int:
@@ -159,9 +166,10 @@ class EdgeStore:
             self._outbox_size += 1
         return int(cursor.lastrowid or 0)
 
-    def enqueue_many(self, rows: list[tuple[str, bytes, int, bool]]) -> None:
-        """Append messages for the hub in one transaction (one fsync for a burst), in order."""
-        if not rows:
+    def enqueue_many(self, rows: list[tuple[str, bytes, int, bool]], seqs: dict[str, int] | None = None) -> None:
+        """Append messages for the hub in one transaction (one fsync for a burst), in order; ``seqs``: the
+        devices' highest event seq among them, recorded in the same transaction."""
+        if not rows and not seqs:
             return
         created = _now()
         with self._lock:
@@ -171,11 +179,22 @@ class EdgeStore:
                     "INSERT INTO outbox (topic, payload, qos, retain, created_at) VALUES (?, ?, ?, ?, ?)",
                     [(topic, payload, qos, int(retain), created) for topic, payload, qos, retain in rows],
                 )
+                if seqs:
+                    self._db.executemany(
+                        "INSERT INTO device_seq (device_id, seq) VALUES (?, ?) "
+                        "ON CONFLICT (device_id) DO UPDATE SET seq = MAX(seq, excluded.seq)",
+                        list(seqs.items()),
+                    )
             except BaseException:
                 self._db.execute("ROLLBACK")
                 raise
             self._db.execute("COMMIT")
             self._outbox_size += len(rows)
+
+    def device_seqs(self) -> dict[str, int]:
+        """Per device, the highest event seq stored."""
+        with self._lock:
+            return dict(self._db.execute("SELECT device_id, seq FROM device_seq").fetchall())
 
     def outbox_head(self, limit: int) -> list[OutboxRow]:
         """The oldest ``limit`` messages, oldest first."""

@@ -93,6 +93,7 @@ class Hub:
     database_url: str
     proc: subprocess.Popen[bytes]
     tokens: dict[str, str] = field(default_factory=dict)
+    args: list[str] = field(default_factory=list)  # how it was started (restart_hub)
 
     @property
     def url(self) -> str:
@@ -124,15 +125,28 @@ def start_hub(data_dir: Path, database_url: str, broker_url: str, heartbeat_inte
     args = [*AISYNERGY, "hub", "serve", "--port", str(port), "--data-dir", str(data_dir), "--database-url", database_url,
             "--broker-url", broker_url, "--heartbeat-interval", str(heartbeat_interval),
             "--offline-after-missed", str(offline_after_missed)]  # fmt: skip
-    proc = start(args, data_dir / "hub.log", env={"AISYNERGY_LIVENESS_CHECK_INTERVAL_S": "0.2"})
-    hub = Hub(data_dir, port, database_url, proc)
-    wait_for(lambda: hub.health() or proc.poll() is not None, 30, what="hub health")
-    if proc.poll() is not None:
-        raise RuntimeError(f"hub exited: {(data_dir / 'hub.log').read_text()[-3000:]}")
-    if wait_mqtt:
-        wait_for(lambda: (hub.health() or {}).get("mqtt", {}).get("connected"), 30, what="hub connected to broker")
+    hub = _serve(Hub(data_dir, port, database_url, start(args, data_dir / "hub.log", env=HUB_ENV), args=args), wait_mqtt)
     for role in ("admin", "operator", "viewer"):
         hub.tokens[role] = create_token(data_dir, database_url, role)
+    return hub
+
+
+def restart_hub(hub: Hub, wait_mqtt: bool = True) -> Hub:
+    """The same hub (port, data, database, tokens) started again, after its process ended."""
+    proc = start(hub.args, hub.data_dir / "hub.log", env=HUB_ENV)
+    return _serve(Hub(hub.data_dir, hub.port, hub.database_url, proc, dict(hub.tokens), hub.args), wait_mqtt)
+
+
+HUB_ENV = {"AISYNERGY_LIVENESS_CHECK_INTERVAL_S": "0.2"}
+
+
+def _serve(hub: Hub, wait_mqtt: bool) -> Hub:
+    proc = hub.proc
+    wait_for(lambda: hub.health() or proc.poll() is not None, 30, what="hub health")
+    if proc.poll() is not None:
+        raise RuntimeError(f"hub exited: {(hub.data_dir / 'hub.log').read_text()[-3000:]}")
+    if wait_mqtt:
+        wait_for(lambda: (hub.health() or {}).get("mqtt", {}).get("connected"), 30, what="hub connected to broker")
     return hub
 
 

@@ -30,9 +30,18 @@ from paho.mqtt.properties import Properties
 from interfaces import API_PREFIX
 from interfaces.errors import PROBLEM_MEDIA_TYPE
 from interfaces.ids import new_id
-from interfaces.messages import CommandBody, DesiredBody, envelope
+from interfaces.messages import CommandBody, DesiredBody, EventsAckBody, envelope
 from interfaces.nodes import DeviceCertificateIssued
-from interfaces.topics import DEVICE_CMD, DEVICE_CMD_REPLY, DEVICE_DESIRED, Tier, acl_pattern, own_subtree
+from interfaces.topics import (
+    DEVICE_CMD,
+    DEVICE_CMD_REPLY,
+    DEVICE_DESIRED,
+    DEVICE_EVENTS_ACK,
+    Channel,
+    Tier,
+    acl_pattern,
+    own_subtree,
+)
 
 MOSQUITTO = shutil.which("mosquitto") or ("/usr/sbin/mosquitto" if os.path.exists("/usr/sbin/mosquitto") else None)
 NODE_ID = "nd-edge-1"
@@ -265,9 +274,14 @@ class EdgeObserver:
 
     def _on_message(self, client: mqtt.Client, userdata: object, message: mqtt.MQTTMessage) -> None:
         if message.payload:  # an empty payload only clears a retained message
+            channel = message.topic.split(f"/{self.device_id}/", 1)[-1]
             with self._arrived:
-                self._history.setdefault(message.topic.split(f"/{self.device_id}/", 1)[-1], []).append(message)
+                self._history.setdefault(channel, []).append(message)
                 self._arrived.notify_all()
+            if channel == Channel.EVENTS:  # stored: the device may forget it (as an edge says after its commit)
+                seq = json.loads(message.payload)["body"].get("seq")
+                ack = envelope("edge", EventsAckBody(seq=seq)).model_dump_json().encode()
+                client.publish(DEVICE_EVENTS_ACK.topic(device_id=self.device_id), ack, qos=DEVICE_EVENTS_ACK.qos)
 
     def expect(self, channel: str, timeout: float = 10.0, **body: object) -> tuple[mqtt.MQTTMessage, dict]:
         """The earliest message on ``channel`` not returned before whose body contains ``body``."""

@@ -70,8 +70,10 @@ def test_device_process_lifecycle(
         edge.expect("state", state="online")
         edge.expect("reported", version=2, status={"sample_rate_hz": 50})
         edge.expect("events", type="tick", data={"count": 2})  # the demo counter starts again at 0 ...
-        after = [e["seq"] for e in edge.bodies("events")][len(before) :]
-        assert min(after) > max(before)  # ... the sequence goes on
+        before_bodies = edge.bodies("events")[: len(before)]
+        # an event the edge had not acknowledged before the stop is sent again, unchanged; the new ones ...
+        after = [e["seq"] for e in edge.bodies("events")[len(before) :] if e not in before_bodies]
+        assert min(after) > max(before)  # ... go on with the sequence
         assert after == sorted(set(after))
 
         device.kill()
