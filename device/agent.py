@@ -56,7 +56,6 @@ import sys
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
-from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, Self, TypeVar
 
@@ -69,11 +68,11 @@ from paho.mqtt.reasoncodes import ReasonCode
 from pydantic import BaseModel
 
 from device.commands import Commands, failure
-from device.connection import PahoLog, parse_mqtt_url, reconnect_delay, tls_context
+from device.connection import PahoLog, encode, parse_mqtt_url, reconnect_delay, tls_context
 from device.desired import DesiredStore
 from device.errors import ConfigError, IdentityError, NotRunning, OutboxFull, StoredStateError
 from device.fl import FlChannel
-from device.heartbeat import Heartbeats
+from device.heartbeat import AGENT_VERSION, Heartbeats, state_body
 from device.identity import Enrolment, IdentityStore
 from device.local_data import LocalDatasets
 from device.ota.models import ModelHost, model_commands
@@ -119,11 +118,6 @@ if TYPE_CHECKING:
     from device.ota.updater import Updater
 
 log = logging.getLogger("aisynergy.device")
-
-try:
-    AGENT_VERSION = version("aisynergy")
-except PackageNotFoundError:  # pragma: no cover - running from a bare checkout
-    AGENT_VERSION = "0+unknown"
 
 MIN_HEARTBEAT_S = 0.1
 Severity = Literal["debug", "info", "warning", "error"]
@@ -406,7 +400,7 @@ class Device:
 
         def payload(seq: int, prev: int | None) -> bytes:
             event = body.model_copy(update={"seq": seq, "prev_seq": prev})
-            return envelope(self.device_id, event).model_dump_json().encode()
+            return encode(DEVICE_EVENTS, self.device_id, event)
 
         seq = outbox.append(payload)
         log.debug("event %s seq %s stored", body.type, seq)
@@ -617,7 +611,7 @@ class Device:
 
     # ---- publishing ---------------------------------------------------------------------------------
     def _state(self, state: ConnectionState, reason: str | None = None) -> StateBody:
-        return StateBody(state=state, agent_version=AGENT_VERSION, reason=reason)
+        return state_body(state, reason)
 
     def _publish(
         self,
@@ -630,12 +624,9 @@ class Device:
     ) -> mqtt.MQTTMessageInfo:
         """Publish ``body`` in an envelope with the topic's QoS and retain flag (``to``: a response topic)."""
         assert self._client is not None
-        message = envelope(self.device_id, body, reply_to=reply_to)  # type: ignore[type-var]
-        if not isinstance(message, topic.payload):
-            raise TypeError(f"{type(body).__name__} does not travel on {topic.pattern}")
         info = self._client.publish(
             to or topic.topic(device_id=self.device_id),
-            message.model_dump_json().encode(),
+            encode(topic, self.device_id, body, reply_to),
             qos=topic.qos,
             retain=topic.retain,
             properties=properties,

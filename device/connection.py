@@ -1,14 +1,20 @@
-"""How an agent (a device, or an edge node) reaches its broker: the URL, mutual TLS and the reconnect delay."""
+"""How an agent (a device, or an edge node) reaches its broker: the URL, mutual TLS, the reconnect delay, and what
+it puts on the wire (:func:`encode`: an envelope, checked against the topic table)."""
 
 from __future__ import annotations
 
 import logging
 import ssl
 from pathlib import Path
+from typing import Any
 from urllib.parse import urlsplit
 
+from pydantic import BaseModel
+
 from device.errors import ConfigError
+from interfaces.messages import envelope
 from interfaces.reconnect import reconnect_delay  # one back-off for every agent (capped: see its module)
+from interfaces.topics import Topic
 
 MQTTS_DEFAULT_PORT = 8883
 
@@ -33,7 +39,16 @@ def tls_context(ca_path: Path, cert_path: Path, key_path: Path) -> ssl.SSLContex
     return context
 
 
-__all__ = ["MQTTS_DEFAULT_PORT", "PahoLog", "parse_mqtt_url", "reconnect_delay", "tls_context"]
+def encode(topic: Topic[Any], src: str, body: BaseModel, reply_to: str | None = None) -> bytes:
+    """``body`` in a fresh envelope from ``src``, as the bytes that travel on ``topic``; ``TypeError`` when the
+    topic table says another body travels there, ``ValueError`` when it cannot be serialised."""
+    message = envelope(src, body, reply_to=reply_to)  # type: ignore[type-var]
+    if not isinstance(message, topic.payload):
+        raise TypeError(f"{type(body).__name__} does not travel on {topic.pattern}")
+    return message.model_dump_json().encode()
+
+
+__all__ = ["MQTTS_DEFAULT_PORT", "PahoLog", "encode", "parse_mqtt_url", "reconnect_delay", "tls_context"]
 
 
 class PahoLog(logging.Filter):

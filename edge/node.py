@@ -13,17 +13,16 @@ from __future__ import annotations
 import asyncio
 import logging
 import sqlite3
-import time
 from datetime import UTC, datetime
-from importlib.metadata import PackageNotFoundError, version
 from typing import TYPE_CHECKING, Any
 
 import aiomqtt
-import psutil
 from paho.mqtt.packettypes import PacketTypes
 from paho.mqtt.properties import Properties
 from pydantic import BaseModel, ValidationError
 
+from device.connection import encode
+from device.heartbeat import AGENT_VERSION, HeartbeatBuilder, state_body
 from device.resources import ResourceSampler
 from edge.link import Link
 from edge.store import EdgeStore, Scope
@@ -33,14 +32,11 @@ from interfaces.messages import (
     CommandResultBody,
     ConnectionState,
     EventBody,
-    Health,
     HeartbeatBody,
     ReportedBody,
-    StateBody,
     envelope,
     rejection_event,
 )
-from interfaces.resources import Resources
 from interfaces.topics import (
     NODE_CMD,
     NODE_CMD_REPLY,
@@ -57,16 +53,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("aisynergy.edge")
 
-try:
-    AGENT_VERSION = version("aisynergy")
-except PackageNotFoundError:  # pragma: no cover - running from a bare checkout
-    AGENT_VERSION = "0+unknown"
-
-
-def state_body(state: ConnectionState, reason: str | None = None) -> StateBody:
-    return StateBody(state=state, agent_version=AGENT_VERSION, reason=reason)
-
-
 class NodeService:
     """Serves the node's own subtree on the upstream link; see the module docstring."""
 
@@ -82,11 +68,8 @@ class NodeService:
         self.deployments = deployments
         self.rejected = 0
         self._store = store
-        self._sampler = sampler
         self._interval = heartbeat_interval_s
-        self._last_resources: Resources | None = None
-        self._seq = 0
-        self._started = time.monotonic()
+        self._heartbeats = HeartbeatBuilder(sampler, AGENT_VERSION)
         self._commands: set[asyncio.Task[None]] = set()
 
     def attach(self, link: Link) -> None:
@@ -123,36 +106,16 @@ class NodeService:
         properties: Properties | None = None,
     ) -> None:
         """Publish ``body`` in an envelope with the topic's QoS and retain flag (``to``: a response topic)."""
-        message = envelope(self.node_id, body, reply_to=reply_to)  # type: ignore[type-var]
-        if not isinstance(message, topic.payload):
-            raise TypeError(f"{type(body).__name__} does not travel on {topic.pattern}")
         await client.publish(
             to or topic.topic(node_id=self.node_id),
-            message.model_dump_json().encode(),
+            encode(topic, self.node_id, body, reply_to),
             qos=topic.qos,
             retain=topic.retain,
             properties=properties,
         )
 
     async def _heartbeat(self) -> HeartbeatBody | None:
-        health, detail = Health.OK, None
-        try:
-            self._last_resources = await asyncio.to_thread(self._sampler.read)
-        except (OSError, psutil.Error) as exc:
-            log.warning("cannot read resources: %s", exc)
-            health, detail = Health.DEGRADED, f"resource readings failed: {exc}"[:512]
-        if self._last_resources is None:
-            return None
-        body = HeartbeatBody(
-            seq=self._seq,
-            health=health,
-            health_detail=detail,
-            agent_version=AGENT_VERSION,
-            uptime_s=time.monotonic() - self._started,
-            resources=self._last_resources,
-        )
-        self._seq += 1
-        return body
+        return await asyncio.to_thread(self._heartbeats.next_body)  # the reading may take a moment
 
     # ---- incoming -----------------------------------------------------------------------------------
     async def _on_desired(self, client: aiomqtt.Client, message: aiomqtt.Message, ids: dict[str, str]) -> None:
