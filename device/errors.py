@@ -1,5 +1,7 @@
 """What the device SDK raises; an embedding application catches :class:`DeviceError` or a branch of it.
 
+The identity and enrolment errors are the agent core's, so the edge agent raises them too (for its node).
+
 ::
 
     DeviceError
@@ -7,10 +9,10 @@
      │                            heartbeat interval, a first start without enrol_url and bootstrap_token
      ├── StoredStateError         the data directory holds something unusable
      │    ├── IdentityError       key, certificate or CA missing or inconsistent
-     │    │    └── IdentityMismatch   the stored identity belongs to another device id
+     │    │    └── IdentityMismatch   the stored identity belongs to another device (or node) id
      │    └── (event sequence or desired-state file unreadable)
      ├── EnrolmentError           the enrolment endpoint refused (problem+json ``code``, ``detail``, ``status``)
-     │    └── EnrolmentUnreachable    connection errors or 5xx on every attempt
+     │    └── EnrolmentUnreachable    connection errors or 5xx on every attempt (the edge's HubUnreachable)
      ├── NotRunning               emit() before start() or after stop()
      └── OutboxFull               too many QoS 1 messages wait for the broker; the event was not queued
 """
@@ -35,7 +37,7 @@ class IdentityError(StoredStateError):
 
 
 class IdentityMismatch(IdentityError):
-    """The data directory holds the identity of another device."""
+    """The data directory holds the identity of another device (or, for an edge, of another node)."""
 
 
 class EnrolmentError(DeviceError):

@@ -1,18 +1,21 @@
-"""The device's identity on disk: its private key, its certificate, the CA and the enrolment record.
+"""An agent's identity on disk, for either tier: its private key, its certificate, the CA and the enrolment record.
 
-Layout of the data directory::
+An edge is to the hub what a device is to its edge (DESIGN §3), so both keep the same files and make the same
+checks; what differs is what the enrolment record holds, and the record type names the tier:
+:class:`Enrolment` here for a device, ``edge.identity.Enrolment`` for a node. Layout of the data directory::
 
-    identity/device.key   EC P-256 private key (0600), made once and kept across re-enrolments
-    identity/device.crt   the device certificate (CN = device id)
-    identity/ca.crt       the CA, the only authority the device trusts
-    identity/signing.pub  the hub's Ed25519 artefact-signing key, pinned: every update is verified with it
-    enrolment.json        device_id, node_id, enrol_url, mqtt_url, heartbeat_interval_s, serial, not_after,
-                          certificate_sha256
+    identity/<tier>.key   EC P-256 private key (0600), made once and kept across re-enrolments
+    identity/<tier>.crt   the certificate the enrolment issued (CN = the agent's id)
+    identity/ca.crt       the CA, the only authority the agent trusts
+    identity/signing.pub  the hub's Ed25519 artefact-signing key, pinned: every artefact is verified with it
+    enrolment.json        the tier's ids and the URL it enrolled with, then mqtt_url, heartbeat_interval_s,
+                          serial, not_after, certificate_sha256
 
-``enrolment.json`` is written last, so its presence means the enrolment completed; a restart then
-needs neither the bootstrap token nor the enrolment endpoint. It also records the certificate's SHA-256
-fingerprint, so that a restart checks the certificate with the standard library alone: ``cryptography``
-(about 8 MiB resident) is loaded only to enrol or to explain a mismatch.
+``<tier>`` is ``device`` or ``node``. ``enrolment.json`` is written last, so its presence means the enrolment
+completed; a restart then needs neither the bootstrap token nor the enrolment endpoint. It also records the
+certificate's SHA-256 fingerprint, so that a restart checks the certificate with the standard library alone:
+``cryptography`` (about 8 MiB resident) is loaded only to enrol, to explain a mismatch or to load the signing
+key. Errors are :class:`~device.errors.IdentityError` and :class:`~device.errors.IdentityMismatch`.
 """
 
 from __future__ import annotations
@@ -23,32 +26,64 @@ import os
 import ssl
 from datetime import datetime
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, ClassVar, Generic, Self, TypeVar
 
 from pydantic import BaseModel, ValidationError
 
 from device.errors import IdentityError, IdentityMismatch
 from device.files import write_atomic
-from interfaces.nodes import DeviceCertificateIssued
 
 if TYPE_CHECKING:
     from cryptography import x509
     from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
+
+    from interfaces.nodes import CertificateIssued, DeviceCertificateIssued
 
 log = logging.getLogger("aisynergy.device")
 
 
-class Enrolment(BaseModel):
-    """What the device keeps from the enrolment answer (``enrolment.json``)."""
+class EnrolmentRecord(BaseModel):
+    """What an agent keeps from the enrolment answer (``enrolment.json``); a tier adds its ids and its URL.
 
-    device_id: str
-    node_id: str
-    enrol_url: str
+    A subclass names its tier (the key and certificate files, the word in messages), the field that holds
+    the agent's own id (its certificate's CN) and the field that holds the URL it enrolled with.
+    """
+
+    tier: ClassVar[str]
+    owner_field: ClassVar[str]
+    url_field: ClassVar[str]
+
     mqtt_url: str
     heartbeat_interval_s: float
     serial: str
     not_after: datetime
-    certificate_sha256: str | None = None
+    certificate_sha256: str | None = None  # absent in records written before it was kept: the CN is checked
+
+    @property
+    def owner_id(self) -> str:
+        return str(getattr(self, self.owner_field))
+
+    @classmethod
+    def from_issued(cls, issued: BaseModel, url: str, certificate_sha256: str) -> Self:
+        """The record of an enrolment answer: the fields it shares with the answer, and the URL it came from."""
+        shared = issued.model_dump(include=set(cls.model_fields))
+        return cls.model_validate({**shared, cls.url_field: url, "certificate_sha256": certificate_sha256})
+
+
+class Enrolment(EnrolmentRecord):
+    """What a device keeps: its id, its edge's node id and the URL it enrolled with (normally its edge)."""
+
+    tier = "device"
+    owner_field = "device_id"
+    url_field = "enrol_url"
+
+    device_id: str
+    node_id: str
+    enrol_url: str
+
+
+R = TypeVar("R", bound=EnrolmentRecord)
 
 
 def fingerprint(certificate_pem: str) -> str:
@@ -71,14 +106,26 @@ def _common_names(cert: x509.Certificate) -> list[str]:
     return [str(a.value) for a in cert.subject.get_attributes_for_oid(NameOID.COMMON_NAME)]
 
 
-class IdentityStore:
-    """Reads and writes the device identity kept in ``data_dir``."""
+def _signing_key(pem: str | bytes, what: str) -> Ed25519PublicKey:
+    from device.ota.verify import load_public_key
+
+    try:
+        return load_public_key(pem)
+    except (ValueError, TypeError) as exc:  # VerificationError included
+        raise IdentityError(f"{what} is not a PEM Ed25519 public key: {exc}") from exc
+
+
+class AgentIdentityStore(Generic[R]):
+    """Reads and writes the identity kept in ``data_dir`` by an agent of the tier whose record is ``record``."""
+
+    record: type[R]
 
     def __init__(self, data_dir: Path) -> None:
+        tier = self.record.tier
         self.data_dir = Path(data_dir)
         self.identity_dir = self.data_dir / "identity"
-        self.key_path = self.identity_dir / "device.key"
-        self.cert_path = self.identity_dir / "device.crt"
+        self.key_path = self.identity_dir / f"{tier}.key"
+        self.cert_path = self.identity_dir / f"{tier}.crt"
         self.ca_path = self.identity_dir / "ca.crt"
         self.signing_key_path = self.identity_dir / "signing.pub"
         self.enrolment_path = self.data_dir / "enrolment.json"
@@ -86,12 +133,13 @@ class IdentityStore:
     def is_enrolled(self) -> bool:
         return self.enrolment_path.exists()
 
-    def check_owner(self, device_id: str) -> None:
-        """Raise :class:`IdentityMismatch` when the stored identity is another device's."""
+    def check_owner(self, owner_id: str) -> None:
+        """Raise :class:`IdentityMismatch` when the stored identity is another agent's."""
+        tier = self.record.tier
         enrolment = self.load_enrolment() if self.is_enrolled() else None
-        if enrolment is not None and enrolment.device_id != device_id:
+        if enrolment is not None and enrolment.owner_id != owner_id:
             raise IdentityMismatch(
-                f"{self.data_dir} holds the identity of device {enrolment.device_id!r}, not {device_id!r}; "
+                f"{self.data_dir} holds the identity of {tier} {enrolment.owner_id!r}, not {owner_id!r}; "
                 "use another data directory or remove the old identity"
             )
         if not self.cert_path.exists():
@@ -100,14 +148,14 @@ class IdentityStore:
         if enrolment is not None and enrolment.certificate_sha256 == fingerprint(pem):
             return  # the certificate issued at enrolment, CN checked then
         cns = _common_names(self._load_cert(self.cert_path))
-        if cns != [device_id]:
-            raise IdentityMismatch(f"{self.cert_path} is issued to CN={','.join(cns)}, not {device_id!r}")
+        if cns != [owner_id]:
+            raise IdentityMismatch(f"{self.cert_path} is issued to CN={','.join(cns)}, not {owner_id!r}")
         if enrolment is not None and enrolment.certificate_sha256 is not None:
             raise IdentityError(f"{self.cert_path} is not the certificate recorded in {self.enrolment_path}")
 
     # ---- key and CSR --------------------------------------------------------------------------------
     def load_or_create_key(self) -> ec.EllipticCurvePrivateKey:
-        """The device's private key; made (EC P-256, mode 0600) on first use."""
+        """The agent's private key; made (EC P-256, mode 0600) on first use."""
         from cryptography.hazmat.primitives import serialization
         from cryptography.hazmat.primitives.asymmetric import ec
 
@@ -125,25 +173,28 @@ class IdentityStore:
             serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
         )
         write_atomic(self.key_path, pem, mode=0o600)
-        log.info("generated a new device key in %s", self.key_path)
+        log.info("generated a new %s key in %s", self.record.tier, self.key_path)
         return key
 
-    def make_csr(self, device_id: str) -> str:
-        """A PEM PKCS#10 request whose subject is exactly ``CN=<device_id>``."""
+    def make_csr(self, owner_id: str) -> str:
+        """A PEM PKCS#10 request whose subject is exactly ``CN=<owner_id>``."""
         from cryptography import x509
         from cryptography.hazmat.primitives import hashes, serialization
         from cryptography.x509.oid import NameOID
 
         csr = (
             x509.CertificateSigningRequestBuilder()
-            .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, device_id)]))
+            .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, owner_id)]))
             .sign(self.load_or_create_key(), hashes.SHA256())
         )
         return csr.public_bytes(serialization.Encoding.PEM).decode()
 
     # ---- the enrolment answer -----------------------------------------------------------------------
-    def save(self, issued: DeviceCertificateIssued, enrol_url: str) -> Enrolment:
-        """Check the issued certificate against our key and CA, then store it; ``enrolment.json`` last."""
+    def save(self, issued: CertificateIssued | DeviceCertificateIssued, url: str) -> R:
+        """Check the issued certificate against our key and CA, then store it; ``enrolment.json`` last.
+
+        ``url`` is the enrolment endpoint that answered (the hub for a node; normally its edge for a device).
+        """
         from cryptography import x509
         from cryptography.exceptions import InvalidSignature
 
@@ -152,31 +203,17 @@ class IdentityStore:
             ca = x509.load_pem_x509_certificate(issued.ca_pem.encode())
         except ValueError as exc:
             raise IdentityError(f"the enrolment answer holds an unreadable certificate: {exc}") from exc
-        if _common_names(cert) != [issued.device_id]:
-            raise IdentityError(f"the issued certificate is not for CN={issued.device_id}")
+        enrolment = self.record.from_issued(issued, url, fingerprint(issued.certificate_pem))
+        if _common_names(cert) != [enrolment.owner_id]:
+            raise IdentityError(f"the issued certificate is not for CN={enrolment.owner_id}")
         if _public_der(cert.public_key()) != _public_der(self.load_or_create_key().public_key()):
-            raise IdentityError("the issued certificate does not match the device key")
+            raise IdentityError(f"the issued certificate does not match the {self.record.tier} key")
         try:
             cert.verify_directly_issued_by(ca)
         except (ValueError, TypeError, InvalidSignature) as exc:
             raise IdentityError(f"the issued certificate is not signed by the returned CA: {exc}") from exc
         if issued.signing_key_pem is not None:
-            from device.ota.verify import load_public_key
-
-            try:
-                load_public_key(issued.signing_key_pem)
-            except ValueError as exc:
-                raise IdentityError(f"the enrolment answer holds an unusable signing key: {exc}") from exc
-        enrolment = Enrolment(
-            device_id=issued.device_id,
-            node_id=issued.node_id,
-            enrol_url=enrol_url,
-            mqtt_url=issued.mqtt_url,
-            heartbeat_interval_s=issued.heartbeat_interval_s,
-            serial=issued.serial,
-            not_after=issued.not_after,
-            certificate_sha256=fingerprint(issued.certificate_pem),
-        )
+            _signing_key(issued.signing_key_pem, "the enrolment answer's signing key")
         write_atomic(self.ca_path, issued.ca_pem.encode())
         if issued.signing_key_pem is not None:
             write_atomic(self.signing_key_path, issued.signing_key_pem.encode())
@@ -184,20 +221,33 @@ class IdentityStore:
         write_atomic(self.enrolment_path, enrolment.model_dump_json(indent=2).encode(), mode=0o600)
         return enrolment
 
-    def load_enrolment(self) -> Enrolment:
+    def load_enrolment(self) -> R:
         try:
-            return Enrolment.model_validate_json(self.enrolment_path.read_bytes())
+            return self.record.model_validate_json(self.enrolment_path.read_bytes())
         except (OSError, ValidationError) as exc:
             raise IdentityError(f"cannot read {self.enrolment_path}: {exc}") from exc
 
+    # ---- the hub's signing key ----------------------------------------------------------------------
     def signing_key_pem(self) -> str | None:
-        """The pinned hub signing key, or ``None`` (enrolled through an endpoint that did not send one)."""
+        """The pinned hub signing key as PEM (no ``cryptography`` needed), or ``None`` (enrolled through an
+        endpoint that did not send one)."""
         try:
             return self.signing_key_path.read_text()
         except FileNotFoundError:
             return None
         except OSError as exc:
             raise IdentityError(f"cannot read {self.signing_key_path}: {exc}") from exc
+
+    def load_signing_key(self) -> Ed25519PublicKey | None:
+        """The pinned signing key, checked; ``None`` for an identity enrolled before the hub sent one."""
+        pem = self.signing_key_pem()
+        return None if pem is None else _signing_key(pem, str(self.signing_key_path))
+
+    def pin_signing_key(self, pem: str) -> None:
+        """Keep ``pem`` as the hub's signing key (an older identity fetched it after enrolment)."""
+        _signing_key(pem, "the hub's signing key")
+        self.identity_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+        write_atomic(self.signing_key_path, pem.encode())
 
     def check_complete(self) -> None:
         """Raise :class:`IdentityError` unless key, certificate and CA are all present."""
@@ -217,3 +267,9 @@ class IdentityStore:
             return x509.load_pem_x509_certificate(path.read_bytes())
         except ValueError as exc:
             raise IdentityError(f"{path} is not a PEM certificate") from exc
+
+
+class IdentityStore(AgentIdentityStore[Enrolment]):
+    """The device's identity kept in ``data_dir`` (``identity/device.key``, ``identity/device.crt``)."""
+
+    record = Enrolment

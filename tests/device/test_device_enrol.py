@@ -2,16 +2,19 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
-from device.enrol import request_certificate
+from device.enrol import DEVICE, Enrolling, request_certificate
 from device.errors import EnrolmentError, EnrolmentUnreachable
 from device.identity import IdentityStore
 from tests.device.conftest import EnrolmentServer, free_port
 
 TOKEN = "t" * 32
+REPO = Path(__file__).resolve().parents[2]
 
 
 def _enrol(server_url: str, tmp_path: Path, device_id: str = "dv-0001", attempts: int = 3):  # type: ignore[no-untyped-def]
@@ -88,3 +91,25 @@ def test_an_answer_that_is_not_a_certificate_is_refused(tmp_path: Path, enrolmen
 
     assert caught.value.code == "invalid_response"
     assert len(enrolment_server.requests) == 1
+
+
+def test_attempts_wait_with_the_agents_back_off_and_never_before_the_first() -> None:
+    enrolling = Enrolling(DEVICE, "http://edge", "dv-0001", "c" * 64, TOKEN, attempts=6, max_delay_s=0.75)
+
+    delays = list(enrolling.delays())
+
+    assert len(delays) == 6
+    assert delays[0] == 0.0
+    assert all(0.0 <= delay <= 0.75 for delay in delays[1:])
+
+
+def test_enrolling_loads_no_asyncio() -> None:
+    script = (
+        "import sys; from device.enrol import request_certificate; from device.errors import EnrolmentUnreachable\n"
+        f"try: request_certificate('http://127.0.0.1:{free_port()}', 'dv-0001', 'c' * 64, {TOKEN!r}, attempts=1)\n"
+        "except EnrolmentUnreachable: print('asyncio' in sys.modules)"
+    )
+
+    loaded = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True, cwd=REPO)
+
+    assert loaded.stdout.strip() == "False"

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 
 import httpx
 import pytest
@@ -85,3 +86,32 @@ def test_an_answer_that_is_not_a_certificate_is_refused() -> None:
         _enrol(lambda request: httpx.Response(201, json={"node_id": "nd-0001"}))
 
     assert caught.value.code == "invalid_response"
+
+
+def test_a_certificate_for_another_node_is_refused() -> None:
+    issued = {
+        "node_id": "nd-0002", "certificate_pem": "c", "ca_pem": "ca", "serial": "01",
+        "not_after": "2030-01-01T00:00:00Z", "mqtt_url": "mqtts://broker:8883", "heartbeat_interval_s": 5.0,
+    }  # fmt: skip
+
+    with pytest.raises(EnrolmentError) as caught:
+        _enrol(lambda request: httpx.Response(201, json=issued))
+
+    assert caught.value.code == "invalid_response"
+    assert "nd-0002" in caught.value.detail
+
+
+def test_cancelling_stops_an_enrolment_waiting_for_the_hub() -> None:
+    async def handler(request: httpx.Request) -> httpx.Response:
+        await asyncio.Event().wait()  # a hub that never answers
+        raise AssertionError("unreachable")
+
+    async def enrol_for_a_moment() -> float:
+        started = time.monotonic()
+        with pytest.raises(TimeoutError):
+            await asyncio.wait_for(
+                request_certificate("http://hub", "nd-0001", CSR, TOKEN, transport=httpx.MockTransport(handler)), 0.2
+            )
+        return time.monotonic() - started
+
+    assert asyncio.run(enrol_for_a_moment()) < 2.0
