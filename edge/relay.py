@@ -406,6 +406,8 @@ class DeviceRelay:
         failed = sum(isinstance(r, BaseException) for r in results)
         if failed:  # the devices send again, unacknowledged; the next acknowledgement covers these
             log.debug("%s of %s event acknowledgements not sent", failed, len(results))
+        if self._acks_due:  # fell due while these were being published, when _request_ack saw this task running
+            self._acker = asyncio.get_running_loop().create_task(self._send_acks())
 
     async def _on_device_online(self, device_id: str, payload: bytes) -> None:
         """A device came online: publish its stored desired document again, now and a few times more.
