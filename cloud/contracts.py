@@ -1,7 +1,8 @@
 """The generated contract artefacts committed under ``interfaces/``, and the check that they match the code.
 
 - ``interfaces/openapi.json``: the hub's OpenAPI document;
-- ``interfaces/schemas/<channel>.json``: the JSON Schema of every MQTT payload in the topic table;
+- ``interfaces/schemas/<channel>.json``: the JSON Schema of every MQTT payload in the topic table, one per channel, naming
+  its topics at every tier;
 - ``interfaces/schemas/events/<type>.json``: the JSON Schema of ``EventBody.data`` of each event type the hub acts on;
 - ``interfaces/TOPICS.md``: the topic table;
 - ``interfaces/asyncapi.json``: the AsyncAPI 3.0 document of the MQTT protocol (``interfaces.asyncapi``).
@@ -15,13 +16,31 @@ from pathlib import Path
 import interfaces
 from interfaces.asyncapi import asyncapi_document
 from interfaces.messages import EVENT_DATA
-from interfaces.topics import TOPICS, topic_table_markdown
+from interfaces.topics import TOPICS, Topic, topic_table_markdown
 
 ROOT = Path(interfaces.__file__).parent
 
 
 def _dump(data: object) -> str:
     return json.dumps(data, indent=2, sort_keys=True, ensure_ascii=False) + "\n"
+
+
+def channel_topics() -> dict[str, list[Topic]]:
+    """The topics of each schema file, by its name: one channel at every tier it exists at (node, device, relayed)."""
+    channels: dict[str, list[Topic]] = {}
+    for topic in TOPICS:
+        # the channel ("cmd-reply"), or the topic below the prefix for topics without ids ("hub-state")
+        name = (topic.pattern.rsplit("}/", 1)[1] if "}/" in topic.pattern else topic.pattern.split("/", 2)[2]).replace("/", "-")
+        channels.setdefault(name, []).append(topic)
+    for name, topics in channels.items():
+        if len({t.payload for t in topics}) != 1:
+            raise ValueError(f"the topics of channel {name!r} carry different payloads: one schema cannot describe them")
+    return channels
+
+
+def describe_channel(topics: list[Topic]) -> str:
+    """The schema's description: each topic that carries the payload, its direction, QoS, retain flag and purpose."""
+    return "; ".join(f"{t.pattern} ({t.direction}, QoS {t.qos}, retain {str(t.retain).lower()}): {t.description}" for t in topics)
 
 
 def render() -> dict[Path, str]:
@@ -31,12 +50,10 @@ def render() -> dict[Path, str]:
     app = create_app(Settings(enable_mqtt=False, data_dir=Path("/nonexistent")))
     files: dict[Path, str] = {ROOT / "openapi.json": _dump(app.openapi()), ROOT / "TOPICS.md": topic_table_markdown()}
     files[ROOT / "asyncapi.json"] = _dump(asyncapi_document())
-    for topic in TOPICS:
-        # the channel ("cmd-reply"), or the topic below the prefix for topics without ids ("hub-state")
-        name = (topic.pattern.rsplit("}/", 1)[1] if "}/" in topic.pattern else topic.pattern.split("/", 2)[2]).replace("/", "-")
-        schema = topic.payload.model_json_schema()
+    for name, topics in channel_topics().items():
+        schema = topics[0].payload.model_json_schema()
         schema["$id"] = f"urn:aisynergy:schema:{name}"
-        schema["description"] = f"{topic.description} (QoS {topic.qos}, retain {str(topic.retain).lower()})"
+        schema["description"] = describe_channel(topics)
         files[ROOT / "schemas" / f"{name}.json"] = _dump(schema)
     for event_type, model in EVENT_DATA.items():
         schema = model.model_json_schema()

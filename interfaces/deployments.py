@@ -29,10 +29,11 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from interfaces.strict import BY_VALUE, INT64_MAX, Timestamp, WireModel
 from interfaces.text import NoNul
 
 SHA256_RE = r"^[0-9a-f]{64}$"
-Sha256 = Annotated[str, Field(pattern=SHA256_RE, description="lower-case hex SHA-256")]
+Sha256 = Annotated[str, Field(min_length=64, max_length=64, pattern=SHA256_RE, description="lower-case hex SHA-256")]
 VERSION_RE = r"^[0-9]+(\.[0-9]+){0,3}(-[0-9A-Za-z.]+)?$"
 Version = Annotated[str, Field(min_length=1, max_length=64, pattern=VERSION_RE, description="1.2.3, 1.2.3-rc1 (numeric parts compared as numbers)")]
 ArtifactName = Annotated[str, Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")]
@@ -82,21 +83,21 @@ class ArtifactCreate(_In):
     format: ArtifactFormat
 
 
-class ArtifactManifest(NoNul):
+class ArtifactManifest(WireModel):
     """What the hub signs. Targets verify the content's SHA-256 and size against it, and the signature."""
 
     model_config = ConfigDict(extra="forbid")
 
     name: ArtifactName
     version: Version
-    kind: ArtifactKind
-    format: ArtifactFormat
+    kind: Annotated[ArtifactKind, BY_VALUE]
+    format: Annotated[ArtifactFormat, BY_VALUE]
     sha256: Sha256
-    size: int = Field(ge=0)
-    created_at: datetime
+    size: int = Field(ge=0, le=INT64_MAX)
+    created_at: Timestamp
 
 
-class SignedManifest(NoNul):
+class SignedManifest(WireModel):
     manifest: ArtifactManifest
     signature: str = Field(min_length=1, max_length=256, description="base64 Ed25519 signature of manifest_signing_bytes(manifest)")
     key_id: str = Field(min_length=1, max_length=64, description="first 16 hex chars of the SHA-256 of the raw public key")
@@ -121,7 +122,7 @@ class ArtifactPublic(BaseModel):
     content_url: str = Field(description="path of GET /artifacts/{id}/content (HTTP Range supported)")
 
 
-class InstalledArtifact(NoNul):
+class InstalledArtifact(WireModel):
     """One entry of ``ReportedBody.status["installed"]`` (keyed by kind)."""
 
     name: ArtifactName
@@ -400,21 +401,21 @@ class OrderAction(StrEnum):
     ROLLBACK = "rollback"  # reinstall ``artifact`` (the previous version); downgrade allowed
 
 
-class DeltaOffer(NoNul):
+class DeltaOffer(WireModel):
     """A bsdiff4 patch from the artefact the target runs (``base_sha256``) to the ordered one."""
 
     base_sha256: Sha256
     sha256: Sha256 = Field(description="of the patch itself")
-    size: int = Field(ge=0)
+    size: int = Field(ge=0, le=INT64_MAX)
     path: str = Field(min_length=1, max_length=512, description="GET path of the patch, relative to the API base")
 
 
-class DeploymentOrder(NoNul):
+class DeploymentOrder(WireModel):
     """One entry of ``DesiredBody.deployments``: install this signed artefact (one order per kind)."""
 
     execution_id: str = Field(min_length=1, max_length=64)
     deployment_id: str = Field(min_length=1, max_length=64)
-    action: OrderAction = OrderAction.INSTALL
+    action: Annotated[OrderAction, BY_VALUE] = OrderAction.INSTALL
     artifact_id: str = Field(min_length=1, max_length=64)
     signed_manifest: SignedManifest
     path: str = Field(min_length=1, max_length=512, description="GET path of the content, relative to the API base; HTTP Range supported")
@@ -424,13 +425,13 @@ class DeploymentOrder(NoNul):
     confirm_timeout_s: float = Field(default=60, gt=0, le=3600, description="firmware: the new slot must confirm its health within this")
 
 
-class ExecutionProgress(NoNul):
+class ExecutionProgress(WireModel):
     """``EventBody.data`` of an ``EXECUTION_EVENT``: the target's latest state for one execution."""
 
     execution_id: str = Field(min_length=1, max_length=64)
-    state: ExecutionState
+    state: Annotated[ExecutionState, BY_VALUE]
     detail: str = Field(default="", max_length=2048)
-    bytes_downloaded: int | None = Field(default=None, ge=0)
+    bytes_downloaded: int | None = Field(default=None, ge=0, le=INT64_MAX)
     via_delta: bool | None = None
     installed: InstalledArtifact | None = Field(default=None, description="what runs now (on ACTIVE and ROLLED_BACK)")
 

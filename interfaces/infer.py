@@ -24,9 +24,13 @@ Text = Annotated[str, Field(max_length=MAX_PROPERTY_CHARS)]
 
 
 class _Properties(BaseModel):
-    """A model of user properties: every field travels as one ``(name, str(value))`` pair."""
+    """A model of user properties: every field travels as one ``(name, str(value))`` pair.
 
-    model_config = ConfigDict(extra="ignore", frozen=True)  # unknown properties are someone else's (a broker, a tracer)
+    The values are text, so a number is read from its text; ``nan`` and ``inf`` are refused, as in JSON.
+    """
+
+    # unknown properties are someone else's (a broker, a tracer)
+    model_config = ConfigDict(extra="ignore", frozen=True, allow_inf_nan=False)
 
     def pairs(self) -> list[tuple[str, str]]:
         return [(k, str(v)) for k, v in self.model_dump(exclude_none=True).items()]

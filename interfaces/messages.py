@@ -1,14 +1,15 @@
 """MQTT payloads: the envelope ``{v, id, ts, src, kind, body}`` and the typed bodies.
 
 A reply carries, in ``reply_to``, the ``id`` of the request it answers. Validate into these models at
-the edge of a process; untyped dicts never travel inward.
+the edge of a process; untyped dicts never travel inward. They read JSON strictly (``interfaces.strict``):
+a wrong type is refused, not coerced.
 """
 
 from __future__ import annotations
 
 from datetime import UTC, datetime
 from enum import StrEnum
-from typing import Any, ClassVar, Generic, Literal, TypeVar
+from typing import Annotated, Any, ClassVar, Generic, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -19,12 +20,13 @@ from interfaces.resources import Resources
 from interfaces.tasks import (
     FL_KEY_EVENT, FL_REVEAL_EVENT, FL_UPDATE_EVENT, MAX_WORKERS_PER_TARGET, FlKey, FlReveal, FlUpdate, TASK_LOG_EVENT, TASK_METRICS_EVENT, TASK_OUTPUT_EVENT, TASK_WORKER_EVENT, WorkerLog, WorkerMetrics, WorkerOrder, WorkerOutput, WorkerReport,
 )  # fmt: skip
-from interfaces.text import NoNul
+from interfaces.strict import BY_VALUE, INT64_MAX, STRICT_JSON, JsonObject, ProtocolVersion, Timestamp, WireModel
+from interfaces.strict import MAX_MESSAGE_BYTES as MAX_MESSAGE_BYTES  # every tier's limit, with the wire's other bounds
 
-MAX_MESSAGE_BYTES = 256 * 1024
+MAX_SEQ = INT64_MAX  # sequence numbers fit a signed 64-bit integer (SQLite's and PostgreSQL's BIGINT)
 
 
-class _Body(NoNul):
+class _Body(WireModel):
     model_config = ConfigDict(extra="forbid")
     KIND: ClassVar[str]
 
@@ -38,7 +40,7 @@ class StateBody(_Body):
     """Retained on ``state``; the agent's last will publishes ``offline``."""
 
     KIND: ClassVar[str] = "state"
-    state: ConnectionState
+    state: Annotated[ConnectionState, BY_VALUE]
     agent_version: str | None = Field(default=None, max_length=64)
     reason: str | None = Field(default=None, max_length=256, description="why offline: will, shutdown, ...")
 
@@ -50,8 +52,8 @@ class Health(StrEnum):
 
 class HeartbeatBody(_Body):
     KIND: ClassVar[str] = "heartbeat"
-    seq: int = Field(ge=0, description="monotonic per agent run")
-    health: Health = Health.OK
+    seq: int = Field(ge=0, le=INT64_MAX, description="monotonic per agent run")
+    health: Annotated[Health, BY_VALUE] = Health.OK
     health_detail: str | None = Field(default=None, max_length=512)
     agent_version: str = Field(max_length=64)
     uptime_s: float = Field(ge=0)
@@ -62,18 +64,18 @@ class DesiredBody(_Body):
     """Retained desired-state document on ``desired``."""
 
     KIND: ClassVar[str] = "desired"
-    version: int = Field(ge=0)
-    spec: dict[str, Any] = Field(default_factory=dict)
+    version: int = Field(ge=0, le=INT64_MAX)
+    spec: JsonObject = Field(default_factory=dict)
     deployments: list[DeploymentOrder] = Field(default_factory=list, max_length=8, description="the rollout controller's orders, at most one per artefact kind (DESIGN §4.2)")
-    deployments_version: int = Field(default=0, ge=0, description="goes up whenever the orders change")
+    deployments_version: int = Field(default=0, ge=0, le=INT64_MAX, description="goes up whenever the orders change")
     tasks: list[WorkerOrder] = Field(default_factory=list, max_length=MAX_WORKERS_PER_TARGET, description="the task workers this target runs (DESIGN §4.3); a withdrawn one stops")
-    tasks_version: int = Field(default=0, ge=0, description="goes up whenever the task orders change")
+    tasks_version: int = Field(default=0, ge=0, le=INT64_MAX, description="goes up whenever the task orders change")
 
 
 class ReportedBody(_Body):
     KIND: ClassVar[str] = "reported"
-    version: int = Field(ge=0, description="the desired version this report converged to")
-    status: dict[str, Any] = Field(default_factory=dict)
+    version: int = Field(ge=0, le=INT64_MAX, description="the desired version this report converged to")
+    status: JsonObject = Field(default_factory=dict)
 
 
 class FlUpdateBody(_Body):
@@ -88,7 +90,7 @@ class CommandBody(_Body):
 
     KIND: ClassVar[str] = "command"
     name: str = Field(min_length=1, max_length=64)
-    args: dict[str, Any] = Field(default_factory=dict)
+    args: JsonObject = Field(default_factory=dict)
     timeout_s: float = Field(default=10, gt=0, le=3600)
 
 
@@ -107,7 +109,7 @@ class CommandError(StrEnum):
 class CommandResultBody(_Body):
     KIND: ClassVar[str] = "command_result"
     ok: bool
-    result: dict[str, Any] | None = None
+    result: JsonObject | None = None
     error_code: str | None = Field(default=None, max_length=64, description="a CommandError value, or an agent-specific code")
     error: str | None = Field(default=None, max_length=2048)
 
@@ -116,11 +118,31 @@ class EventBody(_Body):
     """Progress, logs, metrics and error reports on ``events``."""
 
     KIND: ClassVar[str] = "event"
-    seq: int | None = Field(default=None, ge=0, description="per-sender sequence number, monotonic across restarts; the hub keeps each (sender, seq) once")
+    seq: int | None = Field(default=None, ge=0, le=MAX_SEQ, description="per-sender sequence number, monotonic across restarts; the hub keeps each (sender, seq) once")
+    prev_seq: int | None = Field(
+        default=None,
+        ge=0,
+        le=MAX_SEQ,
+        description="the seq of the sender's previous event (None: the sender keeps none before this one); with it, the "
+        "receiving edge stores a device's events only in order and asks for a resend when one is missing",
+    )
     type: str = Field(min_length=1, max_length=64)
     severity: Literal["debug", "info", "warning", "error"] = "info"
     message: str | None = Field(default=None, max_length=8192)
-    data: dict[str, Any] = Field(default_factory=dict)
+    data: JsonObject = Field(default_factory=dict)
+
+
+class EventsAckBody(_Body):
+    """The edge's acknowledgement of a device's events on ``events/ack``, sent after the edge has *stored* them.
+
+    Cumulative: every event of the device up to ``seq`` is stored at the edge (and so on its way to the hub), and
+    the device may forget it. ``resend``: the edge refused a later event because one before it is missing; the
+    device sends again, in order, everything after ``seq``.
+    """
+
+    KIND: ClassVar[str] = "events.ack"
+    seq: int | None = Field(ge=0, le=MAX_SEQ, description="the highest seq stored; None: none of this device's events yet")
+    resend: bool = False
 
 
 MESSAGE_REJECTED_EVENT = "message_rejected"
@@ -143,11 +165,11 @@ B = TypeVar("B", bound=_Body)
 class Envelope(BaseModel, Generic[B]):
     """Every control message. ``src`` is the sender's identity (node or device id, or ``hub``)."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(**STRICT_JSON, extra="forbid")
 
-    v: Literal[1] = PROTOCOL_VERSION
+    v: ProtocolVersion = PROTOCOL_VERSION
     id: str = Field(min_length=1, max_length=64)
-    ts: datetime
+    ts: Timestamp
     src: str = Field(min_length=1, max_length=64)
     kind: str = Field(min_length=1, max_length=32)
     reply_to: str | None = Field(default=None, max_length=64)

@@ -12,6 +12,7 @@ from interfaces.lifecycle import AdminState, NodeState
 from interfaces.messages import Health
 from interfaces.resources import Resources
 from interfaces.selectors import validate_labels
+from interfaces.strict import JsonObject
 from interfaces.text import NoNul
 
 Labels = Annotated[dict[str, str], AfterValidator(validate_labels)]
@@ -151,7 +152,7 @@ class DevicePublic(BaseModel):
 class TwinUpdate(_In):
     """``PUT /devices/{id}/twin``: replaces the desired document and bumps its version."""
 
-    desired: dict[str, Any] = Field(default_factory=dict)
+    desired: JsonObject = Field(default_factory=dict, description="becomes the desired document's spec on MQTT (bounded JSON)")
     expected_version: int | None = Field(default=None, ge=0, description="optimistic concurrency: 409 if the current desired version differs")
 
 
@@ -203,7 +204,7 @@ class CommandRequest(_In):
     """``POST /nodes/{id}/commands`` and ``POST /devices/{id}/commands``."""
 
     name: str = Field(min_length=1, max_length=64, pattern=r"^[a-z][a-z0-9_.-]*$")
-    args: dict[str, Any] = Field(default_factory=dict)
+    args: JsonObject = Field(default_factory=dict, description="sent as the command's args on MQTT (bounded JSON)")
     timeout_s: float = Field(default=10, gt=0, le=300)
 
 

@@ -19,6 +19,7 @@ from typing import Annotated
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from interfaces.strict import INT64_MAX, WireModel
 from interfaces.text import NoNul
 
 DATASETS_KEY = "datasets"
@@ -29,13 +30,13 @@ Epsilon = Annotated[float, Field(gt=0, le=1e6, description="ε of (ε, δ)-diffe
 Delta = Annotated[float, Field(gt=0, lt=1, description="δ of (ε, δ)-differential privacy (well below 1 / rows)")]
 
 
-class LocalDataset(NoNul):
+class LocalDataset(WireModel):
     """One entry of ``ReportedBody.status["datasets"]``: a dataset kept on the device (inputs ``x``, labels ``y``)."""
 
     model_config = ConfigDict(extra="forbid")
 
-    rows: int = Field(ge=0)
-    shape: list[int] = Field(max_length=8, description="the shape of one input row")
+    rows: int = Field(ge=0, le=INT64_MAX)
+    shape: list[Annotated[int, Field(ge=0, le=INT64_MAX)]] = Field(max_length=8, description="the shape of one input row")
     dtype: str = Field(max_length=16)
 
 

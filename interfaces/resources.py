@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 from enum import StrEnum
+from typing import Annotated
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import ConfigDict, Field
+
+from interfaces.strict import BY_VALUE, INT64_MAX, WireModel
 
 
-class _Strict(BaseModel):
+class _Strict(WireModel):
     model_config = ConfigDict(extra="forbid")
 
 
@@ -20,10 +23,10 @@ class AcceleratorType(StrEnum):
 
 
 class Accelerator(_Strict):
-    type: AcceleratorType
+    type: Annotated[AcceleratorType, BY_VALUE]
     model: str = Field(max_length=128)
     count: int = Field(ge=0, le=1024)
-    memory_bytes: int = Field(ge=0, description="memory per accelerator")
+    memory_bytes: int = Field(ge=0, le=INT64_MAX, description="memory per accelerator")
     utilisation: float = Field(ge=0, le=1, description="mean utilisation, 0..1")
     purpose: str | None = Field(default=None, max_length=32, description="training | inference | both")
 
@@ -35,19 +38,19 @@ class CpuReading(_Strict):
 
 
 class MemoryReading(_Strict):
-    total_bytes: int = Field(ge=0)
-    available_bytes: int = Field(ge=0)
+    total_bytes: int = Field(ge=0, le=INT64_MAX)
+    available_bytes: int = Field(ge=0, le=INT64_MAX)
 
 
 class DiskReading(_Strict):
     path: str = Field(max_length=1024)
-    total_bytes: int = Field(ge=0)
-    free_bytes: int = Field(ge=0)
+    total_bytes: int = Field(ge=0, le=INT64_MAX)
+    free_bytes: int = Field(ge=0, le=INT64_MAX)
 
 
 class NetworkReading(_Strict):
-    bytes_sent: int = Field(ge=0)
-    bytes_received: int = Field(ge=0)
+    bytes_sent: int = Field(ge=0, le=INT64_MAX)
+    bytes_received: int = Field(ge=0, le=INT64_MAX)
     send_rate_bps: float | None = Field(default=None, ge=0, description="bits per second since the previous reading")
     receive_rate_bps: float | None = Field(default=None, ge=0, description="bits per second since the previous reading")
 

@@ -38,11 +38,12 @@ from datetime import datetime
 from enum import StrEnum
 from typing import Annotated, Any, Literal
 
-from pydantic import AwareDatetime, BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from interfaces.deployments import ArtifactName, Sha256, SignedManifest, TargetKind, Version
 from interfaces.privacy import DatasetName, Delta, Epsilon, PrivacySpend
 from interfaces.resources import AcceleratorType
+from interfaces.strict import BY_VALUE, INT64_MAX, AwareTimestamp, JsonObject, Timestamp, WireModel
 from interfaces.text import NoNul
 
 TASK_WORKER_EVENT = "task.worker"
@@ -70,6 +71,9 @@ MAX_HEAD_BYTES = 64 * 1024
 MAX_TRAINING_STEPS = 1_000_000
 
 Id = Annotated[str, Field(min_length=1, max_length=64)]
+ChunkIndex = Annotated[int, Field(ge=0, le=INT64_MAX)]
+MetricName = Annotated[str, Field(min_length=1, max_length=64)]
+PublicKey = Annotated[str, Field(min_length=44, max_length=44, description="base64 of the 32-byte X25519 public key")]
 
 
 class _In(NoNul):
@@ -429,7 +433,7 @@ TASK_TYPES: dict[TaskType, TaskTypeInfo] = {
 class TaskCreate(_In):
     name: str = Field(default="", max_length=128)
     type: TaskType
-    spec: dict[str, Any] = Field(description="the type's spec (InferenceSpec, BatchInferenceSpec, ...)")
+    spec: JsonObject = Field(description="the type's spec (InferenceSpec, BatchInferenceSpec, ...); its workers' orders carry it on MQTT")
     placement: Placement = Field(default_factory=Placement)
     timeout_s: int | None = Field(default=None, ge=1, le=30 * 86400, description="running time (paused time excluded) before TIMED_OUT; none: no limit")
     worker_timeout_s: float = Field(default=30, ge=1, le=86400, description="a worker silent this long is TIMED_OUT and its work rescheduled")
@@ -554,7 +558,7 @@ class WorkerAction(StrEnum):
     PAUSE = "pause"  # finish the item in hand, then wait (keep reporting)
 
 
-class InputRef(NoNul):
+class InputRef(WireModel):
     """An artefact the worker fetches like an update (a dataset; a training body): signed manifest, path, download token."""
 
     artifact_id: Id
@@ -563,7 +567,7 @@ class InputRef(NoNul):
     token: str = Field(min_length=1, max_length=2048)
 
 
-class TrainingOrder(NoNul):
+class TrainingOrder(WireModel):
     """What an ``incremental_training`` worker needs beyond its spec (per device: the budget's ``max_steps``)."""
 
     body: InputRef = Field(description="the frozen body: a signed ONNX model artefact, the model's inputs -> feature")
@@ -574,7 +578,7 @@ class TrainingOrder(NoNul):
     sample_rate: float = Field(gt=0, le=1, description="Poisson sampling rate q the accountant assumed")
 
 
-class SplitPart(NoNul):
+class SplitPart(WireModel):
     """One cut of a ``split_inference`` order: the head (a device's order) or the tail (an edge's) cut there."""
 
     cut: TensorName
@@ -582,7 +586,7 @@ class SplitPart(NoNul):
     tail: InputRef | None = Field(default=None, description="edge orders: the cut tensor -> the model's outputs")
 
 
-class SplitOrder(NoNul):
+class SplitOrder(WireModel):
     """What a ``split_inference`` worker needs beyond its spec: the parts the hub cut, as signed artefacts."""
 
     base_sha256: Sha256 = Field(description="the whole model the parts were cut from (the device runs it for device-only and fallbacks)")
@@ -591,12 +595,12 @@ class SplitOrder(NoNul):
     whole: InputRef | None = Field(default=None, description="edge orders: the whole model, for edge-only")
 
 
-class FlOrder(NoNul):
+class FlOrder(WireModel):
     """What a ``federated_training`` worker needs beyond its spec: the round in progress and its global layer."""
 
-    round: int = Field(ge=1, description="the round in progress (1-based)")
-    attempt: int = Field(default=1, ge=1, description="a round short of k at its timeout runs again as the next attempt")
-    deadline_at: AwareDatetime = Field(description="updates for this round attempt must reach the hub by then")
+    round: int = Field(ge=1, le=INT64_MAX, description="the round in progress (1-based)")
+    attempt: int = Field(default=1, ge=1, le=INT64_MAX, description="a round short of k at its timeout runs again as the next attempt")
+    deadline_at: AwareTimestamp = Field(description="updates for this round attempt must reach the hub by then")
     weights: InputRef = Field(description="the round's global layer: a signed safetensors artefact (weight [features, classes], bias [classes])")
     body: InputRef = Field(description="the frozen body: a signed ONNX artefact, the model's inputs -> feature")
     base_sha256: Sha256 = Field(description="the installed model the body was cut from")
@@ -605,26 +609,28 @@ class FlOrder(NoNul):
     via_edge: bool = Field(description="send the update to the edge's aggregator on fl (hierarchical), else as an event to the hub (flat)")
     participants: list[Id] = Field(default_factory=list, max_length=10_000, description="aggregators: the devices under this node taking part in this round")
     secure: bool = Field(default=False, description="secure aggregation: send the layer scaled by n / total_examples, fixed-point, masked (interfaces.secagg)")
-    peers: dict[Id, str] = Field(default_factory=dict, description="secure: every participant's X25519 public key (base64), to derive the pair seeds")
-    total_examples: int | None = Field(default=None, ge=1, description="secure: the participants' examples in all (the scale of each layer)")
+    peers: dict[Id, PublicKey] = Field(
+        default_factory=dict, max_length=10_000, description="secure: every participant's X25519 public key (base64), to derive the pair seeds",
+    )  # fmt: skip
+    total_examples: int | None = Field(default=None, ge=1, le=INT64_MAX, description="secure: the participants' examples in all (the scale of each layer)")
     reveal: list[Id] = Field(default_factory=list, max_length=10_000, description="secure: participants that dropped after masking; survivors reveal their pair seeds with them")
 
 
-class WorkerOrder(NoNul):
+class WorkerOrder(WireModel):
     """One entry of ``DesiredBody.tasks``: run this worker. Withdrawn: stop it."""
 
     worker_id: Id
     task_id: Id
-    type: TaskType
+    type: Annotated[TaskType, BY_VALUE]
     role: str = Field(default="worker", max_length=32)
-    action: WorkerAction = WorkerAction.RUN
-    attempt: int = Field(default=1, ge=1)
-    spec: dict[str, Any]
+    action: Annotated[WorkerAction, BY_VALUE] = WorkerAction.RUN
+    attempt: int = Field(default=1, ge=1, le=INT64_MAX)
+    spec: JsonObject
     heartbeat_s: float = Field(default=5, gt=0, le=3600)
     inputs: InputRef | None = None
-    items: int | None = Field(default=None, ge=0, description="sharded: number of inputs in the dataset")
-    chunk_size: int | None = Field(default=None, ge=1)
-    chunks: list[tuple[int, int]] = Field(default_factory=list, max_length=4096, description="sharded: ranges [first, end) of chunk indices this worker owns; may grow")
+    items: int | None = Field(default=None, ge=0, le=INT64_MAX, description="sharded: number of inputs in the dataset")
+    chunk_size: int | None = Field(default=None, ge=1, le=INT64_MAX)
+    chunks: list[Annotated[tuple[ChunkIndex, ChunkIndex], BY_VALUE]] = Field(default_factory=list, max_length=4096, description="sharded: ranges [first, end) of chunk indices this worker owns; may grow")
     training: TrainingOrder | None = Field(default=None, description="incremental_training: the body, the layer to train and the step limit")
     split: SplitOrder | None = Field(default=None, description="split_inference: the parts of the model this worker runs")
     fl: FlOrder | None = Field(default=None, description="federated_training: the round in progress")
@@ -650,7 +656,7 @@ class WorkerOrder(NoNul):
         return index * self.chunk_size, min((index + 1) * self.chunk_size, self.items)
 
 
-class WorkerReport(NoNul):
+class WorkerReport(WireModel):
     """``data`` of a ``TASK_WORKER_EVENT``: the worker's state (RUNNING is also its heartbeat)."""
 
     worker_id: Id
@@ -658,16 +664,16 @@ class WorkerReport(NoNul):
     state: Literal[WorkerState.RUNNING, WorkerState.SUCCEEDED, WorkerState.FAILED, WorkerState.REJECTED]
     detail: str = Field(default="", max_length=2048)
     paused: bool = False
-    items_done: int | None = Field(default=None, ge=0, description="inputs this worker finished (this run)")
+    items_done: int | None = Field(default=None, ge=0, le=INT64_MAX, description="inputs this worker finished (this run)")
 
 
-class LogLine(NoNul):
-    ts: datetime
+class LogLine(WireModel):
+    ts: Timestamp
     level: Literal["debug", "info", "warning", "error"] = "info"
     text: str = Field(max_length=4096)
 
 
-class WorkerLog(NoNul):
+class WorkerLog(WireModel):
     """``data`` of a ``TASK_LOG_EVENT``: a worker's log lines in order (the hub keeps each once)."""
 
     worker_id: Id
@@ -675,55 +681,55 @@ class WorkerLog(NoNul):
     lines: list[LogLine] = Field(min_length=1, max_length=200)
 
 
-class WorkerMetrics(NoNul):
+class WorkerMetrics(WireModel):
     """``data`` of a ``TASK_METRICS_EVENT``: one sample of a worker's numbers (counts, rates, latencies)."""
 
     worker_id: Id
     task_id: Id
-    ts: datetime
+    ts: Timestamp
     values: dict[Annotated[str, Field(min_length=1, max_length=64, pattern=r"^[a-z][a-z0-9_]*$")], float] = Field(max_length=64)
 
 
-class WorkerOutput(NoNul):
+class WorkerOutput(WireModel):
     """``data`` of a ``TASK_OUTPUT_EVENT``: one chunk's outputs. ``data`` is base64 of a safetensors frame, one tensor per model output,
     first axis = the chunk's inputs in order. The hub keeps the first copy from the chunk's owner."""
 
     worker_id: Id
     task_id: Id
-    chunk: int = Field(ge=0)
-    items: int = Field(ge=1)
+    chunk: int = Field(ge=0, le=INT64_MAX)
+    items: int = Field(ge=1, le=INT64_MAX)
     data: str = Field(min_length=1, max_length=MAX_CHUNK_OUTPUT_BYTES * 4 // 3 + 4)
 
 
-class FlUpdate(NoNul):
+class FlUpdate(WireModel):
     """``data`` of an ``FL_UPDATE_EVENT`` (and the payload of a device's ``fl`` message to its edge's aggregator): the
     layer trained in one round attempt by ``contributors`` (one device, or an edge's devices combined: their
     sample-weighted mean), on ``num_examples`` examples in all."""
 
     task_id: Id
     worker_id: Id = Field(description="the reporting worker: the device's, or the edge aggregator's")
-    round: int = Field(ge=1)
-    attempt: int = Field(ge=1)
+    round: int = Field(ge=1, le=INT64_MAX)
+    attempt: int = Field(ge=1, le=INT64_MAX)
     contributors: list[Id] = Field(min_length=1, max_length=10_000, description="the devices whose training is in it")
-    num_examples: int = Field(ge=1)
+    num_examples: int = Field(ge=1, le=INT64_MAX)
     data: str = Field(min_length=1, max_length=MAX_FL_UPDATE_BYTES * 4 // 3 + 4, description="base64 safetensors: weight [features, classes], bias [classes]")
-    metrics: dict[str, float] = Field(default_factory=dict, description="sample-weighted means over the contributors: loss, accuracy (on their own data)")
+    metrics: dict[MetricName, float] = Field(default_factory=dict, max_length=64, description="sample-weighted means over the contributors: loss, accuracy (on their own data)")
     masked: bool = Field(default=False, description="secure aggregation: weight and bias are uint32 masked encodings (an edge's: their sum)")
 
 
-class FlKey(NoNul):
+class FlKey(WireModel):
     """``data`` of an ``FL_KEY_EVENT``: the X25519 public key a device's worker masks its updates with."""
 
     task_id: Id
     worker_id: Id
-    public_key: str = Field(min_length=44, max_length=44, description="base64 of the 32-byte X25519 public key")
+    public_key: PublicKey
 
 
-class FlReveal(NoNul):
+class FlReveal(WireModel):
     """``data`` of an ``FL_REVEAL_EVENT``: a survivor's pair seeds with the participants that dropped after masking."""
 
     task_id: Id
     worker_id: Id
-    round: int = Field(ge=1)
-    attempt: int = Field(ge=1)
-    seeds: dict[Id, str] = Field(max_length=10_000, description="dropped participant -> base64 of the 32-byte pair seed")
+    round: int = Field(ge=1, le=INT64_MAX)
+    attempt: int = Field(ge=1, le=INT64_MAX)
+    seeds: dict[Id, Annotated[str, Field(min_length=44, max_length=44)]] = Field(max_length=10_000, description="dropped participant -> base64 of the 32-byte pair seed")

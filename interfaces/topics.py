@@ -21,6 +21,7 @@ from interfaces.messages import (
     DesiredBody,
     Envelope,
     EventBody,
+    EventsAckBody,
     FlUpdateBody,
     HeartbeatBody,
     ReportedBody,
@@ -53,6 +54,7 @@ class Channel(StrEnum):
     CMD = "cmd"
     CMD_REPLY = "cmd/reply"
     EVENTS = "events"
+    EVENTS_ACK = "events/ack"
     INFER = "infer"
     INFER_REPLY = "infer/reply"
     FL = "fl"
@@ -138,6 +140,15 @@ NODE_CMD, DEVICE_CMD = _pair(Channel.CMD, CommandBody, False, 1, False, "request
 NODE_CMD_REPLY, DEVICE_CMD_REPLY = _pair(Channel.CMD_REPLY, CommandResultBody, True, 1, False, "answers to cmd (the response topic)")
 NODE_EVENTS, DEVICE_EVENTS = _pair(Channel.EVENTS, EventBody, True, 1, False, "task progress, logs, metrics, errors")
 
+DEVICE_EVENTS_ACK = Topic(
+    f"{PREFIX}/{Tier.DEVICE}/{{device_id}}/{Channel.EVENTS_ACK}",
+    Envelope[EventsAckBody],  # type: ignore[valid-type]
+    Direction.EDGE_TO_DEVICE,
+    1,
+    False,
+    "the edge's cumulative acknowledgement of a device's events, after its own commit; the device keeps each event until then",
+)
+
 DEVICE_INFER = Topic(
     f"{PREFIX}/{Tier.DEVICE}/{{device_id}}/{Channel.INFER}",
     InferRequest,
@@ -199,7 +210,7 @@ HUB_STATE = Topic(
 TOPICS: tuple[Topic, ...] = (
     HUB_STATE,
     NODE_STATE, NODE_HEARTBEAT, NODE_DESIRED, NODE_REPORTED, NODE_CMD, NODE_CMD_REPLY, NODE_EVENTS,
-    DEVICE_STATE, DEVICE_HEARTBEAT, DEVICE_DESIRED, DEVICE_REPORTED, DEVICE_CMD, DEVICE_CMD_REPLY, DEVICE_EVENTS,
+    DEVICE_STATE, DEVICE_HEARTBEAT, DEVICE_DESIRED, DEVICE_REPORTED, DEVICE_CMD, DEVICE_CMD_REPLY, DEVICE_EVENTS, DEVICE_EVENTS_ACK,
     DEVICE_INFER, DEVICE_INFER_REPLY, DEVICE_FL,
     RELAY_STATE, RELAY_HEARTBEAT, RELAY_DESIRED, RELAY_REPORTED, RELAY_CMD, RELAY_CMD_REPLY, RELAY_EVENTS,
 )  # fmt: skip
