@@ -38,6 +38,10 @@ in order and with the same envelope (the edge and the hub keep it once). ``durab
 when :meth:`Device.emit` returns, the event survives a power cut; ``False``: it survives one within
 ``commit_window_s`` (50 ms), and emit costs no fsync.
 
+Memory: :attr:`Device.models`, the updater and :attr:`Device.tasks` are made at their first use (at start only when
+there is something to restore: an installed model, finished executions, running firmware, stored task orders), so an
+idle agent loads neither them nor numpy, ONNX Runtime, cryptography or httpx (``bench/device_rss.py``).
+
 Threads: paho's network thread runs the callbacks and answers ``ping`` and unknown commands itself (so
 they are answered while a handler is busy); the application's command handlers run one at a time on the
 ``commands`` worker, the desired handler on the ``desired`` worker (the newest document wins); the ``events``
@@ -57,7 +61,7 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal, Self, TypeVar
+from typing import TYPE_CHECKING, Any, Generic, Literal, Self, TypeVar
 
 import paho.mqtt.client as mqtt
 import psutil
@@ -67,7 +71,7 @@ from paho.mqtt.properties import Properties
 from paho.mqtt.reasoncodes import ReasonCode
 from pydantic import BaseModel
 
-from device.commands import Commands, failure
+from device.commands import MODEL_COMMANDS, CommandHandler, Commands, failure
 from device.connection import PahoLog, encode, parse_mqtt_url, reconnect_delay, tls_context
 from device.desired import DesiredStore
 from device.errors import ConfigError, IdentityError, NotRunning, OutboxFull, StoredStateError
@@ -75,11 +79,9 @@ from device.fl import FlChannel
 from device.heartbeat import AGENT_VERSION, Heartbeats, state_body
 from device.identity import Enrolment, IdentityStore
 from device.local_data import LocalDatasets
-from device.ota.models import ModelHost, model_commands
+from device.outbox import DEFAULT_MAX_EVENTS, DEFAULT_WINDOW, OUTBOX_FILE, Outbox
 from device.resources import ResourceSampler
 from device.split.channel import InferChannel
-from device.outbox import DEFAULT_MAX_EVENTS, OUTBOX_FILE, Outbox
-from device.tasks import InputFetcher, WorkerHost
 from interfaces import API_PREFIX
 from interfaces.deployments import EXECUTION_EVENT, EXECUTION_FAILURES, INSTALLED_KEY, ExecutionProgress
 from interfaces.messages import (
@@ -115,7 +117,9 @@ from interfaces.topics import (
 
 if TYPE_CHECKING:
     from device.ota.firmware import BootResult
+    from device.ota.models import ModelHost
     from device.ota.updater import Updater
+    from device.tasks import WorkerHost
 
 log = logging.getLogger("aisynergy.device")
 
@@ -124,6 +128,7 @@ Severity = Literal["debug", "info", "warning", "error"]
 DesiredHandler = Callable[[dict[str, Any]], dict[str, Any] | None]
 H = TypeVar("H", bound=Callable[..., Any])
 M = TypeVar("M", bound=BaseModel)
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -157,6 +162,38 @@ class _Worker:
                 call()
             except Exception:  # a bug in our own code must not end the worker
                 log.exception("internal error in %s", threading.current_thread().name)
+
+
+class _Lazy(Generic[T]):
+    """A part of the agent made at its first use, so that its modules load only when it is used (an idle agent
+    has no model, no update, no task). :meth:`close` closes it if it was made; one made later is closed at once."""
+
+    def __init__(self, make: Callable[[], T]) -> None:
+        self._make = make
+        self._lock = threading.Lock()
+        self._value: T | None = None
+        self._close: Callable[[T], None] | None = None
+
+    def get(self) -> T:
+        with self._lock:
+            value = self._value
+            if value is None:
+                value = self._value = self._make()
+                if self._close is not None:
+                    self._close(value)
+            return value
+
+    def made(self) -> T | None:
+        """The part if it was made, without making it."""
+        with self._lock:
+            return self._value
+
+    def close(self, close: Callable[[T], None]) -> None:
+        with self._lock:
+            self._close = close
+            value = self._value
+        if value is not None:
+            close(value)
 
 
 class Device:
@@ -206,17 +243,18 @@ class Device:
         self.firmware_boot = firmware_boot  # what FirmwareSlots.boot() decided at this start; None without firmware slots
         self._commands = Commands()
         self._desired_handler: DesiredHandler | None = None
-        self.models = ModelHost(self.data_dir / "ota" / "models")
-        self._updater: Updater | None = None
-        fetch_inputs = InputFetcher.through(self.data_dir / "tasks" / "inputs", lambda: self._updater)
+        # the model host, the OTA updater and the task host are made when first used (see _Lazy)
+        self._models = _Lazy(self._make_models)
+        self._enrolled: Enrolment | None = None  # set by start(); the updater needs its URL
+        self._updater = _Lazy(self._make_updater)
+        self._tasks = _Lazy(self._make_tasks)
         self.datasets = LocalDatasets(self.data_dir / "datasets", on_change=self._report_local_state)
         self.infer = InferChannel(device_id, self._publish_raw)
         """split inference: requests to the edge's tail workers (a ``split_inference`` head worker uses it)"""
         self.fl = FlChannel(device_id, self._publish_fl)
         """federated training: updates to the edge's aggregator (a hierarchical ``federated_training`` worker uses it)"""
-        self.tasks = WorkerHost(self.data_dir / "tasks", self.models, self._task_event, fetch_inputs, self.datasets, infer=self.infer, fl=self.fl)
-        for name, handler in model_commands(self.models).items():
-            self._commands.register_builtin(name, handler)
+        for name in MODEL_COMMANDS:
+            self._commands.register_builtin(name, self._model_command(name))
 
         self._lifecycle = threading.Lock()
         self._client: mqtt.Client | None = None
@@ -230,6 +268,39 @@ class Device:
         self._attempt = 0
         self._paho_log = logging.getLogger("aisynergy.device.mqtt")
         self._paho_filter = PahoLog()
+
+    @property
+    def models(self) -> ModelHost:
+        """The served models (:class:`~device.ota.models.ModelHost`), swapped atomically on update."""
+        return self._models.get()
+
+    @property
+    def tasks(self) -> WorkerHost:
+        """The task workers (:class:`~device.tasks.host.WorkerHost`) of the desired document's orders."""
+        return self._tasks.get()
+
+    def _make_models(self) -> ModelHost:
+        from device.ota.models import ModelHost
+
+        return ModelHost(self.data_dir / "ota" / "models")
+
+    def _make_tasks(self) -> WorkerHost:
+        from device.tasks import InputFetcher, WorkerHost
+
+        fetch_inputs = InputFetcher.through(self.data_dir / "tasks" / "inputs", self._ota)
+        return WorkerHost(
+            self.data_dir / "tasks", self.models, self._task_event, fetch_inputs, self.datasets, infer=self.infer, fl=self.fl
+        )
+
+    def _model_command(self, name: str) -> CommandHandler:
+        """The built-in command ``name`` over :attr:`models` (``device.ota.models`` loads at its first call)."""
+
+        def run(args: dict[str, Any]) -> dict[str, Any] | None:
+            from device.ota.models import model_commands
+
+            return model_commands(self.models)[name](args)
+
+        return run
 
     # ---- registration -------------------------------------------------------------------------------
     def command(self, name: str) -> Callable[[H], H]:
@@ -278,6 +349,7 @@ class Device:
                 self.data_dir / OUTBOX_FILE,
                 durable=self._durable_events,
                 max_events=self._max_events_waiting,
+                window=max(1, min(DEFAULT_WINDOW, self._max_queued // 2)),  # room in paho's queue for the rest
                 legacy_sequence=self.data_dir / "event-seq",
             )
             sampler = self._sampler or ResourceSampler(self.data_dir)
@@ -286,8 +358,14 @@ class Device:
             self._accepting_events = True
             self._paho_log.addFilter(self._paho_filter)
             self._client = self._make_client(tls)
-            self._updater = self._make_updater(enrolment)
-            self._desired_worker.submit(lambda: self.tasks.apply(self._desired.record.tasks))  # what ran before
+            self._enrolled = enrolment
+            # made now only when there is something to restore or report (the installed model, finished executions,
+            # the firmware this boot runs or ended; the stored task orders), else at the first order that needs it
+            firmware_runs = self.firmware_boot is not None and self.firmware_boot.outcome != "none"
+            if firmware_runs or (self.data_dir / "ota").exists():
+                self._updater.get()
+            if self._desired.record.tasks or (self.data_dir / "tasks").exists():
+                self._desired_worker.submit(lambda: self.tasks.apply(self._desired.record.tasks))  # what ran before
             self._sender = threading.Thread(target=self._send_events, name="aisynergy-events", daemon=True)
             self._sender.start()
             log.info("connecting to mqtts://%s:%s as %s", self._host, self._port, self.device_id)
@@ -303,9 +381,10 @@ class Device:
             client = self._client
             if client is None or not first:
                 return
-        if self._updater is not None:
-            self._updater.canceled.set()  # a download in progress stops; it resumes on the next start
-        self.tasks.stop(timeout_s / 2)  # before events close: their last log lines still leave
+        # a download in progress stops (it resumes on the next start); the workers stop before events close, so
+        # that their last log lines still leave
+        self._updater.close(lambda updater: updater.canceled.set())
+        self._tasks.close(lambda tasks: tasks.stop(timeout_s / 2))
         with self._event_lock:
             self._accepting_events = False
         assert self._outbox is not None
@@ -422,6 +501,7 @@ class Device:
                 if info.rc not in (MQTTErrorCode.MQTT_ERR_SUCCESS, MQTTErrorCode.MQTT_ERR_NO_CONN):
                     log.warning("event %s not handed to the broker (%s); it is sent again", seq, info.rc)
                     outbox.rewind()
+                    self._stopping.wait(0.2)  # paho's queue is full: let its network thread drain it first
                     break
                 with self._stats_lock:
                     self._messages_out += 1
@@ -464,12 +544,19 @@ class Device:
         self.identity.check_complete()
         return enrolment
 
-    def _make_updater(self, enrolment: Enrolment) -> Updater:
-        """The OTA updater; at start it ends the firmware execution this boot decided and loads the installed model."""
+    def _ota(self) -> Updater | None:
+        """The OTA updater, made at the first order when start() did not need it; ``None`` before start()."""
+        return self._updater.get() if self._enrolled is not None else None
+
+    def _make_updater(self) -> Updater:
+        """The OTA updater; when made it ends the firmware execution this boot decided and loads the installed model."""
         from device.ota.updater import Updater
 
+        enrolment = self._enrolled
+        assert enrolment is not None, "the updater is made after enrolment"
+
         firmware = None
-        if self.firmware_boot is not None or self._reboot is not None:  # otherwise cryptography stays unloaded
+        if self.firmware_boot is not None or self._reboot is not None:  # otherwise device.ota.firmware stays unloaded
             from device.ota.firmware import FirmwareSlots
 
             firmware = FirmwareSlots(self.data_dir / "firmware")
@@ -499,7 +586,8 @@ class Device:
 
     def _with_installed(self, status: dict[str, Any]) -> dict[str, Any]:
         """``status`` with what the device runs (``installed``) and the datasets it keeps (``datasets``)."""
-        installed = self._updater.installed() if self._updater is not None else {}
+        updater = self._updater.made()  # not made: nothing was ever installed
+        installed = updater.installed() if updater is not None else {}
         if installed:
             status = {**status, INSTALLED_KEY: {kind: a.model_dump(mode="json") for kind, a in installed.items()}}
         datasets = self.datasets.describe()
@@ -579,7 +667,7 @@ class Device:
         record = self._desired.record
         if record.applied_version >= 0:  # say it again: a report queued when the process last ended never left
             self._publish(DEVICE_REPORTED, ReportedBody(version=record.applied_version, status=self._with_installed(record.status)))
-        elif (self._updater is not None and self._updater.installed()) or self.datasets.names():
+        elif ((updater := self._updater.made()) is not None and updater.installed()) or self.datasets.names():
             # no desired document applied yet, but something runs (factory firmware) or data is kept: the hub
             # needs to know what, to offer deltas, to know what a rollback returns to, to account privacy
             self._publish(DEVICE_REPORTED, ReportedBody(version=0, status=self._with_installed({})))
@@ -714,8 +802,8 @@ class Device:
         record = self._desired.record
         if not record.pending or self._stopping.is_set():
             return  # an earlier call already applied the newest document
-        if record.orders_pending and self._updater is not None:
-            self._updater.apply(record.deployments)  # reports each execution's progress itself
+        if record.orders_pending and (updater := self._ota()) is not None:
+            updater.apply(record.deployments)  # reports each execution's progress itself
             if self._stopping.is_set():
                 return  # interrupted: the orders are applied again on the next start
         if record.tasks_pending:

@@ -18,7 +18,9 @@ from interfaces.messages import CommandBody, CommandError, CommandResultBody
 log = logging.getLogger("aisynergy.device")
 
 CommandHandler = Callable[[dict[str, Any]], dict[str, Any] | None]
-BUILTIN = frozenset({"ping", "infer", "models"})
+MODEL_COMMANDS = ("infer", "models")
+"""the built-ins over the served models (``device.ota.models.model_commands``)"""
+BUILTIN = frozenset({"ping", *MODEL_COMMANDS})
 
 
 def failure(code: CommandError, error: str) -> CommandResultBody:

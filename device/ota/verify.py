@@ -2,6 +2,9 @@
 
 Nothing is installed unless ``verify_manifest`` and ``verify_content`` both pass; an edge serves a cached
 artefact only for a token that ``verify_download_token`` accepts (offline: no call to the hub).
+
+``cryptography`` (about 8 MiB resident) is imported by the functions that use a key, not by this module: a device
+boots its firmware slots and checks content digests (``verify_content``, ``sha256_file``) without it.
 """
 
 from __future__ import annotations
@@ -10,14 +13,14 @@ import base64
 import hashlib
 import time
 from pathlib import Path
-
-from cryptography.exceptions import InvalidSignature
-from cryptography.hazmat.primitives import serialization
-from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
+from typing import TYPE_CHECKING
 
 from interfaces.deployments import (
     DownloadGrant, SignedManifest, decode_download_token, download_token_signing_bytes, manifest_signing_bytes,
 )  # fmt: skip
+
+if TYPE_CHECKING:
+    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 
 CHUNK = 1024 * 1024
 
@@ -27,6 +30,9 @@ class VerificationError(ValueError):
 
 
 def load_public_key(pem: str | bytes) -> Ed25519PublicKey:
+    from cryptography.hazmat.primitives import serialization
+    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
+
     key = serialization.load_pem_public_key(pem.encode() if isinstance(pem, str) else pem)
     if not isinstance(key, Ed25519PublicKey):
         raise VerificationError("the pinned signing key is not an Ed25519 public key")
@@ -34,12 +40,16 @@ def load_public_key(pem: str | bytes) -> Ed25519PublicKey:
 
 
 def key_id(key: Ed25519PublicKey) -> str:
+    from cryptography.hazmat.primitives import serialization
+
     raw = key.public_bytes(serialization.Encoding.Raw, serialization.PublicFormat.Raw)
     return hashlib.sha256(raw).hexdigest()[:16]
 
 
 def verify_manifest(key: Ed25519PublicKey, signed: SignedManifest) -> None:
     """The manifest was signed by the pinned key, or :class:`VerificationError`."""
+    from cryptography.exceptions import InvalidSignature
+
     try:
         signature = base64.b64decode(signed.signature, validate=True)
     except ValueError as exc:
@@ -70,6 +80,8 @@ def verify_content(signed: SignedManifest, path: Path) -> None:
 
 def verify_download_token(key: Ed25519PublicKey, token: str, artifact_id: str, now: float | None = None) -> DownloadGrant:
     """The grant if the hub signed ``token`` for ``artifact_id`` and it has not expired."""
+    from cryptography.exceptions import InvalidSignature
+
     try:
         grant, signature = decode_download_token(token)
     except ValueError as exc:
