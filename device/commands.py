@@ -1,5 +1,6 @@
-"""The device's commands: the built-ins (``ping``; ``infer`` and ``models``, registered by the agent) and
-the application's handlers, transport-neutral.
+"""An agent's commands, the same at both tiers: the built-ins (``ping``, answered with the agent's clock; ``infer``
+and ``models``, registered by whoever hosts models) and the application's handlers, transport-neutral. The device
+and the edge node answer with the same :class:`Commands`.
 
 A command always gets an answer: ``ok`` with the handler's result, or ``ok=false`` with an
 :class:`~interfaces.messages.CommandError` code (``unknown_command``, ``failed``); a request that does
@@ -10,6 +11,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from datetime import UTC, datetime
 from typing import Any
 
 from device.errors import ConfigError
@@ -54,7 +56,7 @@ class Commands:
 
     def execute(self, command: CommandBody) -> CommandResultBody:
         if command.name == "ping":
-            return CommandResultBody(ok=True, result={"pong": True})
+            return CommandResultBody(ok=True, result={"pong": True, "ts": datetime.now(UTC).isoformat()})
         handler = self._handlers.get(command.name)
         if handler is None:
             return failure(CommandError.UNKNOWN_COMMAND, f"unknown command {command.name!r}")

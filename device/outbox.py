@@ -181,21 +181,22 @@ class Outbox:
         with self._cond:
             if self._closing:
                 raise NotRunning("the outbox is closed")
-            if len(self._unacked) >= self._max_events or self._bytes >= self._max_bytes:
+            seq, prev = self._next, self._prev
+            payload = build(seq, prev)
+            if len(self._unacked) >= self._max_events or self._bytes + len(payload) > self._max_bytes:
                 raise OutboxFull(
                     f"{len(self._unacked)} events ({self._bytes} bytes) wait for the edge to store them "
                     f"(at most {self._max_events} events, {self._max_bytes} bytes)"
                 )
-            seq, prev = self._next, self._prev
-            payload = build(seq, prev)
             self._next, self._prev = seq + 1, seq
             self._staged.append((seq, payload))
             self._unacked.append((seq, len(payload)))
             self._bytes += len(payload)
             self._cond.notify_all()
             if self.durable:
-                while self._committed < seq and self._failure is None and not self._closing:
-                    self._cond.wait()
+                # a close() meanwhile still commits it: wait for the committer, not for the close
+                while self._committed < seq and self._failure is None and self._thread.is_alive():
+                    self._cond.wait(0.5)
                 if self._committed < seq:
                     raise StoredStateError(f"event {seq} was not stored: {self._failure or 'the outbox closed'}")
         return seq
@@ -281,7 +282,8 @@ class Outbox:
                     self._cond.wait(self._forget_after_s if self._forget_upto is not None else None)
                 closing = self._closing
             if not closing and self._staged and not self.durable and self._window_s:
-                time.sleep(self._window_s)  # fast mode: gather the window's events into one transaction
+                with self._cond:  # fast mode: gather the window's events into one transaction (a close cuts it short)
+                    self._cond.wait_for(lambda: self._closing, timeout=self._window_s)
             with self._cond:
                 rows, self._staged = self._staged, []
                 forget, self._forget_upto = self._forget_upto, None

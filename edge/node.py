@@ -13,7 +13,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import sqlite3
-from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any
 
 import aiomqtt
@@ -21,6 +20,7 @@ from paho.mqtt.packettypes import PacketTypes
 from paho.mqtt.properties import Properties
 from pydantic import BaseModel, ValidationError
 
+from device.commands import Commands
 from device.connection import encode
 from device.heartbeat import AGENT_VERSION, HeartbeatBuilder, state_body
 from device.resources import ResourceSampler
@@ -69,6 +69,8 @@ class NodeService:
         self.rejected = 0
         self._store = store
         self._interval = heartbeat_interval_s
+        # the node's own commands: the deployments' (models) when it hosts them, else the built-ins alone
+        self._node_commands = deployments.commands if deployments is not None else Commands()
         self._heartbeats = HeartbeatBuilder(sampler, AGENT_VERSION)
         self._commands: set[asyncio.Task[None]] = set()
 
@@ -194,11 +196,8 @@ class NodeService:
         await asyncio.gather(*self._commands, return_exceptions=True)
 
     def _execute(self, command: CommandBody) -> CommandResultBody:
-        if command.name == "ping":
-            return CommandResultBody(ok=True, result={"pong": True, "ts": datetime.now(UTC).isoformat()})
-        return CommandResultBody(
-            ok=False, error_code=CommandError.UNKNOWN_COMMAND.value, error=f"unknown command {command.name!r}"
-        )
+        """``ping`` and unknown names, answered at once by the commands the device answers with too."""
+        return self._node_commands.execute(command)
 
     async def _reject(self, client: aiomqtt.Client, message: aiomqtt.Message, exc: ValidationError) -> None:
         """Drop a malformed message, count it and say so on ``events`` (DESIGN §6)."""

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from datetime import datetime
+
 import pytest
 
 from device.commands import Commands
@@ -12,7 +14,9 @@ from interfaces.messages import CommandBody
 def test_ping_is_built_in_and_cannot_be_replaced() -> None:
     commands = Commands()
 
-    assert commands.execute(CommandBody(name="ping")).result == {"pong": True}
+    result = commands.execute(CommandBody(name="ping")).result
+    assert result is not None and result.keys() == {"pong", "ts"} and result["pong"] is True
+    assert datetime.fromisoformat(result["ts"]).tzinfo is not None  # the agent's clock, in UTC
     assert not commands.runs_a_handler(CommandBody(name="ping"))
     with pytest.raises(ConfigError):
         commands.register("ping", lambda args: None)
