@@ -72,7 +72,7 @@ from paho.mqtt.reasoncodes import ReasonCode
 from pydantic import BaseModel
 
 from device.commands import MODEL_COMMANDS, CommandHandler, Commands, failure
-from device.connection import PahoLog, encode, parse_mqtt_url, reconnect_delay, tls_context
+from device.connection import PahoLog, encode, log_retry, parse_mqtt_url, reconnect_delay, tls_context
 from device.desired import DesiredStore
 from device.errors import ConfigError, IdentityError, NotRunning, OutboxFull, StoredStateError
 from device.fl import FlChannel
@@ -635,14 +635,7 @@ class Device:
         delay = reconnect_delay(self._attempt, self._reconnect_cap_s)
         client.reconnect_delay_set(delay, delay)  # type: ignore[arg-type]  # seconds; paho takes a float
         self._set_will(client)  # a fresh envelope for the next session's will
-        detail = self._paho_filter.take()
-        if detail:
-            reason = f"{detail} ({reason})"
-        where = f"{self._host}:{self._port}"
-        if any(word in reason for word in ("SSL", "certificate", "alert")):
-            log.error("TLS with %s failed: %s; retrying in %.1f s", where, reason, delay)
-        else:
-            log.warning("connection to %s failed or lost: %s; retrying in %.1f s", where, reason, delay)
+        log_retry(log, f"{self._host}:{self._port}", reason, delay, detail=self._paho_filter.take())
 
     def _on_connect(
         self, client: mqtt.Client, userdata: object, flags: object, reason: ReasonCode, props: Properties | None

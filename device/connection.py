@@ -39,6 +39,39 @@ def tls_context(ca_path: Path, cert_path: Path, key_path: Path) -> ssl.SSLContex
     return context
 
 
+def is_tls_failure(reason: str, exc: BaseException | None = None) -> bool:
+    """Whether a connection failure is the TLS handshake's (an ``ssl.SSLError`` behind ``exc``, or its words)."""
+    seen = exc
+    while seen is not None:
+        if isinstance(seen, ssl.SSLError):
+            return True
+        seen = seen.__cause__ or seen.__context__
+    return any(word in reason for word in ("SSL", "certificate", "alert"))
+
+
+def log_retry(
+    logger: logging.Logger,
+    where: str,
+    reason: str,
+    delay_s: float,
+    *,
+    detail: str | None = None,
+    exc: BaseException | None = None,
+    refused: str | None = None,
+    prefix: str = "",
+) -> None:
+    """Say why an agent's connection failed and when it tries again, the same way at both tiers: ``detail`` is
+    paho's own explanation (:meth:`PahoLog.take`), ``refused`` the client id a broker's CONNACK refused."""
+    if detail:
+        reason = f"{detail} ({reason})"
+    if refused is not None:
+        logger.error("%sbroker %s refused %s: %s; retrying in %.1f s", prefix, where, refused, reason, delay_s)
+    elif is_tls_failure(reason, exc):
+        logger.error("%sTLS with %s failed: %s; retrying in %.1f s", prefix, where, reason, delay_s)
+    else:
+        logger.warning("%sconnection to %s failed or lost: %s; retrying in %.1f s", prefix, where, reason, delay_s)
+
+
 def encode(topic: Topic[Any], src: str, body: BaseModel, reply_to: str | None = None) -> bytes:
     """``body`` in a fresh envelope from ``src``, as the bytes that travel on ``topic``; ``TypeError`` when the
     topic table says another body travels there, ``ValueError`` when it cannot be serialised."""
@@ -48,7 +81,16 @@ def encode(topic: Topic[Any], src: str, body: BaseModel, reply_to: str | None = 
     return message.model_dump_json().encode()
 
 
-__all__ = ["MQTTS_DEFAULT_PORT", "PahoLog", "encode", "parse_mqtt_url", "reconnect_delay", "tls_context"]
+__all__ = [
+    "MQTTS_DEFAULT_PORT",
+    "PahoLog",
+    "encode",
+    "is_tls_failure",
+    "log_retry",
+    "parse_mqtt_url",
+    "reconnect_delay",
+    "tls_context",
+]
 
 
 class PahoLog(logging.Filter):

@@ -25,7 +25,7 @@ from aiomqtt.exceptions import MqttConnectError
 from paho.mqtt.packettypes import PacketTypes
 from paho.mqtt.properties import Properties
 
-from device.connection import parse_mqtt_url, reconnect_delay
+from device.connection import PahoLog, log_retry, parse_mqtt_url, reconnect_delay
 from interfaces.reconnect import RECONNECT_CAP_S
 from interfaces.topics import Topic
 
@@ -40,29 +40,6 @@ SessionTask = Callable[[aiomqtt.Client], Awaitable[None]]
 
 class NotConnected(aiomqtt.MqttError):
     """The link has no session right now."""
-
-
-def _is_tls_failure(exc: BaseException, reason: str) -> bool:
-    seen: BaseException | None = exc
-    while seen is not None:
-        if isinstance(seen, ssl.SSLError):
-            return True
-        seen = seen.__cause__ or seen.__context__
-    return any(word in reason for word in ("SSL", "certificate", "alert"))
-
-
-class _LastError(logging.Filter):
-    """Remembers paho's last error line: a TLS alert during connect (revoked or unknown certificate) is
-    only logged by paho, while aiomqtt just reports a timeout waiting for CONNACK."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.message: str | None = None
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        if record.levelno >= logging.ERROR:
-            self.message = record.getMessage()
-        return True
 
 
 @dataclass(frozen=True)
@@ -96,7 +73,9 @@ class Link:
         self._tasks: list[SessionTask] = []
         self._farewells: list[SessionTask] = []
         self._mqtt_log = logging.getLogger(f"aisynergy.edge.mqtt.{name}")
-        self._transport_error = _LastError()
+        # paho's last error line: a TLS alert during connect (revoked or unknown certificate) is only logged by
+        # paho, while aiomqtt just reports a timeout waiting for CONNACK
+        self._transport_error = PahoLog()
 
     @property
     def address(self) -> tuple[str, int]:
@@ -139,7 +118,7 @@ class Link:
         attempt = 0
         while not stop.is_set():
             attempt += 1
-            self._transport_error.message = None
+            self._transport_error.take()
             log.info(
                 "%s: connecting to mqtts://%s:%s as %s (attempt %s)",
                 self.name,
@@ -203,18 +182,16 @@ class Link:
         return client
 
     def _log_failure(self, exc: aiomqtt.MqttError, delay: float) -> None:
-        where = f"{self.host}:{self.port}"
-        reason = str(exc) or type(exc).__name__
-        if self._transport_error.message:  # the real cause, where aiomqtt only saw a timeout
-            reason = f"{self._transport_error.message} ({reason})"
-        if isinstance(exc, MqttConnectError):
-            log.error(
-                "%s: broker %s refused %s: %s; retrying in %.1f s", self.name, where, self.client_id, reason, delay
-            )
-        elif _is_tls_failure(exc, reason):
-            log.error("%s: TLS with %s failed: %s; retrying in %.1f s", self.name, where, reason, delay)
-        else:
-            log.warning("%s: connection to %s failed or lost: %s; retrying in %.1f s", self.name, where, reason, delay)
+        log_retry(
+            log,
+            f"{self.host}:{self.port}",
+            str(exc) or type(exc).__name__,
+            delay,
+            detail=self._transport_error.take(),  # the real cause, where aiomqtt only saw a timeout
+            exc=exc,
+            refused=self.client_id if isinstance(exc, MqttConnectError) else None,
+            prefix=f"{self.name}: ",
+        )
 
     async def _session(self, client: aiomqtt.Client, stop: asyncio.Event) -> None:
         """Serve one connection; return when stopped, raise :class:`aiomqtt.MqttError` when it breaks."""
