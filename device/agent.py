@@ -80,13 +80,13 @@ from device.heartbeat import AGENT_VERSION, Heartbeats, state_body
 from device.identity import Enrolment, IdentityStore
 from device.local_data import LocalDatasets
 from device.outbox import DEFAULT_MAX_EVENTS, DEFAULT_WINDOW, OUTBOX_FILE, Outbox
+from device.rejections import Rejections
 from device.resources import ResourceSampler
 from device.split.channel import InferChannel
 from interfaces import API_PREFIX
 from interfaces.deployments import EXECUTION_EVENT, EXECUTION_FAILURES, INSTALLED_KEY, ExecutionProgress
 from interfaces.messages import (
     MAX_MESSAGE_BYTES,
-    MESSAGE_REJECTED_EVENT,
     CommandBody,
     CommandError,
     CommandResultBody,
@@ -264,7 +264,8 @@ class Device:
         self._accepting_events = False
         self._outbox: Outbox | None = None
         self._stats_lock = threading.Lock()
-        self._messages_in = self._messages_out = self._dropped = self._reconnects = 0
+        self._messages_in = self._messages_out = self._reconnects = 0
+        self._rejections = Rejections(log)
         self._attempt = 0
         self._paho_log = logging.getLogger("aisynergy.device.mqtt")
         self._paho_filter = PahoLog()
@@ -448,7 +449,7 @@ class Device:
 
     def stats(self) -> DeviceStats:
         with self._stats_lock:
-            counts = (self._messages_in, self._messages_out, self._dropped, self._reconnects)
+            counts = (self._messages_in, self._messages_out, self._rejections.total, self._reconnects)
         outbox = self._outbox
         next_seq = outbox.next_seq if outbox is not None else None
         waiting = outbox.waiting if outbox is not None else 0
@@ -762,12 +763,8 @@ class Device:
 
     def _reject(self, message: mqtt.MQTTMessage, exc: ValueError) -> None:
         """Drop a malformed message, count it and say so on ``events`` (DESIGN §6)."""
-        with self._stats_lock:
-            self._dropped += 1
-            total = self._dropped
-        log.warning("rejected a malformed message on %s: %s", message.topic, str(exc).splitlines()[0])
-        log.debug("malformed payload: %r", message.payload[:1024])
-        self._report_error(MESSAGE_REJECTED_EVENT, str(exc), topic=message.topic, rejected_total=total)
+        event = self._rejections.reject(message.topic, exc, message.payload)
+        self._report_error(event.type, event.message or "", **event.data)
 
     def _on_desired(self, message: mqtt.MQTTMessage) -> None:
         if not message.payload:

@@ -145,7 +145,7 @@ class EdgeAgent:
 
     @property
     def rejected(self) -> int:
-        return self.node.rejected + self.relay.rejected
+        return self.node.rejections.total + self.relay.rejections.total
 
     def stop(self) -> None:
         """Ask :meth:`run` to publish ``offline``, disconnect and return."""

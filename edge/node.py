@@ -23,6 +23,7 @@ from pydantic import BaseModel, ValidationError
 from device.commands import Commands
 from device.connection import encode
 from device.heartbeat import AGENT_VERSION, HeartbeatBuilder, state_body
+from device.rejections import Rejections
 from device.resources import ResourceSampler
 from edge.link import Link
 from edge.store import EdgeStore, Scope
@@ -35,7 +36,6 @@ from interfaces.messages import (
     HeartbeatBody,
     ReportedBody,
     envelope,
-    rejection_event,
 )
 from interfaces.topics import (
     NODE_CMD,
@@ -66,7 +66,7 @@ class NodeService:
     ) -> None:
         self.node_id = node_id
         self.deployments = deployments
-        self.rejected = 0
+        self.rejections = Rejections(log)
         self._store = store
         self._interval = heartbeat_interval_s
         # the node's own commands: the deployments' (models) when it hosts them, else the built-ins alone
@@ -155,7 +155,7 @@ class NodeService:
         try:
             request = NODE_CMD.payload.model_validate_json(message.payload)  # type: ignore[arg-type]
         except ValidationError as exc:
-            self.rejected += 1
+            self.rejections.count()
             log.warning("rejected a malformed command: %s", exc.error_count())
             log.debug("malformed command payload: %r", message.payload)
             result = CommandResultBody(ok=False, error_code=CommandError.VALIDATION_FAILED.value, error=str(exc)[:2048])
@@ -201,7 +201,5 @@ class NodeService:
 
     async def _reject(self, client: aiomqtt.Client, message: aiomqtt.Message, exc: ValidationError) -> None:
         """Drop a malformed message, count it and say so on ``events`` (DESIGN §6)."""
-        self.rejected += 1
-        log.warning("rejected a malformed message on %s: %s errors", message.topic.value, exc.error_count())
-        log.debug("malformed payload: %r", message.payload)
-        await self._publish(client, NODE_EVENTS, rejection_event(message.topic.value, exc, self.rejected))
+        event = self.rejections.reject(message.topic.value, exc, bytes(message.payload or b""))  # type: ignore[arg-type]
+        await self._publish(client, NODE_EVENTS, event)

@@ -39,6 +39,7 @@ from paho.mqtt.packettypes import PacketTypes
 from paho.mqtt.properties import Properties
 from pydantic import ValidationError
 
+from device.rejections import Rejections
 from edge.link import Link
 from edge.store import EdgeStore, LearnedFrom, OutboxRow, Scope
 from interfaces.deployments import DeploymentOrder
@@ -52,7 +53,6 @@ from interfaces.messages import (
     EventsAckBody,
     StateBody,
     envelope,
-    rejection_event,
 )
 from interfaces.topics import (
     DEVICE_CMD,
@@ -133,7 +133,7 @@ class DeviceRelay:
         deployment orders of each desired document (it must not block)."""
         self.node_id = node_id
         self.up, self.down = up, down
-        self.rejected = 0
+        self.rejections = Rejections(log)
         self.dropped = 0  # messages for the hub refused because the outbox was full
         self._store = store
         self._window = outbox_window
@@ -250,7 +250,7 @@ class DeviceRelay:
         try:
             request = RELAY_CMD.payload.model_validate_json(payload)
         except ValidationError as exc:
-            self.rejected += 1
+            self.rejections.count()
             log.warning("rejected a malformed command for %s: %s errors", device_id, exc.error_count())
             failure = CommandResultBody(
                 ok=False, error_code=CommandError.VALIDATION_FAILED.value, error=str(exc)[:2048]
@@ -317,7 +317,7 @@ class DeviceRelay:
         try:
             DEVICE_CMD_REPLY.payload.model_validate_json(payload)
         except ValidationError as exc:
-            self.rejected += 1
+            self.rejections.count()
             log.warning(
                 "%s answered command %s with a malformed result: %s errors",
                 device_id,
@@ -459,13 +459,7 @@ class DeviceRelay:
 
     def _reject(self, where: str, exc: ValidationError | str, **data: Any) -> None:
         """Drop a malformed message, count it and tell the hub on the node's ``events`` (DESIGN §6)."""
-        self.rejected += 1
-        log.warning(
-            "rejected a malformed message on %s: %s",
-            where,
-            exc if isinstance(exc, str) else f"{exc.error_count()} errors",
-        )
-        event = envelope(self.node_id, rejection_event(where, exc, self.rejected, **data))
+        event = envelope(self.node_id, self.rejections.reject(where, exc, **data))
         self.enqueue(NODE_EVENTS.topic(node_id=self.node_id), event.model_dump_json().encode(), NODE_EVENTS)
 
     def enqueue(self, topic: str, payload: bytes, kind: Topic[Any], device_seq: tuple[str, int] | None = None) -> bool:
