@@ -51,6 +51,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from device.errors import NotRunning, OutboxFull, StoredStateError
+from device.sequence import read_ceiling
 
 log = logging.getLogger("aisynergy.device")
 
@@ -70,26 +71,6 @@ CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value INTEGER NOT NULL);
 
 BuildPayload = Callable[[int, int | None], bytes]
 """``(seq, prev_seq) -> envelope bytes``; raising ``ValueError`` refuses the event and consumes no number."""
-
-
-def _legacy_ceiling(path: Path) -> int | None:
-    """The next number recorded by the older ``event-seq`` file, if the device has one."""
-    try:
-        text = path.read_text()
-    except FileNotFoundError:
-        return None
-    except OSError as exc:
-        raise StoredStateError(f"cannot read the event sequence {path}: {exc}") from exc
-    try:
-        value = int(text.strip())
-    except ValueError:
-        value = -1
-    if value < 0:
-        raise StoredStateError(
-            f"{path} does not hold a sequence number ({text[:40]!r}); write a number above the last event seq "
-            "the hub has seen for this device, or remove the file if the device is new"
-        )
-    return value
 
 
 class Outbox:
@@ -131,7 +112,7 @@ class Outbox:
         except sqlite3.Error as exc:
             raise StoredStateError(f"cannot open the event outbox {self.path}: {exc}") from exc
         if meta is None and not rows:
-            ceiling = _legacy_ceiling(legacy_sequence) if legacy_sequence is not None else None
+            ceiling = read_ceiling(legacy_sequence) if legacy_sequence is not None else None
             self._next, self._prev = (ceiling or 0), None
         else:
             last = max(rows[-1][0] if rows else -1, meta[0] if meta else -1)

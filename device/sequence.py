@@ -18,6 +18,27 @@ from device.files import write_atomic
 DEFAULT_BLOCK = 1024
 
 
+def read_ceiling(path: Path) -> int | None:
+    """The number a sequence file records (``None``: there is no file); :class:`StoredStateError` if unreadable."""
+    try:
+        text = path.read_text()
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        raise StoredStateError(f"cannot read the event sequence {path}: {exc}") from exc
+    try:
+        value = int(text.strip())
+    except ValueError:
+        value = -1
+    if value < 0:
+        # Restarting at 0 would make the hub discard new events as duplicates: refuse instead.
+        raise StoredStateError(
+            f"{path} does not hold a sequence number ({text[:40]!r}); write a number above the last "
+            "event seq the hub has seen for this device, or remove the file if the device is new"
+        )
+    return value
+
+
 class EventSequence:
     def __init__(self, path: Path, block: int = DEFAULT_BLOCK) -> None:
         if block < 1:
@@ -29,23 +50,8 @@ class EventSequence:
         self._ceiling = self._next  # nothing reserved yet in this run
 
     def _read(self) -> int:
-        try:
-            text = self.path.read_text()
-        except FileNotFoundError:
-            return 0
-        except OSError as exc:
-            raise StoredStateError(f"cannot read the event sequence {self.path}: {exc}") from exc
-        try:
-            value = int(text.strip())
-        except ValueError:
-            value = -1
-        if value < 0:
-            # Restarting at 0 would make the hub discard new events as duplicates: refuse instead.
-            raise StoredStateError(
-                f"{self.path} does not hold a sequence number ({text[:40]!r}); write a number above the last "
-                "event seq the hub has seen for this device, or remove the file if the device is new"
-            )
-        return value
+        ceiling = read_ceiling(self.path)
+        return 0 if ceiling is None else ceiling
 
     @property
     def peek(self) -> int:
