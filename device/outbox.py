@@ -127,6 +127,7 @@ class Outbox:
         self._staged: list[tuple[int, bytes]] = []
         self._failure: BaseException | None = None
         self._closing = False
+        self._closed = False  # the file is closed (after the committer's last write)
         self._last_progress = time.monotonic()
         self._timeout = ack_timeout_s
         self._cond = threading.Condition()
@@ -186,7 +187,7 @@ class Outbox:
         """The committed events to publish next, in order, and mark them sent; empty when there is none (or
         the window is full). Rewinds first when no acknowledgement came in time."""
         with self._cond:
-            if not connected:
+            if not connected or self._closing:
                 return []
             now = time.monotonic()
             if self._sent > self._acked and now - self._last_progress > self._timeout:
@@ -201,6 +202,8 @@ class Outbox:
             if self._sent == self._acked:
                 self._last_progress = now  # the clock runs from the first event in flight
         with self._db_lock:
+            if self._closed:
+                return []
             rows = self._db.execute(
                 "SELECT seq, payload FROM events WHERE seq > ? AND seq <= ? ORDER BY seq LIMIT ?",
                 (start, self._committed, room),
@@ -251,6 +254,7 @@ class Outbox:
             self._cond.notify_all()
         self._thread.join(timeout_s)
         with self._db_lock:
+            self._closed = True
             self._db.close()
 
     # ---- the committer ------------------------------------------------------------------------------
