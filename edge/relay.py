@@ -91,6 +91,7 @@ REDELIVER_DESIRED_AFTER_S = (0.0, 1.0, 3.0, 10.0, 30.0)  # after a device comes 
 ACK_DELAY_S = 0.02  # acknowledgements due within this go out together, one per device
 RESEND_EVERY_S = 1.0  # at most one resend request per device this often (events in flight follow the first)
 RESEND_DELIVERED_S = 10.0  # what the broker acknowledged this long before a session ended goes again (see _pump_outbox)
+RESEND_DELIVERED_MAX = 20_000  # ... at most this many messages (the newest), so a burst does not fill the memory
 
 def _bytes(payload: object) -> bytes:
     return bytes(payload) if isinstance(payload, (bytes, bytearray)) else str(payload or "").encode()
@@ -153,7 +154,8 @@ class DeviceRelay:
         self._resend_asked: dict[str, float] = {}  # device id -> loop time of the last resend request
         self._acks_due: dict[str, bool] = {}  # device id -> resend flag, sent within ACK_DELAY_S
         self._acker: asyncio.Task[None] | None = None
-        self._delivered: deque[tuple[float, OutboxRow]] = deque()  # (monotonic time, row) acknowledged by the broker
+        # (monotonic time, row) acknowledged by the broker, the newest RESEND_DELIVERED_MAX of them
+        self._delivered: deque[tuple[float, OutboxRow]] = deque(maxlen=RESEND_DELIVERED_MAX)
         self._session_ended: float | None = None
         self.duplicates = 0  # device events received again (dropped)
         self.out_of_order = 0  # device events received after a hole (dropped; the device resends)
@@ -563,8 +565,8 @@ class DeviceRelay:
 
         A broker acknowledges what it holds, not what the hub has stored: a broker killed with messages still
         on their way to the hub loses them (its persistence is not written per message). So the rows delivered
-        in the last :data:`RESEND_DELIVERED_S` before a session ended go again, first, at the next one: what was
-        lost was the newest, so order holds, and the hub keeps each envelope once.
+        in the last :data:`RESEND_DELIVERED_S` before a session ended (at most :data:`RESEND_DELIVERED_MAX`) go again,
+        first, at the next one: what was lost was the newest, so order holds, and the hub keeps each envelope once.
         """
         self._loop = asyncio.get_running_loop()
         self._hub_online.clear()  # learn it afresh from this session's retained HUB_STATE
@@ -587,8 +589,8 @@ class DeviceRelay:
                 )
                 failure = next((r for r in results if isinstance(r, BaseException)), None)
                 if failure is not None:
-                    self._delivered.extend((0.0, row) for row in again[start:])  # still owed at the next session
-                    self._session_ended = time.monotonic()
+                    now = time.monotonic()  # still owed at the next session
+                    self._delivered.extend((now, row) for row in again[start:])
                     raise failure
         while True:
             await self._hub_online.wait()
