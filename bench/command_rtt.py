@@ -156,6 +156,10 @@ def worker_main(spec_path: Path) -> int:
     spec = json.loads(spec_path.read_text())
     logging.basicConfig(level=spec.get("log_level", "INFO"), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)
+    if os.environ.get("AISYNERGY_BENCH_TRACE"):  # diagnostics (rollout.py --trace)
+        import _trace
+
+        _trace.install_device()
     from device.agent import Device
 
     status_path = Path(spec["status"])
@@ -432,6 +436,7 @@ class Run:
     token: str = ""
     node_id: str = ""
     env: dict[str, str] = field(default_factory=dict)  # extra environment of every child (--tcp-nodelay)
+    cli: dict[str, list[str]] = field(default_factory=dict)  # "hub" / "edge": another command for that child (tracing)
     results: dict[str, Any] = field(default_factory=dict)
 
     @property
@@ -569,7 +574,7 @@ def start_system(run: Run) -> dict[str, list[Any]]:
         )
 
     def args(port: int) -> list[str]:
-        return [*AISYNERGY, "hub", "serve", "--data-dir", str(d), "--port", str(port),
+        return [*run.cli.get("hub", AISYNERGY), "hub", "serve", "--data-dir", str(d), "--port", str(port),
                 "--broker-url", f"mqtts://127.0.0.1:{run.broker_port}"]  # fmt: skip
 
     def mqtt_up(proc: Proc, port: int) -> bool:
@@ -608,7 +613,7 @@ def start_edge(run: Run, api: Any) -> list[Any]:
 
     def args(port: int) -> list[str]:
         # a retry finds the identity of the first attempt in --data-dir and needs no token
-        a = [*AISYNERGY, "edge", "run", "--hub", run.hub_url, "--node-id", run.node_id, "--bootstrap-token", reg["bootstrap_token"],
+        a = [*run.cli.get("edge", AISYNERGY), "edge", "run", "--hub", run.hub_url, "--node-id", run.node_id, "--bootstrap-token", reg["bootstrap_token"],
              "--data-dir", str(run.data_dir / "edge"), "--device-listen", f"127.0.0.1:{port}"]  # fmt: skip
         if run.devices_broker_port:
             a += ["--downstream-mqtt-url", f"mqtts://127.0.0.1:{run.devices_broker_port}"]
@@ -649,9 +654,12 @@ def device_states(api: Any, node_id: str) -> Counter[str]:
     return states
 
 
-def start_devices(run: Run, api: Any, devices: list[tuple[str, str]]) -> tuple[list[Any], dict[str, Any]]:
+def start_devices(run: Run, api: Any, devices: list[tuple[str, str]], script: Path | None = None,
+                  extra: dict[str, Any] | None = None) -> tuple[list[Any], dict[str, Any]]:  # fmt: skip
     """Device-host workers, started one after another: enrolment is serialised (one certificate request
-    at a time reaches the hub; see the caveat on concurrent certificate requests in bench/README.md)."""
+    at a time reaches the hub; see the caveat on concurrent certificate requests in bench/README.md).
+    ``script``: the benchmark whose ``_worker`` entry hosts the devices (this one's by default); ``extra``:
+    more fields for each worker's spec."""
     import psutil
 
     a = run.args
@@ -670,11 +678,12 @@ def start_devices(run: Run, api: Any, devices: list[tuple[str, str]]) -> tuple[l
             "enrol_url": run.enrol_url, "status": str(status_path), "max_lifetime_s": a.max_runtime,
             "log_level": a.device_log_level,
             "devices": [{"id": i, "token": t, "dir": str(run.data_dir / "devices" / i)} for i, t in share],
+            **(extra or {}),
         }  # fmt: skip
         spec_path.write_text(json.dumps(spec))
         proc = start_proc(
             f"worker-{w}",
-            [sys.executable, str(Path(__file__).resolve()), "_worker", str(spec_path)],
+            [sys.executable, str((script or Path(__file__)).resolve()), "_worker", str(spec_path)],
             run.data_dir / f"worker-{w}.log",
             run.env,
         )

@@ -37,6 +37,7 @@ import json
 import os
 import shutil
 import signal
+import subprocess
 import sys
 import tempfile
 import time
@@ -104,7 +105,8 @@ def ts(text: str) -> float:
     return dt.datetime.fromisoformat(text).timestamp()
 
 
-def measure_rollout(run: Run, api: Any, sampler: Sampler, handles: dict[str, list[Any]], model: bytes, device_ids: list[str]) -> None:
+def measure_rollout(run: Run, api: Any, sampler: Sampler, handles: dict[str, list[Any]], model: bytes, device_ids: list[str]) -> list[dict[str, Any]]:
+    """Deploy, wait for the end, record the figures; returns the sampled devices' execution events."""
     a, r = run.args, run.results
     files = {"file": ("bench.onnx", model, "application/octet-stream")}
     art = api_ok(api.post("/artifacts", data={"kind": "model", "name": "bench", "version": "1.0.0", "format": "onnx"}, files=files), "upload")
@@ -112,6 +114,7 @@ def measure_rollout(run: Run, api: Any, sampler: Sampler, handles: dict[str, lis
     log(f"uploaded {art['size']} bytes as {art['id']}; deploying to {a.devices} devices ({a.strategy})")
     edge_before = _edge_fetches(run)
     body = {"artifact_id": art["id"], "target": {"ids": device_ids}, "strategy": strategy(a.strategy), "timeout_s": int(a.timeout)}
+    spy = _profile_edge(run, handles) if a.profile_edge else None
     t0 = time.time()
     t0_mono = time.monotonic()
     dep = api_ok(api.post("/deployments", json=body), "create the deployment")
@@ -125,6 +128,9 @@ def measure_rollout(run: Run, api: Any, sampler: Sampler, handles: dict[str, lis
 
     wait_until(final, a.timeout + 60, "the deployment to finish", 0.25)
     wall = time.monotonic() - t0_mono
+    if spy is not None:
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            spy.wait(a.profile_seconds + 30)
     t1 = time.time()
     last = api_ok(api.get(f"/deployments/{dep['id']}"), "read the deployment")
     executions = last["executions"]
@@ -168,6 +174,21 @@ def measure_rollout(run: Run, api: Any, sampler: Sampler, handles: dict[str, lis
         "edge_to_devices_per_device": int(per_device),
         "progress_sample": min(a.progress_sample, len(executions)),
     }
+    return [e for events in sample for e in events]
+
+
+def _profile_edge(run: Run, handles: dict[str, list[Any]]) -> subprocess.Popen[bytes] | None:
+    """py-spy on the edge from the deployment's creation (diagnostic): with ``--gil``, what holds the GIL."""
+    spy = shutil.which("py-spy") or str(Path(sys.executable).parent / "py-spy")
+    if not os.access(spy, os.X_OK):
+        log("py-spy not found: pip install py-spy (profiling skipped)")
+        return None
+    out = Path(run.args.profile_edge).resolve()
+    fmt = "speedscope" if out.suffix == ".json" else ("flamegraph" if out.suffix == ".svg" else "raw")
+    gil = ["--gil"] if run.args.profile_gil else []
+    return subprocess.Popen([spy, "record", "--pid", str(handles["edge"][0].pid), "--duration", str(int(run.args.profile_seconds)),
+                             "--rate", "100", "--format", fmt, "--output", str(out), "--threads", "--nonblocking", *gil],
+                            stdout=subprocess.DEVNULL, stderr=(run.data_dir / "py-spy.log").open("ab"), start_new_session=True)  # fmt: skip
 
 
 def _progress(api: Any, execution: dict[str, Any]) -> list[dict[str, Any]]:
@@ -248,6 +269,11 @@ def main(argv: Iterable[str] | None = None) -> int:
     p.add_argument("--out", type=Path, default=None)
     p.add_argument("--data-dir", type=Path, default=None)
     p.add_argument("--keep", action="store_true")
+    p.add_argument("--trace", action="store_true", help="diagnostic: time each sampled event's stages (bench/_trace.py)")
+    p.add_argument("--profile-edge", default=None, help="diagnostic: py-spy the edge during the rollout into this file")
+    p.add_argument("--profile-seconds", type=float, default=40)
+    p.add_argument("--profile-gil", action="store_true", help="with --profile-edge: sample only the thread holding the GIL")
+    p.add_argument("--what-if", default="", help="diagnostic: changes of the edge to measure, comma-separated (bench/_trace.py: desired-async, link-drain, inflight=N)")
     args = p.parse_args(argv)
     # the command benchmark's helpers read these
     args.downstream_broker, args.tcp_nodelay = False, False
@@ -267,6 +293,14 @@ def main(argv: Iterable[str] | None = None) -> int:
         "note": "broker, hub, edge, the device workers and this orchestrator share this machine's cores",
     }  # fmt: skip
     signal.signal(signal.SIGTERM, lambda signum, _f: (_ for _ in ()).throw(KeyboardInterrupt(f"signal {signum}")))
+    if args.trace:  # the hub and the edge run under the tracing wrapper, the workers install it themselves
+        trace_dir = data_dir / "trace"
+        trace_dir.mkdir(exist_ok=True)
+        run.env["AISYNERGY_BENCH_TRACE"] = str(trace_dir)
+        run.cli = {role: [sys.executable, str(BENCH / "_trace.py")] for role in ("hub", "edge")}
+    if args.what_if:
+        run.env["AISYNERGY_BENCH_WHAT_IF"] = args.what_if
+        run.cli["edge"] = [sys.executable, str(BENCH / "_trace.py")]
     model = dense_model(args.model_mib, seed=1)
     try:
         run.results["verification"] = measure_verification(model, args.verify_seconds)
@@ -280,9 +314,14 @@ def main(argv: Iterable[str] | None = None) -> int:
             sampler = Sampler(dict(handles))
             sampler.start()
             try:
-                measure_rollout(run, api, sampler, handles, model, [d for d, _ in devices])
+                events = measure_rollout(run, api, sampler, handles, model, [d for d, _ in devices])
             finally:
                 sampler.stop()
+            if args.trace:
+                import _trace
+
+                time.sleep(2.5)  # the tracers write once a second
+                run.results["trace"] = _trace.analyse(data_dir / "trace", events, ts)
         ro = run.results["rollout"]
         run.results["holds"] = ro["state"] == "SUCCEEDED" and ro["all_active_s"] is not None and ro["all_active_s"] <= args.target_s
     except KeyboardInterrupt:
@@ -307,7 +346,7 @@ def main(argv: Iterable[str] | None = None) -> int:
             shutil.rmtree(data_dir, ignore_errors=True)
         else:
             run.results["data_dir"] = str(data_dir)
-    print(json.dumps({k: run.results.get(k) for k in ("rollout", "device_clock_sample", "event_delivery_s", "bytes", "deltas", "verification", "holds", "error")}, indent=2, default=str))
+    print(json.dumps({k: run.results.get(k) for k in ("rollout", "device_clock_sample", "event_delivery_s", "bytes", "deltas", "verification", "trace", "holds", "error")}, indent=2, default=str))
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(run.results, indent=2, default=str) + "\n")

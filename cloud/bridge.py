@@ -133,6 +133,9 @@ def tls_context(pki_dir: Path, identity: str) -> ssl.SSLContext:
     return ctx
 
 
+OPERATION_TIMEOUT_S = 120.0  # a SUBSCRIBE's or a QoS 1 publish's answer, once connected (aiomqtt's default: 10 s)
+
+
 class MqttBridge:
     def __init__(self, broker_url: str, pki_dir: Path, identity: str, ingest: StatusIngest,
                  desired: DesiredPublisher | None = None, max_backoff_s: float = RECONNECT_CAP_S,
@@ -191,19 +194,27 @@ class MqttBridge:
                 # aiomqtt has no option for it; its paho client does (acknowledge after the ingest commit)
                 client._client.manual_ack_set(True)  # noqa: SLF001
                 async with client:
+                    # connected: a broker busy after an outage may take long to answer; giving the session up then
+                    # would make it send everything again (a dead connection is found by the keepalive)
+                    client.timeout = OPERATION_TIMEOUT_S
                     self._generation += 1
                     self._client = client
-                    for topic, _model, _handler, shared in self._routes:
-                        await client.subscribe(topic.shared_filter() if shared else topic.filter(), qos=topic.qos)
-                    # subscribed: edges may now deliver what they stored (Sparkplug's primary-host STATE)
-                    await client.publish(HUB_STATE.topic(), _hub_state(ConnectionState.ONLINE), qos=HUB_STATE.qos, retain=True)
-                    log.info("connected to broker %s:%d as %s", self.host, self.port, self.identity)
-                    self.connected.set()
-                    self.counters["connects"] += 1
-                    attempt = 0
-                    publisher = asyncio.create_task(self._publish_desired(client)) if self.desired else None
+                    # what the broker kept for the persistent session arrives right after CONNACK, ahead of any
+                    # SUBACK: consume it now, or the subscription waits behind all of it (seconds after an outage)
+                    consumer = asyncio.create_task(self._consume(client))
+                    publisher = None
                     try:
-                        await self._consume(client)
+                        # one SUBSCRIBE for every route: one round trip to the broker, not one per topic
+                        await client.subscribe([(topic.shared_filter() if shared else topic.filter(), topic.qos)
+                                                for topic, _model, _handler, shared in self._routes])  # fmt: skip
+                        # subscribed: edges may now deliver what they stored (Sparkplug's primary-host STATE)
+                        await client.publish(HUB_STATE.topic(), _hub_state(ConnectionState.ONLINE), qos=HUB_STATE.qos, retain=True)
+                        log.info("connected to broker %s:%d as %s", self.host, self.port, self.identity)
+                        self.connected.set()
+                        self.counters["connects"] += 1
+                        attempt = 0
+                        publisher = asyncio.create_task(self._publish_desired(client)) if self.desired else None
+                        await consumer
                     except asyncio.CancelledError:
                         # a clean stop: say so before leaving, as the will would for a crash
                         with contextlib.suppress(Exception):
@@ -211,6 +222,7 @@ class MqttBridge:
                                 HUB_STATE.topic(), _hub_state(ConnectionState.OFFLINE, "shutdown"), qos=HUB_STATE.qos, retain=True)), 2)  # fmt: skip
                         raise
                     finally:
+                        consumer.cancel()
                         if publisher is not None:
                             publisher.cancel()
             except asyncio.CancelledError:
@@ -218,6 +230,10 @@ class MqttBridge:
             except (aiomqtt.MqttError, OSError, ssl.SSLError) as exc:
                 self.counters["connection_errors"] += 1
                 log.warning("broker %s:%d unavailable: %s", self.host, self.port, exc)
+            except Exception:  # anything else ends this connection, never the bridge: the hub must keep trying
+                self.counters["connection_errors"] += 1
+                self.counters["unexpected_errors"] += 1
+                log.exception("broker %s:%d: unexpected error on the connection; connecting again", self.host, self.port)
             finally:
                 self._client = None
                 self.connected.clear()

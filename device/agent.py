@@ -72,15 +72,16 @@ from paho.mqtt.reasoncodes import ReasonCode
 from pydantic import BaseModel
 
 from device.commands import MODEL_COMMANDS, CommandHandler, Commands, failure
-from device.connection import PahoLog, encode, log_retry, parse_mqtt_url, reconnect_delay, tls_context
+from device.connection import PahoLog, encode, log_retry, parse_mqtt_url, tls_context
 from device.desired import DesiredStore
 from device.errors import ConfigError, IdentityError, NotRunning, OutboxFull, StoredStateError
 from device.fl import FlChannel
-from device.heartbeat import AGENT_VERSION, Heartbeats, state_body
+from device.heartbeat import AGENT_VERSION, Heartbeats
 from device.identity import Enrolment, IdentityStore
 from device.local_data import LocalDatasets
 from device.outbox import DEFAULT_MAX_EVENTS, DEFAULT_WINDOW, OUTBOX_FILE, Outbox
 from device.rejections import Rejections
+from device.session import Presence, SessionPlan
 from device.resources import ResourceSampler
 from device.split.channel import InferChannel
 from interfaces import API_PREFIX
@@ -90,14 +91,11 @@ from interfaces.messages import (
     CommandBody,
     CommandError,
     CommandResultBody,
-    ConnectionState,
     Envelope,
     EventBody,
     EventsAckBody,
     HeartbeatBody,
     ReportedBody,
-    StateBody,
-    envelope,
 )
 from interfaces.privacy import DATASETS_KEY
 from interfaces.reconnect import RECONNECT_CAP_S
@@ -236,7 +234,16 @@ class Device:
         self.identity = IdentityStore(self.data_dir)
         self._enrol_url, self._bootstrap_token = enrol_url, bootstrap_token
         self._mqtt_url, self._heartbeat_interval_s = mqtt_url, heartbeat_interval_s
-        self._keepalive_s, self._reconnect_cap_s, self._max_queued = keepalive_s, reconnect_cap_s, max_queued
+        try:  # the session core (device.session): the same plan as the edge's links, run on paho's own thread
+            self._plan = SessionPlan(
+                device_id,
+                keepalive_s,
+                reconnect_cap_s=reconnect_cap_s,
+                presence=Presence(DEVICE_STATE, device_id, {"device_id": device_id}),
+            )
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
+        self._max_queued = max_queued
         self._durable_events, self._max_events_waiting = durable_events, max_events_waiting
         self._sampler = sampler
         self._reboot = reboot
@@ -266,7 +273,7 @@ class Device:
         self._stats_lock = threading.Lock()
         self._messages_in = self._messages_out = self._reconnects = 0
         self._rejections = Rejections(log)
-        self._attempt = 0
+        self._backoff = self._plan.backoff()
         self._paho_log = logging.getLogger("aisynergy.device.mqtt")
         self._paho_filter = PahoLog()
 
@@ -370,7 +377,10 @@ class Device:
             self._sender = threading.Thread(target=self._send_events, name="aisynergy-events", daemon=True)
             self._sender.start()
             log.info("connecting to mqtts://%s:%s as %s", self._host, self._port, self.device_id)
-            self._client.connect_async(self._host, self._port, keepalive=self._keepalive_s, clean_start=True)
+            plan = self._plan
+            self._client.connect_async(
+                self._host, self._port, keepalive=plan.keepalive_s, clean_start=plan.clean_start, properties=plan.connect_properties()
+            )
             self._client.loop_start()
             self._heartbeats.start()
 
@@ -395,7 +405,7 @@ class Device:
         self._command_worker.close()
         self._desired_worker.close()
         if self._connected.is_set():
-            info = self._publish(DEVICE_STATE, self._state(ConnectionState.OFFLINE, "shutdown"))
+            info = self._publish_presence(self._plan_presence.farewell())
             try:
                 info.wait_for_publish(timeout_s)
             except (RuntimeError, ValueError) as exc:
@@ -611,6 +621,7 @@ class Device:
         client.tls_set_context(tls)
         client.enable_logger(self._paho_log)
         client.max_queued_messages_set(self._max_queued)
+        client.connect_timeout = self._plan.connect_timeout_s
         client.on_connect = self._on_connect
         client.on_connect_fail = self._on_connect_fail
         client.on_disconnect = self._on_disconnect
@@ -620,20 +631,14 @@ class Device:
         return client
 
     def _set_will(self, client: mqtt.Client) -> None:
-        will = envelope(self.device_id, self._state(ConnectionState.OFFLINE, "will"))
-        client.will_set(
-            DEVICE_STATE.topic(device_id=self.device_id),
-            will.model_dump_json().encode(),
-            qos=DEVICE_STATE.qos,
-            retain=DEVICE_STATE.retain,
-        )
+        presence = self._plan_presence
+        client.will_set(presence.state_topic, presence.will(), qos=presence.qos, retain=presence.retain)
 
     def _retry_later(self, client: mqtt.Client, reason: str) -> None:
         """Runs in the callback paho makes just before it waits to reconnect: set that wait, jittered."""
         if self._stopping.is_set():
             return
-        self._attempt += 1
-        delay = reconnect_delay(self._attempt, self._reconnect_cap_s)
+        delay = self._backoff.failed()
         client.reconnect_delay_set(delay, delay)  # type: ignore[arg-type]  # seconds; paho takes a float
         self._set_will(client)  # a fresh envelope for the next session's will
         log_retry(log, f"{self._host}:{self._port}", reason, delay, detail=self._paho_filter.take())
@@ -651,13 +656,13 @@ class Device:
         if sock is not None:  # small request/response packets must not wait for delayed ACKs (~40 ms a hop)
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         log.info("connected to %s:%s as %s", self._host, self._port, self.device_id)
-        self._attempt = 0
+        self._backoff.connected()
         self._connected.set()
         wanted = (DEVICE_DESIRED, DEVICE_CMD, DEVICE_INFER_REPLY, DEVICE_EVENTS_ACK)
         client.subscribe([(t.topic(device_id=self.device_id), t.qos) for t in wanted])
         assert self._outbox is not None
         self._outbox.rewind()  # what the edge has not acknowledged leaves again, in order
-        self._publish(DEVICE_STATE, self._state(ConnectionState.ONLINE))
+        self._publish_presence(self._plan_presence.online())
         record = self._desired.record
         if record.applied_version >= 0:  # say it again: a report queued when the process last ended never left
             self._publish(DEVICE_REPORTED, ReportedBody(version=record.applied_version, status=self._with_installed(record.status)))
@@ -692,8 +697,24 @@ class Device:
             log.error("broker refused a subscription of %s: %s", self.device_id, ", ".join(refused))
 
     # ---- publishing ---------------------------------------------------------------------------------
-    def _state(self, state: ConnectionState, reason: str | None = None) -> StateBody:
-        return state_body(state, reason)
+    @property
+    def _plan_presence(self) -> Presence:
+        assert self._plan.presence is not None
+        return self._plan.presence
+
+    def _publish_presence(self, payload: bytes) -> mqtt.MQTTMessageInfo:
+        """The retained ``state`` the session core made (online, or offline at a clean stop)."""
+        assert self._client is not None
+        presence = self._plan_presence
+        info = self._client.publish(presence.state_topic, payload, qos=presence.qos, retain=presence.retain)
+        self._count_out(info, presence.qos)
+        return info
+
+    def _count_out(self, info: mqtt.MQTTMessageInfo, qos: int) -> None:
+        """A message sent, or queued by paho to leave on the next connection (QoS 1)."""
+        if info.rc == MQTTErrorCode.MQTT_ERR_SUCCESS or (info.rc == MQTTErrorCode.MQTT_ERR_NO_CONN and qos):
+            with self._stats_lock:
+                self._messages_out += 1
 
     def _publish(
         self,
@@ -713,9 +734,7 @@ class Device:
             retain=topic.retain,
             properties=properties,
         )
-        if info.rc == MQTTErrorCode.MQTT_ERR_SUCCESS or (info.rc == MQTTErrorCode.MQTT_ERR_NO_CONN and topic.qos):
-            with self._stats_lock:
-                self._messages_out += 1
+        self._count_out(info, topic.qos)
         return info
 
     def _publish_fl(self, body: BaseModel) -> None:

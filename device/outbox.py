@@ -35,9 +35,11 @@ never a silent drop and never a hole in the sequence.
 
 **Sending** is a cursor over the committed events: :meth:`sendable` hands out the next ones (at most
 ``window`` beyond the last acknowledged), :meth:`acknowledge` moves the acknowledged mark and forgets, and
-:meth:`rewind` goes back to the first unacknowledged one: on every (re)connect, when the edge asks for a
-resend, and when no acknowledgement came for ``ack_timeout_s`` (doubling up to ``ack_timeout_cap_s``, so a
-device behind an edge that is away does not flood its broker).
+:meth:`rewind` goes back to the first unacknowledged one: on every (re)connect, and when the edge asks for a
+resend. When no acknowledgement came for ``ack_timeout_s`` (doubling up to ``ack_timeout_cap_s``, so a device
+behind an edge that is away does not flood its broker), only the newest event sent goes again, as a probe: an
+edge that has the others answers it as a duplicate, an edge that lost them sees the hole before it and asks for
+a resend. A thousand devices behind one slow edge thus add one message each per timeout, not their windows.
 """
 
 from __future__ import annotations
@@ -191,26 +193,35 @@ class Outbox:
                 return []
             now = time.monotonic()
             if self._sent > self._acked and now - self._last_progress > self._timeout:
-                log.info("no acknowledgement of events %s..%s for %.1f s; sending them again", self._acked + 1, self._sent, self._timeout)
-                self._sent = self._acked
+                # the newest event sent goes again, alone: it travels behind the others, so an edge that has them
+                # (or is still working through them) answers it as a duplicate with what it has stored, and an edge
+                # that lost them sees a hole before it and asks for the rest (``resend``). Resending all of them
+                # instead would double the load of an edge that is only slow, and every device would do it at once.
+                probe = self._sent
+                log.info("no acknowledgement of events %s..%s for %.1f s; asking the edge with event %s",
+                         self._acked + 1, probe, self._timeout, probe)  # fmt: skip
                 self._last_progress = now
                 self._timeout = min(self._timeout * 2, self._ack_timeout_cap_s)
+                return self._rows(probe - 1, probe, 1)
             room = self._window - (self._sent - self._acked)
             start = self._sent
             if room <= 0 or self._committed <= start:
                 return []
             if self._sent == self._acked:
                 self._last_progress = now  # the clock runs from the first event in flight
+        rows = self._rows(start, self._committed, room)
+        with self._cond:
+            if rows and self._sent == start:  # not rewound meanwhile
+                self._sent = rows[-1][0]
+        return rows
+
+    def _rows(self, after: int, upto: int, limit: int) -> list[tuple[int, bytes]]:
         with self._db_lock:
             if self._closed:
                 return []
             rows = self._db.execute(
-                "SELECT seq, payload FROM events WHERE seq > ? AND seq <= ? ORDER BY seq LIMIT ?",
-                (start, self._committed, room),
+                "SELECT seq, payload FROM events WHERE seq > ? AND seq <= ? ORDER BY seq LIMIT ?", (after, upto, limit)
             ).fetchall()
-        with self._cond:
-            if rows and self._sent == start:  # not rewound meanwhile
-                self._sent = rows[-1][0]
         return [(r[0], bytes(r[1])) for r in rows]
 
     def wait(self, timeout_s: float) -> None:

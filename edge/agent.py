@@ -30,13 +30,15 @@ from edge.deployments import NodeDeployments
 from edge.enrol_proxy import EnrolmentProxy
 from edge.identity import IdentityStore
 from device.connection import parse_mqtt_url, tls_context
-from edge.link import Link, LinkSettings
+from edge.link import Link
 from edge.node import NodeService
 from edge.relay import DeviceRelay
 from edge.fl import FlRouter
 from edge.split import TailRouter
 from edge.store import EdgeStore, LearnedFrom
+from device.session import Presence, SessionPlan
 from interfaces.reconnect import RECONNECT_CAP_S
+from interfaces.topics import NODE_STATE
 
 log = logging.getLogger("aisynergy.edge")
 
@@ -80,19 +82,12 @@ class EdgeAgent:
         tls = tls_context(self.identity.ca_path, self.identity.cert_path, self.identity.key_path)
         # the link that serves the devices keeps its session while the edge restarts (their events wait in the
         # broker); the hub's commands carry a message expiry, so none runs late
-        settings = LinkSettings(
-            config.keepalive_s,
-            config.connect_timeout_s,
-            config.reconnect_cap_s,
-            config.downstream_session_expiry_s if shared else 0,
-        )
-        self.up = Link("upstream", config.mqtt_url, config.node_id, tls, settings)
+        node = Presence(NODE_STATE, config.node_id, {"node_id": config.node_id})
+        expiry = config.downstream_session_expiry_s
+        self.up = Link("upstream", config.mqtt_url, tls, self._plan(expiry if shared else 0, node))
         self.down = self.up
         if not shared:
-            down_settings = LinkSettings(
-                config.keepalive_s, config.connect_timeout_s, config.reconnect_cap_s, config.downstream_session_expiry_s
-            )
-            self.down = Link("downstream", downstream_url, config.node_id, tls, down_settings)
+            self.down = Link("downstream", downstream_url, tls, self._plan(expiry, None))
         self.store = EdgeStore(Path(config.data_dir) / STORE_FILE)
         self.split = TailRouter()  # split inference: the devices' requests to this node's tail workers
         self.split.attach(self.down)
@@ -138,6 +133,10 @@ class EdgeAgent:
             self.store.close()
             raise
         self._stop = asyncio.Event()
+
+    def _plan(self, session_expiry_s: int, presence: Presence | None) -> SessionPlan:
+        c = self.config
+        return SessionPlan(c.node_id, c.keepalive_s, c.connect_timeout_s, c.reconnect_cap_s, session_expiry_s, presence)
 
     @property
     def links(self) -> list[Link]:

@@ -4,6 +4,11 @@ The edge has one link to the hub's broker (upstream) and one to its devices' bro
 both are the same broker it has ONE link serving both roles, because the broker takes the certificate's
 CN as the client id and a second connection with the same certificate would take the first one over.
 
+A link is the asyncio face of the agents' session core (:mod:`device.session`; the device's
+:class:`~device.agent.Device` is the synchronous one): its :class:`~device.session.SessionPlan` says who
+connects, whether the broker keeps the session, the node's will, ``online`` and ``offline`` states and the
+reconnect timing; the link runs it on aiomqtt.
+
 Services plug into a link: :meth:`Link.route` a topic to a handler, :meth:`Link.during_session` a loop
 that runs while connected, :meth:`Link.before_disconnect` what to say on a clean stop. Handlers run one
 at a time in arrival order, so per-sender order is kept; a handler must not wait long.
@@ -22,15 +27,19 @@ from typing import Any
 
 import aiomqtt
 from aiomqtt.exceptions import MqttConnectError
-from paho.mqtt.packettypes import PacketTypes
 from paho.mqtt.properties import Properties
 
-from device.connection import PahoLog, log_retry, parse_mqtt_url, reconnect_delay
-from interfaces.reconnect import RECONNECT_CAP_S
+from device.connection import PahoLog, log_retry, parse_mqtt_url
+from device.session import SessionPlan
 from interfaces.topics import Topic
 
 # Small request/response packets must not wait for the peer's delayed ACK (~40 ms per hop on Linux).
 PENDING_CALLS_WARNING = 10_000  # aiomqtt warns above this many publishes awaiting their PUBACK
+# How long a subscription or a QoS 1 publish may wait for the broker's answer once connected. Not the connect
+# timeout: a broker that has just come back, busy with a fleet's handshakes and this session's queued messages,
+# can take longer than that to answer, and giving the session up then makes it send everything again (a livelock
+# under load). A dead connection is found by the keepalive, and ends the session's loops at once.
+OPERATION_TIMEOUT_S = 120.0
 NO_DELAY = ((socket.IPPROTO_TCP, socket.TCP_NODELAY, 1),)
 log = logging.getLogger("aisynergy.edge")
 
@@ -43,14 +52,6 @@ class NotConnected(aiomqtt.MqttError):
 
 
 @dataclass(frozen=True)
-class LinkSettings:
-    keepalive_s: int = 30
-    connect_timeout_s: float = 10.0
-    reconnect_cap_s: float = RECONNECT_CAP_S
-    session_expiry_s: int = 0  # > 0: the broker keeps our subscriptions and queues QoS 1 while we are away
-
-
-@dataclass(frozen=True)
 class _Route:
     topic: Topic[Any]
     fixed: dict[str, str]
@@ -60,15 +61,15 @@ class _Route:
 class Link:
     """Keeps one MQTT session to ``url`` up until the stop event is set; see the module docstring."""
 
-    def __init__(self, name: str, url: str, client_id: str, tls: ssl.SSLContext, settings: LinkSettings) -> None:
+    def __init__(self, name: str, url: str, tls: ssl.SSLContext, plan: SessionPlan) -> None:
         self.name = name
         self.host, self.port = parse_mqtt_url(url)
-        self.client_id = client_id
-        self.will: aiomqtt.Will | None = None
+        self.plan = plan
+        self.client_id = plan.client_id
         self.client: aiomqtt.Client | None = None
         self.connected = asyncio.Event()
+        self._ended = asyncio.Event()  # set when the current session ends (a fresh one for each)
         self._tls = tls
-        self._settings = settings
         self._routes: list[_Route] = []
         self._tasks: list[SessionTask] = []
         self._farewells: list[SessionTask] = []
@@ -100,10 +101,21 @@ class Link:
         self, topic: str, payload: bytes, *, qos: int, retain: bool = False, properties: Properties | None = None
     ) -> None:
         """Publish on the current session (QoS 1: return after the PUBACK); :class:`NotConnected` if none."""
-        client = self.client
+        client, ended = self.client, self._ended
         if client is None:
             raise NotConnected(f"the {self.name} link is down")
-        await client.publish(topic, payload, qos=qos, retain=retain, properties=properties)
+        publishing = asyncio.ensure_future(client.publish(topic, payload, qos=qos, retain=retain, properties=properties))
+        if not publishing.done():  # the PUBACK of a session that ends never comes: do not wait for it then
+            watching = asyncio.ensure_future(ended.wait())
+            try:
+                await asyncio.wait((publishing, watching), return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                watching.cancel()
+                if not publishing.done():
+                    publishing.cancel()
+            if not publishing.done() or publishing.cancelled():
+                raise NotConnected(f"the {self.name} link went down before the broker acknowledged {topic}")
+        publishing.result()
 
     # ---- the connection -----------------------------------------------------------------------------
     async def run(self, stop: asyncio.Event) -> None:
@@ -115,9 +127,8 @@ class Link:
             self._mqtt_log.removeFilter(self._transport_error)
 
     async def _run(self, stop: asyncio.Event) -> None:
-        attempt = 0
+        backoff = self.plan.backoff()
         while not stop.is_set():
-            attempt += 1
             self._transport_error.take()
             log.info(
                 "%s: connecting to mqtts://%s:%s as %s (attempt %s)",
@@ -125,7 +136,7 @@ class Link:
                 self.host,
                 self.port,
                 self.client_id,
-                attempt,
+                backoff.attempts + 1,
             )
             try:
                 async with contextlib.AsyncExitStack() as stack:
@@ -134,14 +145,17 @@ class Link:
                         log.info("%s: stopped while connecting", self.name)
                         return
                     log.info("%s: connected to %s:%s", self.name, self.host, self.port)
-                    attempt = 0
+                    backoff.connected()
                     await self._session(client, stop)
                     for farewell in self._farewells:
                         await farewell(client)
+                    if (presence := self.plan.presence) is not None:
+                        await client.publish(presence.state_topic, presence.farewell(), qos=presence.qos, retain=presence.retain)
+                        log.info("%s: published offline (shutdown)", self.name)
                     log.info("%s: disconnecting", self.name)
                     return
             except aiomqtt.MqttError as exc:
-                delay = reconnect_delay(attempt, self._settings.reconnect_cap_s)
+                delay = backoff.failed()
                 self._log_failure(exc, delay)
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(stop.wait(), delay)
@@ -155,30 +169,33 @@ class Link:
         if not connecting.done():
             connecting.cancel()
             return None
-        return connecting.result()
+        client = connecting.result()
+        client.timeout = OPERATION_TIMEOUT_S  # connected: from now on, see OPERATION_TIMEOUT_S
+        return client
 
     def _client(self) -> aiomqtt.Client:
-        properties, clean_start = None, True
-        if self._settings.session_expiry_s > 0:
-            properties = Properties(PacketTypes.CONNECT)
-            properties.SessionExpiryInterval = self._settings.session_expiry_s
-            clean_start = False
+        plan, presence = self.plan, self.plan.presence
+        will = None
+        if presence is not None:  # made for each session: a fresh envelope
+            will = aiomqtt.Will(presence.state_topic, presence.will(), presence.qos, presence.retain)
         client = aiomqtt.Client(
             self.host,
             self.port,
             identifier=self.client_id,
             protocol=aiomqtt.ProtocolVersion.V5,
             tls_context=self._tls,
-            will=self.will,
-            keepalive=self._settings.keepalive_s,
-            timeout=self._settings.connect_timeout_s,
-            clean_start=clean_start,
-            properties=properties,
+            will=will,
+            keepalive=plan.keepalive_s,
+            timeout=plan.connect_timeout_s,
+            clean_start=plan.clean_start,
+            properties=plan.connect_properties(),
             logger=self._mqtt_log,
             socket_options=NO_DELAY,
         )
         # the outbox sends a window of QoS 1 messages at once by design: no warning per message in flight
         client.pending_calls_threshold = PENDING_CALLS_WARNING
+        # paho's own limit for the TCP connect and the TLS handshake (5 s): the plan's, as the device has it
+        client._client.connect_timeout = plan.connect_timeout_s  # noqa: SLF001
         return client
 
     def _log_failure(self, exc: aiomqtt.MqttError, delay: float) -> None:
@@ -195,11 +212,15 @@ class Link:
 
     async def _session(self, client: aiomqtt.Client, stop: asyncio.Event) -> None:
         """Serve one connection; return when stopped, raise :class:`aiomqtt.MqttError` when it breaks."""
-        for route in self._routes:
-            wanted = route.topic.filter(**route.fixed)
-            codes = await client.subscribe(wanted, qos=route.topic.qos)
-            if any(getattr(code, "is_failure", False) for code in codes):
-                log.error("%s: broker refused the subscription to %s: %s", self.name, wanted, codes)
+        if self._routes:  # one SUBSCRIBE for every route: one round trip, not one per topic
+            wanted = [(route.topic.filter(**route.fixed), route.topic.qos) for route in self._routes]
+            codes = await client.subscribe(wanted)
+            for (topic, _qos), code in zip(wanted, codes, strict=False):
+                if getattr(code, "is_failure", False):
+                    log.error("%s: broker refused the subscription to %s: %s", self.name, topic, code)
+        if (presence := self.plan.presence) is not None:  # subscribed: peers may send now
+            await client.publish(presence.state_topic, presence.online(), qos=presence.qos, retain=presence.retain)
+        self._ended = asyncio.Event()
         self.client = client
         self.connected.set()
         try:
@@ -218,6 +239,7 @@ class Link:
         finally:
             self.client = None
             self.connected.clear()
+            self._ended.set()
 
     async def _dispatch(self, client: aiomqtt.Client) -> None:
         async for message in client.messages:

@@ -1,8 +1,8 @@
 """The node's own channels to the hub: state, heartbeats, desired document and commands.
 
-On connect the node publishes a retained ``online`` state and then a heartbeat every
-``heartbeat_interval_s``. If it vanishes, the broker publishes its retained ``offline`` last will; a
-clean stop publishes ``offline`` (reason shutdown) itself. A desired document is kept in the local
+On connect the node's link publishes its retained ``online`` state (the session core,
+:mod:`device.session`, with the ``offline`` will and the clean stop's ``offline``), and the node a heartbeat
+every ``heartbeat_interval_s``. A desired document is kept in the local
 store and acknowledged on ``reported``; ``ping`` is the one command the node answers itself. With a
 :class:`~edge.deployments.NodeDeployments`, the document's deployment orders go to it, ``reported`` carries
 what is installed, and ``infer`` and ``models`` are answered from the installed models (off the event loop).
@@ -22,7 +22,7 @@ from pydantic import BaseModel, ValidationError
 
 from device.commands import Commands
 from device.connection import encode
-from device.heartbeat import AGENT_VERSION, HeartbeatBuilder, state_body
+from device.heartbeat import AGENT_VERSION, HeartbeatBuilder
 from device.rejections import Rejections
 from device.resources import ResourceSampler
 from edge.link import Link
@@ -31,11 +31,9 @@ from interfaces.messages import (
     CommandBody,
     CommandError,
     CommandResultBody,
-    ConnectionState,
     EventBody,
     HeartbeatBody,
     ReportedBody,
-    envelope,
 )
 from interfaces.topics import (
     NODE_CMD,
@@ -44,7 +42,6 @@ from interfaces.topics import (
     NODE_EVENTS,
     NODE_HEARTBEAT,
     NODE_REPORTED,
-    NODE_STATE,
     Topic,
 )
 
@@ -75,27 +72,19 @@ class NodeService:
         self._commands: set[asyncio.Task[None]] = set()
 
     def attach(self, link: Link) -> None:
-        will = envelope(self.node_id, state_body(ConnectionState.OFFLINE, "will"))
-        link.will = aiomqtt.Will(
-            NODE_STATE.topic(node_id=self.node_id), will.model_dump_json(), NODE_STATE.qos, NODE_STATE.retain
-        )
+        """Serve the node's subtree on ``link``, whose session (:mod:`device.session`) carries the node's
+        presence: its will, ``online`` once subscribed and ``offline`` (shutdown) on a clean stop."""
         link.route(NODE_DESIRED, self._on_desired, node_id=self.node_id)
         link.route(NODE_CMD, self._on_command, node_id=self.node_id)
-        link.during_session(self._online)
-        link.before_disconnect(self._offline)
+        link.during_session(self._beat)
 
-    async def _online(self, client: aiomqtt.Client) -> None:
-        await self._publish(client, NODE_STATE, state_body(ConnectionState.ONLINE))
+    async def _beat(self, client: aiomqtt.Client) -> None:
         while True:
             body = await self._heartbeat()
             if body is not None:
                 await self._publish(client, NODE_HEARTBEAT, body)
                 log.debug("heartbeat %s sent", body.seq)
             await asyncio.sleep(self._interval)
-
-    async def _offline(self, client: aiomqtt.Client) -> None:
-        await self._publish(client, NODE_STATE, state_body(ConnectionState.OFFLINE, "shutdown"))
-        log.info("published offline (shutdown)")
 
     async def _publish(
         self,

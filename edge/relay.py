@@ -26,6 +26,7 @@ import asyncio
 import functools
 import logging
 import math
+import sqlite3
 import threading
 import time
 import uuid
@@ -91,6 +92,7 @@ REDELIVER_DESIRED_AFTER_S = (0.0, 1.0, 3.0, 10.0, 30.0)  # after a device comes 
 ACK_DELAY_S = 0.02  # acknowledgements due within this go out together, one per device
 RESEND_EVERY_S = 1.0  # at most one resend request per device this often (events in flight follow the first)
 RESEND_DELIVERED_S = 10.0  # what the broker acknowledged this long before a session ended goes again (see _pump_outbox)
+DESIRED_RETRY_S = 1.0  # a desired document the store could not take is tried again after this
 RESEND_DELIVERED_MAX = 20_000  # ... at most this many messages (the newest), so a burst does not fill the memory
 
 def _bytes(payload: object) -> bytes:
@@ -141,6 +143,10 @@ class DeviceRelay:
         self._limit = outbox_limit
         self._prefetch = prefetch
         self._prefetched: dict[str, int] = {}  # device id -> the deployments_version whose orders were prefetched
+        # device id -> (version, document) received and not yet stored; version None: cleared by the hub
+        self._desired_waiting: dict[str, tuple[int | None, bytes]] = {}
+        self._desired_writing: dict[str, tuple[int | None, bytes]] = {}  # ... the batch being stored now
+        self._desired_writer: asyncio.Task[None] | None = None
         self._outbox_ready = asyncio.Event()
         self._loop: asyncio.AbstractEventLoop | None = None  # the pump's, once a session has started
         self._hub_online = asyncio.Event()
@@ -178,49 +184,78 @@ class DeviceRelay:
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+        if self._desired_writer is not None:  # what the hub sent is stored before the store closes
+            await asyncio.gather(self._desired_writer, return_exceptions=True)
         await self.flush_staged()
 
     # ---- hub -> device: desired documents -----------------------------------------------------------
     async def _on_relay_desired(self, client: aiomqtt.Client, message: aiomqtt.Message, ids: dict[str, str]) -> None:
-        device_id, payload = ids["device_id"], _bytes(message.payload)
-        downstream = DEVICE_DESIRED.topic(device_id=device_id)
-        if not payload:  # the hub cleared it: the device is no longer ours
-            self._store.forget_desired(Scope.DEVICE, device_id)
-            self._store.forget_device(device_id)
-            self._stored_seq.pop(device_id, None)
-            self._accepted_seq.pop(device_id, None)
-            log.info("the hub cleared the desired document of %s; device forgotten", device_id)
-            await self._publish_down(downstream, b"")
-            return
-        try:
-            request = RELAY_DESIRED.payload.model_validate_json(payload)
-        except ValidationError as exc:
-            self._reject(message.topic.value, exc, device_id=device_id)
-            return
-        if self._prefetch is not None and request.body.deployments_version > self._prefetched.get(device_id, -1):
-            # only when the orders changed: a document re-sent for a task order still holds the finished ones
-            self._prefetched[device_id] = request.body.deployments_version
-            for order in request.body.deployments:
-                try:
-                    self._prefetch(order)
-                except Exception:  # best effort: the device can still download through us later
-                    log.exception("cannot prefetch %s for %s", order.artifact_id, device_id)
-        # a committed write (an fsync) each: in a worker thread, so a burst of documents (a rollout's release)
-        # does not hold up the devices' messages and the outbox on this loop
-        if not await asyncio.to_thread(self._store_desired, device_id, request.body.version, payload):
-            return
-        log.info("desired version %s of device %s stored; relaying it", request.body.version, device_id)
-        await self._publish_down(downstream, payload)
+        """Validate a device's document and hand it to the desired writer; the link's message loop goes on at once.
 
-    def _store_desired(self, device_id: str, version: int, payload: bytes) -> bool:
-        """Register the device and keep its document; False when this very document is stored already."""
-        self._store.add_device(device_id, LearnedFrom.DESIRED)
-        stored = self._store.desired(Scope.DEVICE, device_id)
-        if stored is not None and stored.payload == payload:
-            log.debug("desired version %s of %s already stored", stored.version, device_id)
-            return False
-        self._store.put_desired(Scope.DEVICE, device_id, version, payload)
-        return True
+        Storing a document is a committed write: done here, one after the other, a rollout's release of 1,000
+        documents would hold every device event behind it for seconds. The writer stores what arrived together
+        in one transaction and relays it; a device's newer document replaces its older one still waiting (the
+        document is the whole desired state; the retained message downstream is the newest one either way).
+        """
+        device_id, payload = ids["device_id"], _bytes(message.payload)
+        if payload:
+            try:
+                request = RELAY_DESIRED.payload.model_validate_json(payload)
+            except ValidationError as exc:
+                self._reject(message.topic.value, exc, device_id=device_id)
+                return
+            if self._prefetch is not None and request.body.deployments_version > self._prefetched.get(device_id, -1):
+                # only when the orders changed: a document re-sent for a task order still holds the finished ones
+                self._prefetched[device_id] = request.body.deployments_version
+                for order in request.body.deployments:
+                    try:
+                        self._prefetch(order)
+                    except Exception:  # best effort: the device can still download through us later
+                        log.exception("cannot prefetch %s for %s", order.artifact_id, device_id)
+            version: int | None = request.body.version
+        else:
+            version = None  # the hub cleared it: the device is no longer ours
+        self._desired_waiting.pop(device_id, None)  # re-inserted last: the writer takes documents in arrival order
+        self._desired_waiting[device_id] = (version, payload)
+        if self._desired_writer is None or self._desired_writer.done():
+            self._desired_writer = asyncio.create_task(self._write_desired(), name="desired-writer")
+
+    def _knows(self, device_id: str) -> bool:
+        """Whether the device is ours, by the newest word of the hub (a document not yet stored counts)."""
+        for pending in (self._desired_waiting, self._desired_writing):
+            if device_id in pending:
+                return pending[device_id][0] is not None
+        return self._store.has_device(device_id)
+
+    async def _write_desired(self) -> None:
+        """Store the waiting documents in one transaction, relay them downstream together; until none waits."""
+        while self._desired_waiting:
+            batch, self._desired_waiting = self._desired_waiting, {}
+            self._desired_writing = batch
+            cleared = [device_id for device_id, (version, _payload) in batch.items() if version is None]
+            for device_id in cleared:
+                self._stored_seq.pop(device_id, None)
+                self._accepted_seq.pop(device_id, None)
+            documents = [(device_id, version, payload) for device_id, (version, payload) in batch.items() if version is not None]
+            try:
+                changed = await asyncio.to_thread(self._store.store_device_desired, documents, cleared, LearnedFrom.DESIRED)
+            except sqlite3.Error as exc:  # kept to be tried again (behind any newer document of the same device)
+                log.error("cannot store %s desired documents (trying again in %s s): %s", len(batch), DESIRED_RETRY_S, exc)
+                self._desired_waiting = {**batch, **self._desired_waiting}
+                await asyncio.sleep(DESIRED_RETRY_S)
+                continue
+            finally:
+                self._desired_writing = {}
+            for device_id in cleared:
+                log.info("the hub cleared the desired document of %s; device forgotten", device_id)
+            for device_id, version, _payload in documents:
+                if device_id in changed:
+                    log.info("desired version %s of device %s stored; relaying it", version, device_id)
+                else:
+                    log.debug("desired version %s of %s already stored", version, device_id)
+            relay = [(device_id, b"") for device_id in cleared]
+            relay += [(device_id, payload) for device_id, _version, payload in documents if device_id in changed]
+            await asyncio.gather(*(self._publish_down(DEVICE_DESIRED.topic(device_id=d), p) for d, p in relay))
 
     async def _publish_down(self, topic: str, payload: bytes) -> None:
         try:
@@ -259,7 +294,7 @@ class DeviceRelay:
             )
             await self._answer(response_topic, correlation, self._result(failure, None))
             return
-        if not self._store.has_device(device_id):
+        if not self._knows(device_id):
             log.info("command %s (%s) for unknown device %s refused", request.body.name, request.id, device_id)
             failure = CommandResultBody(
                 ok=False, error_code=CommandError.UNKNOWN_DEVICE, error=f"{device_id!r} is not a device of {self.node_id!r}"

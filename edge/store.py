@@ -132,6 +132,44 @@ class EdgeStore:
         with self._lock:
             self._db.execute("DELETE FROM desired WHERE scope = ? AND target_id = ?", (scope.value, target_id))
 
+    def store_device_desired(
+        self, documents: list[tuple[str, int, bytes]], cleared: Iterable[str], learned_from: LearnedFrom
+    ) -> set[str]:
+        """In one transaction: register each device of ``documents`` (device id, version, document) and keep its
+        document, and forget the ``cleared`` devices with their documents. Returns the devices whose document
+        changed (a document stored already, byte for byte, is not written again)."""
+        changed: set[str] = set()
+        now = _now()
+        with self._lock:
+            self._db.execute("BEGIN IMMEDIATE")
+            try:
+                for device_id in cleared:
+                    self._db.execute("DELETE FROM desired WHERE scope = ? AND target_id = ?", (Scope.DEVICE.value, device_id))
+                    self._db.execute("DELETE FROM devices WHERE device_id = ?", (device_id,))
+                    self._db.execute("DELETE FROM device_seq WHERE device_id = ?", (device_id,))
+                for device_id, version, payload in documents:
+                    self._db.execute(
+                        "INSERT INTO devices (device_id, learned_from, added_at) VALUES (?, ?, ?) ON CONFLICT DO NOTHING",
+                        (device_id, learned_from.value, now),
+                    )
+                    row = self._db.execute(
+                        "SELECT payload FROM desired WHERE scope = ? AND target_id = ?", (Scope.DEVICE.value, device_id)
+                    ).fetchone()
+                    if row is not None and bytes(row[0]) == payload:
+                        continue
+                    self._db.execute(
+                        "INSERT INTO desired (scope, target_id, version, payload, updated_at) VALUES (?, ?, ?, ?, ?) "
+                        "ON CONFLICT (scope, target_id) DO UPDATE SET version = excluded.version, "
+                        "payload = excluded.payload, updated_at = excluded.updated_at",
+                        (Scope.DEVICE.value, device_id, version, payload, now),
+                    )
+                    changed.add(device_id)
+                self._db.execute("COMMIT")
+            except BaseException:
+                self._db.execute("ROLLBACK")
+                raise
+        return changed
+
     # ---- device registry ----------------------------------------------------------------------------
     def add_device(self, device_id: str, learned_from: LearnedFrom) -> bool:
         """Register ``device_id``; ``True`` when it was not known before."""

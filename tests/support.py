@@ -8,7 +8,8 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -21,6 +22,19 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+@contextlib.contextmanager
+def logs_on_failure(*logs: Path, chars: int = 4000) -> Iterator[None]:
+    """A failed assertion inside carries the end of each log: what the processes said when it failed."""
+    try:
+        yield
+    except AssertionError as exc:
+        tails = []
+        for log in logs:
+            text = log.read_text(errors="replace")[-chars:] if log.exists() else "(no log)"
+            tails.append(f"--- {log.name} ---\n{text}")
+        raise AssertionError(f"{exc}\n" + "\n".join(tails)) from exc
 
 
 def wait_for(predicate: Callable[[], object], timeout: float, interval: float = 0.05, what: str = "condition") -> object:

@@ -388,15 +388,32 @@ def test_rewind_and_a_resend_request_send_again_from_the_first_unacknowledged(op
     assert seqs_of(after_none) == [2, 3]
 
 
-def test_no_acknowledgement_in_time_sends_again(opened: Open) -> None:
+def test_no_acknowledgement_in_time_sends_the_newest_event_again_and_the_rest_when_the_edge_asks(opened: Open) -> None:
     outbox = opened(ack_timeout_s=0.1, ack_timeout_cap_s=0.2)
     for n in range(3):
         outbox.append(event(n))
     assert seqs_of(outbox.sendable(True)) == [0, 1, 2]
     outbox.acknowledge(0)
 
-    again = wait_for(lambda: outbox.sendable(True), PATIENCE_S, what="the unacknowledged events sent again")
-
-    assert isinstance(again, list) and seqs_of(again) == [1, 2]
+    # no acknowledgement in time: the newest event sent goes again, alone (a probe behind the others)
+    probe = wait_for(lambda: outbox.sendable(True), PATIENCE_S, what="the probe")
+    assert isinstance(probe, list) and seqs_of(probe) == [2]
+    assert outbox.sendable(True) == []  # nothing more until the edge answers, or the next timeout
+    # an edge that lost 1 and 2 sees a hole before the probe and asks for a resend: all of them go again
+    outbox.acknowledge(0, resend=True)
+    assert seqs_of(outbox.sendable(True)) == [1, 2]
     outbox.acknowledge(2)
     assert outbox.waiting == 0
+
+
+def test_an_edge_that_has_the_events_answers_the_probe_and_nothing_is_sent_twice(opened: Open) -> None:
+    outbox = opened(ack_timeout_s=0.1, ack_timeout_cap_s=0.2)
+    for n in range(4):
+        outbox.append(event(n))
+    assert seqs_of(outbox.sendable(True)) == [0, 1, 2, 3]
+
+    probe = wait_for(lambda: outbox.sendable(True), PATIENCE_S, what="the probe")
+    outbox.acknowledge(3)  # the duplicate's answer: everything is stored
+
+    assert isinstance(probe, list) and seqs_of(probe) == [3]
+    assert outbox.waiting == 0 and outbox.sendable(True) == []

@@ -33,7 +33,8 @@ from device.ota.models import ModelHost
 from device.runtime import open_model
 from device.split.channel import EdgeError, EdgeTimeout, InferChannel, NotConnected, SplitUnavailable
 from device.tasks import InputFetcher, WorkerHost
-from edge.link import Link, LinkSettings
+from device.session import SessionPlan
+from edge.link import Link
 from edge.split import TailRouter
 from interfaces.deployments import ArtifactFormat, ArtifactKind, ArtifactManifest
 from interfaces.infer import InferReply, InferRequest
@@ -72,7 +73,7 @@ class Edge:
         crt, key = pki.identity(NODE)
         tls = ssl.create_default_context(ssl.Purpose.SERVER_AUTH, cafile=str(pki.ca_path))
         tls.load_cert_chain(str(crt), str(key))
-        self.link = Link("downstream", broker.url, NODE, tls, LinkSettings(connect_timeout_s=5))
+        self.link = Link("downstream", broker.url, tls, SessionPlan(NODE, connect_timeout_s=5))
         self.router = TailRouter(threads=4)
         if attach:
             self.router.attach(self.link)
