@@ -133,6 +133,7 @@ def tls_context(pki_dir: Path, identity: str) -> ssl.SSLContext:
     return ctx
 
 
+MAX_INFLIGHT = 1000  # QoS 1 publishes awaiting their PUBACK (paho's default: 20); the broker allows any number
 OPERATION_TIMEOUT_S = 120.0  # a SUBSCRIBE's or a QoS 1 publish's answer, once connected (aiomqtt's default: 10 s)
 
 
@@ -190,6 +191,7 @@ class MqttBridge:
                     self.host, self.port, identifier=self.identity, protocol=aiomqtt.ProtocolVersion.V5,
                     tls_context=ctx, keepalive=30, clean_start=False, properties=connect_props, will=will,
                     max_queued_incoming_messages=200_000, socket_options=((socket.IPPROTO_TCP, socket.TCP_NODELAY, 1),),
+                    max_inflight_messages=MAX_INFLIGHT,
                 )  # fmt: skip
                 # aiomqtt has no option for it; its paho client does (acknowledge after the ingest commit)
                 client._client.manual_ack_set(True)  # noqa: SLF001
@@ -252,9 +254,15 @@ class MqttBridge:
         while True:
             try:
                 batch = await asyncio.to_thread(self.desired.pending)
-                for item in batch:
-                    await client.publish(item.topic, item.payload, qos=1, retain=True)
-                    self.counters["desired_published"] += 1
+                # all in flight at once (paho hands them to the socket in order; a rollout's 1,000 documents
+                # then cost one round trip, not 1,000); a batch is marked only once the broker holds all of it
+                results = await asyncio.gather(
+                    *(client.publish(item.topic, item.payload, qos=1, retain=True) for item in batch), return_exceptions=True
+                )
+                failure = next((r for r in results if isinstance(r, BaseException)), None)
+                self.counters["desired_published"] += sum(1 for r in results if not isinstance(r, BaseException))
+                if failure is not None:
+                    raise failure
                 if batch:
                     await asyncio.to_thread(self.desired.mark_published, batch)
                     continue

@@ -229,7 +229,7 @@ class _Handler(BaseHTTPRequestHandler):
                 self.send_header(name, value)
             self.end_headers()
             if self.command != "HEAD":
-                answer.write_body(self.wfile)
+                answer.write_body(self.wfile, self.connection)
         except (BrokenPipeError, ConnectionResetError) as exc:  # the device went away mid-transfer
             log.info("a device left during %s: %s", self.path, exc)
             self.close_connection = True

@@ -478,10 +478,9 @@ class DeviceRelay:
         if self._valid(DEVICE_HEARTBEAT, message.topic.value, payload, device_id) is None:
             return
         topic = RELAY_HEARTBEAT.topic(node_id=self.node_id, device_id=device_id)
-        try:
-            await self.up.publish(topic, payload, qos=RELAY_HEARTBEAT.qos, retain=RELAY_HEARTBEAT.retain)
-        except aiomqtt.MqttError as exc:
-            log.debug("heartbeat of %s dropped: %s", device_id, exc)
+        assert RELAY_HEARTBEAT.qos == 0  # best effort, like the heartbeat itself: nothing to wait for
+        if not self.up.publish_nowait(topic, payload, retain=RELAY_HEARTBEAT.retain):
+            log.debug("heartbeat of %s dropped: the upstream link is down", device_id)
 
     def _valid(self, topic: Topic[Any], where: str, payload: bytes, device_id: str) -> Any:
         """The message validated into the topic's model, or ``None`` (rejected: counted and reported)."""

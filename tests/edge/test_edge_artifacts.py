@@ -477,9 +477,13 @@ def test_the_relay_hands_deployment_orders_to_prefetch(tmp_path: Path, hub: HubA
     document = envelope("hub", DesiredBody(version=3, deployments=[order], deployments_version=1)).model_dump_json().encode()
     message = SimpleNamespace(payload=document, topic=SimpleNamespace(value=f"synergy/v1/nodes/{NODE}/devices/{DEVICE}/desired"))
 
+    async def deliver() -> None:
+        await relay._on_relay_desired(None, message, {"device_id": DEVICE})  # type: ignore[arg-type]
+        await relay.close()  # the relay's desired writer stores and relays what the handler handed it
+
     # Execute
     try:
-        asyncio.run(relay._on_relay_desired(None, message, {"device_id": DEVICE}))  # type: ignore[arg-type]
+        asyncio.run(deliver())
     finally:
         store.close()
 
