@@ -154,6 +154,8 @@ def worker_main(spec_path: Path) -> int:
     import logging
 
     spec = json.loads(spec_path.read_text())
+    if spec.get("nice"):  # --device-nice: the simulated fleet yields the CPU to the system under test
+        os.nice(spec["nice"])
     logging.basicConfig(level=spec.get("log_level", "INFO"), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)
     if os.environ.get("AISYNERGY_BENCH_TRACE"):  # diagnostics (rollout.py --trace)
@@ -676,7 +678,7 @@ def start_devices(run: Run, api: Any, devices: list[tuple[str, str]], script: Pa
         spec_path, status_path = run.data_dir / f"worker-{w}.json", run.data_dir / f"worker-{w}.status.json"
         spec = {
             "enrol_url": run.enrol_url, "status": str(status_path), "max_lifetime_s": a.max_runtime,
-            "log_level": a.device_log_level,
+            "log_level": a.device_log_level, "nice": getattr(a, "device_nice", 0),
             "devices": [{"id": i, "token": t, "dir": str(run.data_dir / "devices" / i)} for i, t in share],
             **(extra or {}),
         }  # fmt: skip

@@ -83,6 +83,8 @@ def worker_main(spec_path: Path) -> int:
     import logging
 
     spec = json.loads(spec_path.read_text())
+    if spec.get("nice"):  # --device-nice: the simulated fleet yields the CPU to the system under test
+        os.nice(spec["nice"])
     logging.basicConfig(level=spec.get("log_level", "INFO"), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)
     from device.agent import Device
@@ -546,6 +548,9 @@ def main(argv: Iterable[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--devices", type=int, default=1000)
     p.add_argument("--workers", type=int, default=4, help="device-host processes")
+    p.add_argument("--device-nice", type=int, default=0, choices=range(0, 20), metavar="0..19",
+                   help="run the device-host processes at this nice level: a real fleet brings its own CPUs, so the "
+                        "simulated one should not take the broker's, the hub's and the edge's")
     p.add_argument("--emit-min", type=float, default=2.0, help="seconds between a device's events: at least")
     p.add_argument("--emit-max", type=float, default=5.0, help="... at most (uniform)")
     p.add_argument("--warm-s", type=float, default=20, help="seconds of emitting before the kill")

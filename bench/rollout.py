@@ -258,6 +258,9 @@ def main(argv: Iterable[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--devices", type=int, default=1000)
     p.add_argument("--workers", type=int, default=4, help="device-host processes")
+    p.add_argument("--device-nice", type=int, default=0, choices=range(0, 20), metavar="0..19",
+                   help="run the device-host processes at this nice level: a real fleet brings its own CPUs, so the "
+                        "simulated one should not take the broker's, the hub's and the edge's")
     p.add_argument("--model-mib", type=float, default=1.0)
     p.add_argument("--strategy", default="all_at_once", help="all_at_once, rolling:N or canary:P")
     p.add_argument("--timeout", type=float, default=300, help="the deployment's per-target timeout_s and the wait")

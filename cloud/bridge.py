@@ -134,6 +134,7 @@ def tls_context(pki_dir: Path, identity: str) -> ssl.SSLContext:
 
 
 MAX_INFLIGHT = 1000  # QoS 1 publishes awaiting their PUBACK (paho's default: 20); the broker allows any number
+DRAIN_BATCH = 256  # queued messages dispatched between two passes of the event loop
 OPERATION_TIMEOUT_S = 120.0  # a SUBSCRIBE's or a QoS 1 publish's answer, once connected (aiomqtt's default: 10 s)
 
 
@@ -244,9 +245,20 @@ class MqttBridge:
 
     async def _consume(self, client: aiomqtt.Client) -> None:
         generation = self._generation
-        async for message in client.messages:
-            ack = (generation, message.mid, message.qos) if message.qos > 0 else None
-            self.dispatch(str(message.topic), message.payload, message.properties, ack)  # type: ignore[arg-type]
+        # aiomqtt's iterator costs a task and two passes of the event loop per message: what is queued already is
+        # taken at once (a pass of the loop every DRAIN_BATCH), or a burst waits thousands of passes
+        queue: asyncio.Queue[aiomqtt.Message] = client._queue  # noqa: SLF001
+        async for first in client.messages:
+            message, taken = first, 0
+            while True:
+                ack = (generation, message.mid, message.qos) if message.qos > 0 else None
+                self.dispatch(str(message.topic), message.payload, message.properties, ack)  # type: ignore[arg-type]
+                if queue.empty():
+                    break
+                message = queue.get_nowait()
+                taken += 1
+                if taken % DRAIN_BATCH == 0:
+                    await asyncio.sleep(0)
 
     async def _publish_desired(self, client: aiomqtt.Client) -> None:
         """Publish every desired document the broker does not hold yet; wake on changes, or every 5 s."""

@@ -20,7 +20,9 @@ import re
 import ssl
 import threading
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import Any
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from urllib.parse import urlsplit
 
@@ -38,6 +40,8 @@ from interfaces.topics import DEVICE_STATE
 log = logging.getLogger("aisynergy.edge.enrol_proxy")
 
 MAX_BODY_BYTES = 64 * 1024
+MAX_HANDLERS = 64  # requests handled at once (downloads go out with sendfile: a thread is busy briefly)
+IDLE_TIMEOUT_S = 30.0  # a connection silent this long is closed
 HUB_UNREACHABLE = ErrorCode.HUB_UNREACHABLE.value
 INVALID_RESPONSE = ErrorCode.INVALID_RESPONSE.value
 _PATH = re.compile(rf"^{re.escape(API_PREFIX)}/devices/([^/]+)/certificate$")
@@ -155,13 +159,34 @@ class EnrolmentProxy:
 
 
 class _Server(ThreadingHTTPServer):
+    """Requests are handled by a pool of :data:`MAX_HANDLERS` threads; more wait, accepted, in its queue.
+
+    One thread per connection let a rollout's 1,000 concurrent downloads run 1,000 threads, which took the
+    interpreter lock from the edge's event loop for seconds at a time (every MQTT message waited).
+    """
+
     daemon_threads = True
     proxy: EnrolmentProxy
+
+    def __init__(self, address: tuple[str, int], handler: type[BaseHTTPRequestHandler]) -> None:
+        super().__init__(address, handler)
+        self._pool = ThreadPoolExecutor(MAX_HANDLERS, thread_name_prefix="edge-device-http")
+
+    def process_request(self, request: Any, client_address: Any) -> None:  # type: ignore[override]
+        try:
+            self._pool.submit(self.process_request_thread, request, client_address)
+        except RuntimeError:  # shutting down
+            self.shutdown_request(request)
+
+    def server_close(self) -> None:
+        super().server_close()
+        self._pool.shutdown(wait=False, cancel_futures=True)
 
 
 class _Handler(BaseHTTPRequestHandler):
     server: _Server
     protocol_version = "HTTP/1.1"
+    timeout = IDLE_TIMEOUT_S  # a silent connection (idle keep-alive, a stalled client) gives its thread back
 
     def do_POST(self) -> None:
         match = _PATH.match(urlsplit(self.path).path)

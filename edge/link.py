@@ -37,6 +37,7 @@ from interfaces.topics import Topic
 # QoS 1 publishes awaiting their PUBACK at once (paho's default: 20): the outbox's window and a rollout's burst of
 # desired documents then cost a round trip or two, not one per 20 messages
 MAX_INFLIGHT = 1000
+DRAIN_BATCH = 256  # queued messages handled between two passes of the event loop
 PENDING_CALLS_WARNING = 10_000  # aiomqtt warns above this many publishes awaiting their PUBACK
 # How long a subscription or a QoS 1 publish may wait for the broker's answer once connected. Not the connect
 # timeout: a broker that has just come back, busy with a fleet's handshakes and this session's queued messages,
@@ -259,18 +260,31 @@ class Link:
             self._ended.set()
 
     async def _dispatch(self, client: aiomqtt.Client) -> None:
-        async for message in client.messages:
-            topic = message.topic.value
-            for route in self._routes:
-                ids = route.topic.parse(topic)
-                if ids is not None and route.fixed.items() <= ids.items():
-                    break
-            else:
-                log.debug("%s: ignoring a message on %s", self.name, topic)
-                continue
-            try:
-                await route.handler(client, message, ids)
-            except aiomqtt.MqttError:
-                raise
-            except Exception:  # a bug in one handler must not take the session down
-                log.exception("%s: handling a message on %s failed", self.name, topic)
+        # aiomqtt's iterator costs a task and two passes of the event loop per message; behind a burst (a fleet
+        # back after an outage, a rollout's reports) that made each message wait for thousands of passes. The
+        # messages already queued are taken at once, with a pass of the loop every DRAIN_BATCH for the rest.
+        queue: asyncio.Queue[aiomqtt.Message] = client._queue  # noqa: SLF001
+        async for first in client.messages:
+            await self._handle(client, first)
+            taken = 0
+            while not queue.empty():
+                await self._handle(client, queue.get_nowait())
+                taken += 1
+                if taken % DRAIN_BATCH == 0:
+                    await asyncio.sleep(0)  # the outbox's pump, the acknowledgements and the commits run too
+
+    async def _handle(self, client: aiomqtt.Client, message: aiomqtt.Message) -> None:
+        topic = message.topic.value
+        for route in self._routes:
+            ids = route.topic.parse(topic)
+            if ids is not None and route.fixed.items() <= ids.items():
+                break
+        else:
+            log.debug("%s: ignoring a message on %s", self.name, topic)
+            return
+        try:
+            await route.handler(client, message, ids)
+        except aiomqtt.MqttError:
+            raise
+        except Exception:  # a bug in one handler must not take the session down
+            log.exception("%s: handling a message on %s failed", self.name, topic)

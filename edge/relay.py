@@ -265,7 +265,7 @@ class DeviceRelay:
 
     async def _republish_desired(self, client: aiomqtt.Client) -> None:
         """After each downstream connect: the devices' broker may have lost its retained documents."""
-        documents = self._store.all_desired(Scope.DEVICE)
+        documents = await asyncio.to_thread(self._store.all_desired, Scope.DEVICE)
         for doc in documents:
             await client.publish(
                 DEVICE_DESIRED.topic(device_id=doc.target_id),
@@ -465,7 +465,7 @@ class DeviceRelay:
     async def _redeliver_desired(self, device_id: str) -> None:
         for delay in REDELIVER_DESIRED_AFTER_S:
             await asyncio.sleep(delay)
-            stored = self._store.desired(Scope.DEVICE, device_id)
+            stored = await asyncio.to_thread(self._store.desired, Scope.DEVICE, device_id)
             if stored is None:
                 return
             await self._publish_down(DEVICE_DESIRED.topic(device_id=device_id), stored.payload)
@@ -628,9 +628,11 @@ class DeviceRelay:
                     raise failure
         while True:
             await self._hub_online.wait()
-            rows = self._store.outbox_head(self._window)
+            # the store's lock may be held by a commit (an fsync): wait for it in a thread, not on the event loop;
+            # cleared first, so that a commit while the rows are read wakes the wait below
+            self._outbox_ready.clear()
+            rows = await asyncio.to_thread(self._store.outbox_head, self._window)
             if not rows:
-                self._outbox_ready.clear()
                 await self._outbox_ready.wait()
                 continue
             # publish() hands each message to paho as its task starts, in order; then waits for its PUBACK
@@ -647,7 +649,7 @@ class DeviceRelay:
                 self._delivered.append((now, row))
             while self._delivered and self._delivered[0][0] < now - RESEND_DELIVERED_S:
                 self._delivered.popleft()
-            self._store.delete_outbox(delivered)
+            await asyncio.to_thread(self._store.delete_outbox, delivered)  # a committed write: off the loop
             failure = next((r for r in results if isinstance(r, BaseException)), None)
             if failure is not None:
                 raise failure
