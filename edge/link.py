@@ -124,14 +124,16 @@ class Link:
                 raise NotConnected(f"the {self.name} link went down before the broker acknowledged {topic}")
         publishing.result()
 
-    def publish_nowait(self, topic: str, payload: bytes, *, retain: bool = False) -> bool:
-        """Hand a QoS 0 message to the current session without waiting for it to leave (a message handler's
-        relay of a heartbeat: awaiting each one cost the link's message loop a pass of the event loop, 2.4 ms
-        a message, and a fleet's heartbeats held every other message up). ``False`` when not connected."""
+    def publish_nowait(self, topic: str, payload: bytes, *, qos: int = 0, retain: bool = False) -> bool:
+        """Hand a message to the current session without waiting for it to leave or for its PUBACK (a message
+        handler's relay of a heartbeat: awaiting each one cost the link's message loop a pass of the event loop,
+        2.4 ms a message, and a fleet's heartbeats held every other message up; the devices' acknowledgements,
+        which a newer one replaces). paho sends it, and resends a QoS 1 one on this session until the broker has
+        it. ``False`` when not connected."""
         client = self.client
         if client is None:
             return False
-        info = client._client.publish(topic, payload, qos=0, retain=retain)  # noqa: SLF001  # paho: queues, never blocks
+        info = client._client.publish(topic, payload, qos=qos, retain=retain)  # noqa: SLF001  # paho: queues, never blocks
         return info.rc == 0
 
     # ---- the connection -----------------------------------------------------------------------------

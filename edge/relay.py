@@ -433,17 +433,18 @@ class DeviceRelay:
     async def _send_acks(self) -> None:
         await asyncio.sleep(ACK_DELAY_S)
         due, self._acks_due = self._acks_due, {}
-        sends = []
+        failed = 0
         for device_id, resend in due.items():
             ack = EventsAckBody(seq=self._stored_seq.get(device_id), resend=resend)
             payload = envelope(self.node_id, ack).model_dump_json().encode()
             topic = DEVICE_EVENTS_ACK.topic(device_id=device_id)
-            sends.append(self.down.publish(topic, payload, qos=DEVICE_EVENTS_ACK.qos, retain=DEVICE_EVENTS_ACK.retain))
-        results = await asyncio.gather(*sends, return_exceptions=True)
-        failed = sum(isinstance(r, BaseException) for r in results)
+            # handed to the session without waiting for each PUBACK: the next acknowledgements need not wait
+            # for these, and a lost one is covered by the next (or by the device's probe)
+            if not self.down.publish_nowait(topic, payload, qos=DEVICE_EVENTS_ACK.qos, retain=DEVICE_EVENTS_ACK.retain):
+                failed += 1
         if failed:  # the devices send again, unacknowledged; the next acknowledgement covers these
-            log.debug("%s of %s event acknowledgements not sent", failed, len(results))
-        if self._acks_due:  # fell due while these were being published, when _request_ack saw this task running
+            log.debug("%s of %s event acknowledgements not sent", failed, len(due))
+        if self._acks_due:  # fell due meanwhile, when _request_ack saw this task running
             self._acker = asyncio.get_running_loop().create_task(self._send_acks())
 
     async def _on_device_online(self, device_id: str, payload: bytes) -> None:
