@@ -72,7 +72,8 @@ class Link:
         self.client_id = plan.client_id
         self.client: aiomqtt.Client | None = None
         self.connected = asyncio.Event()
-        self._ended = asyncio.Event()  # set when the current session ends (a fresh one for each)
+        self._publishers: set[asyncio.Task[Any]] = set()  # waiting in publish() for a PUBACK
+        self._cut_off: set[asyncio.Task[Any]] = set()  # ... whose wait the end of the session cancelled
         self._tls = tls
         self._routes: list[_Route] = []
         self._tasks: list[SessionTask] = []
@@ -105,24 +106,27 @@ class Link:
         self, topic: str, payload: bytes, *, qos: int, retain: bool = False, properties: Properties | None = None
     ) -> None:
         """Publish on the current session (QoS 1: return after the PUBACK); :class:`NotConnected` if none."""
-        client, ended = self.client, self._ended
+        client = self.client
         if client is None:
             raise NotConnected(f"the {self.name} link is down")
         if qos == 0:  # nothing to wait for
             await client.publish(topic, payload, qos=qos, retain=retain, properties=properties)
             return
-        publishing = asyncio.ensure_future(client.publish(topic, payload, qos=qos, retain=retain, properties=properties))
-        if not publishing.done():  # the PUBACK of a session that ends never comes: do not wait for it then
-            watching = asyncio.ensure_future(ended.wait())
-            try:
-                await asyncio.wait((publishing, watching), return_when=asyncio.FIRST_COMPLETED)
-            finally:
-                watching.cancel()
-                if not publishing.done():
-                    publishing.cancel()
-            if not publishing.done() or publishing.cancelled():
-                raise NotConnected(f"the {self.name} link went down before the broker acknowledged {topic}")
-        publishing.result()
+        # awaited inline (paho has the message at once); the PUBACK of a session that ends never comes, so the
+        # session's end cancels the wait and it answers NotConnected (see _session)
+        me = asyncio.current_task()
+        assert me is not None
+        self._publishers.add(me)
+        try:
+            await client.publish(topic, payload, qos=qos, retain=retain, properties=properties)
+        except asyncio.CancelledError:
+            if me not in self._cut_off:
+                raise  # the caller's own cancellation
+            self._cut_off.discard(me)
+            me.uncancel()
+            raise NotConnected(f"the {self.name} link went down before the broker acknowledged {topic}") from None
+        finally:
+            self._publishers.discard(me)
 
     def publish_nowait(self, topic: str, payload: bytes, *, qos: int = 0, retain: bool = False) -> bool:
         """Hand a message to the current session without waiting for it to leave or for its PUBACK (a message
@@ -240,7 +244,6 @@ class Link:
                     log.error("%s: broker refused the subscription to %s: %s", self.name, topic, code)
         if (presence := self.plan.presence) is not None:  # subscribed: peers may send now
             await client.publish(presence.state_topic, presence.online(), qos=presence.qos, retain=presence.retain)
-        self._ended = asyncio.Event()
         self.client = client
         self.connected.set()
         try:
@@ -259,7 +262,10 @@ class Link:
         finally:
             self.client = None
             self.connected.clear()
-            self._ended.set()
+            for waiting in self._publishers:  # their PUBACK will not come: they answer NotConnected
+                if not waiting.done():
+                    self._cut_off.add(waiting)
+                    waiting.cancel()
 
     async def _dispatch(self, client: aiomqtt.Client) -> None:
         # aiomqtt's iterator costs a task and two passes of the event loop per message; behind a burst (a fleet
