@@ -27,6 +27,11 @@ from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 HUB_IDENTITY = "hub"
 CA_VALIDITY = dt.timedelta(days=3650)
 LEAF_VALIDITY = dt.timedelta(days=365)
+# A CRL is valid until its next update; past it, TLS refuses every certificate of the CA (an expired CRL is no
+# CRL). The hub signs it again when less than CRL_REFRESH_BEFORE is left: on start and hourly (housekeeping), so
+# a CRL is at most ten days old, and a hub away for up to twenty days leaves a fleet that still connects.
+CRL_VALIDITY = dt.timedelta(days=30)
+CRL_REFRESH_BEFORE = dt.timedelta(days=20)
 
 
 class CsrError(ValueError):
@@ -238,14 +243,28 @@ class CertificateAuthority:
         crl = x509.load_pem_x509_crl(path.read_bytes())
         return frozenset(format(entry.serial_number, "x") for entry in crl)
 
-    def write_crl(self, revoked: list[tuple[str, dt.datetime]]) -> Path:
-        """Rewrite ``crl.pem`` with the given (hex serial, revoked at) pairs."""
-        now = _now()
+    def crl_next_update(self) -> dt.datetime | None:
+        """When the current ``crl.pem`` stops being valid (``None``: there is none, or it is unreadable)."""
+        path = self.directory / "crl.pem"
+        try:
+            crl = x509.load_pem_x509_crl(path.read_bytes())
+        except (OSError, ValueError):
+            return None
+        return crl.next_update_utc
+
+    def crl_due(self, now: dt.datetime | None = None) -> bool:
+        """Whether the CRL must be signed again now (missing, unreadable, or less than CRL_REFRESH_BEFORE left)."""
+        next_update = self.crl_next_update()
+        return next_update is None or next_update - (now or _now()) < CRL_REFRESH_BEFORE
+
+    def write_crl(self, revoked: list[tuple[str, dt.datetime]], now: dt.datetime | None = None) -> Path:
+        """Rewrite ``crl.pem`` with the given (hex serial, revoked at) pairs, valid for CRL_VALIDITY from ``now``."""
+        now = now or _now()
         builder = (
             x509.CertificateRevocationListBuilder()
             .issuer_name(self.cert.subject)
             .last_update(now - dt.timedelta(minutes=5))
-            .next_update(now + dt.timedelta(days=30))
+            .next_update(now + CRL_VALIDITY)
         )
         for serial_hex, at in revoked:
             builder = builder.add_revoked_certificate(

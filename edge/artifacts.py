@@ -331,6 +331,9 @@ class ArtifactCache:
             span = parse_byte_range(wanted, blob.size)
         except RangeNotSatisfiable:
             span = False
+        except BaseException:  # never leave the blob pinned (it could not be replaced or evicted again)
+            blob.release()
+            raise
         if span is False:
             blob.release()
             refusal = problem(416, ErrorCode.RANGE_NOT_SATISFIABLE, "Range not satisfiable", f"{wanted} is outside the {blob.size} bytes")

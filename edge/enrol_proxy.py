@@ -259,9 +259,14 @@ class _Handler(BaseHTTPRequestHandler):
             log.info("a device left during %s: %s", self.path, exc)
             self.close_connection = True
 
+    def end_headers(self) -> None:
+        self.send_header("X-Content-Type-Options", "nosniff")  # every answer: its Content-Type is the truth
+        super().end_headers()
+
     def _send(self, answer: ProxyAnswer, close: bool = False) -> None:
         self.send_response(answer.status)
         self.send_header("Content-Type", answer.content_type)
+        self.send_header("Cache-Control", "no-store")  # an enrolment answer is for this device only
         self.send_header("Content-Length", str(len(answer.body)))
         if close:
             self.send_header("Connection", "close")

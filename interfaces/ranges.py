@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import re
 
-_RANGE_RE = re.compile(r"^bytes=(\d*)-(\d*)$")
+_RANGE_RE = re.compile(r"^bytes=([0-9]*)-([0-9]*)$")  # ASCII digits only (\d takes any script's)
+# a position of more digits than this is beyond any content (and int() refuses more than 4,300 digits)
+MAX_DIGITS = 18
 
 
 class RangeNotSatisfiable(ValueError):
@@ -23,15 +25,18 @@ def parse_byte_range(header: str | None, size: int) -> tuple[int, int] | None:
     match = _RANGE_RE.match(header.strip())
     if match is None or match.group(1) == match.group(2) == "":
         return None
-    first, last = match.groups()
-    if first == "":  # a suffix: the last N bytes
-        suffix = int(last)
+    first, last = (g.lstrip("0") or ("0" if g else "") for g in match.groups())
+    if first == "":  # a suffix: the last N bytes (more than there are: all of them)
+        suffix = int(last) if len(last) <= MAX_DIGITS else size
         if suffix == 0 or size == 0:
-            raise RangeNotSatisfiable(f"bytes=-{suffix} of {size} bytes")
+            raise RangeNotSatisfiable(f"a zero-length suffix, or content of {size} bytes")
         return max(0, size - suffix), size - 1
+    if len(first) > MAX_DIGITS:
+        raise RangeNotSatisfiable(f"a range starting beyond the {size} bytes")
     start = int(first)
-    if last and int(last) < start:
-        return None
+    end = size - 1 if not last or len(last) > MAX_DIGITS else int(last)
+    if last and len(last) <= MAX_DIGITS and end < start:
+        return None  # its last byte before its first: ignored (the whole content)
     if start >= size:
         raise RangeNotSatisfiable(f"bytes={start}- of {size} bytes")
-    return start, min(int(last) if last else size - 1, size - 1)
+    return start, min(end, size - 1)

@@ -15,10 +15,11 @@ from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import PlainTextResponse
 from sqlalchemy import text
 from sqlalchemy.engine import Engine
+from sqlmodel import Session
 
 from cloud import lease
 from cloud.api import problems
-from cloud.api.guards import RequestGuard, purge_idempotency
+from cloud.api.guards import RequestGuard, SecurityHeaders, purge_idempotency
 from cloud.api.routes import artifacts, deployments, devices, nodes, privacy
 from cloud.api.routes import tasks as task_routes
 from cloud.artifacts import FileBlobStore
@@ -33,6 +34,7 @@ from cloud.metrics import metrics_router
 from cloud.pki import CertificateAuthority
 from cloud.rollout import RolloutController
 from cloud.scheduler import TaskController
+from cloud.services import revocation
 from cloud.signing import SigningKey
 from interfaces import API_PREFIX
 
@@ -77,8 +79,12 @@ async def _every_or_woken(interval_s: float, wake: asyncio.Event, fn: Any, *args
             await asyncio.wait_for(wake.wait(), interval_s)
 
 
-def _housekeeping_tick(engine: Engine, settings: Settings) -> None:
+def _housekeeping_tick(engine: Engine, settings: Settings, ca: CertificateAuthority) -> None:
+    """At start and hourly: forget old idempotency records; sign the CRL again before it expires (an expired CRL
+    makes the broker refuse every certificate of the fleet, and the hub's own)."""
     purge_idempotency(engine, settings.idempotency_ttl_s)
+    with Session(engine) as session:
+        revocation.publish_crl(session, ca)
 
 
 def _poke(app: FastAPI) -> None:
@@ -106,7 +112,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         tasks = [
             asyncio.create_task(_every(settings.heartbeat_flush_interval_s, ingest.flush), name="ingest"),
             asyncio.create_task(_every(settings.liveness_check_interval_s, _liveness_tick, engine, settings, holder), name="liveness"),
-            asyncio.create_task(_every(3600, _housekeeping_tick, engine, settings), name="housekeeping"),
+            asyncio.create_task(_every(3600, _housekeeping_tick, engine, settings, app.state.ca), name="housekeeping"),
         ]
         rollout = RolloutController(engine, app.state.signing, app.state.blobs, on_change=lambda: _poke(app))
         app.state.rollout = rollout
@@ -144,6 +150,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.add_middleware(
         RequestGuard, engine=lambda: app.state.engine, max_body_bytes=settings.max_body_bytes, streamed_uploads={API_PREFIX + "/artifacts"},
     )  # fmt: skip
+    app.add_middleware(SecurityHeaders)  # outermost: on every response, the guard's refusals too
 
     api = APIRouter(prefix=API_PREFIX)
     api.include_router(nodes.router)

@@ -76,6 +76,32 @@ def _replay(body: bytes) -> Receive:
     return receive
 
 
+class SecurityHeaders:
+    """``X-Content-Type-Options: nosniff`` on every response, and ``Cache-Control: no-store`` on every one that
+    does not say otherwise and carries no ``ETag`` (an artefact's bytes may be cached by their tag; an answer with
+    a bootstrap token, a download token or anyone's data may not be kept by any cache on the way)."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+
+        async def with_headers(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                headers = list(message.get("headers", []))
+                names = {name.lower() for name, _value in headers}
+                headers.append((b"x-content-type-options", b"nosniff"))
+                if b"cache-control" not in names and b"etag" not in names:
+                    headers.append((b"cache-control", b"no-store"))
+                message = {**message, "headers": headers}
+            await send(message)
+
+        await self.app(scope, receive, with_headers)
+
+
 class RequestGuard:
     def __init__(self, app: ASGIApp, engine: Callable[[], Engine], max_body_bytes: int, streamed_uploads: Collection[str] = ()) -> None:
         self.app = app

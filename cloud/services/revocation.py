@@ -7,6 +7,8 @@ and cannot reconnect, and an edge reaches exactly its own devices.
 
 from __future__ import annotations
 
+import datetime as dt
+import logging
 import threading
 from pathlib import Path
 
@@ -22,26 +24,36 @@ REVOKED_FILE = "revoked.txt"
 DEVICES_FILE = "devices.txt"
 
 
+log = logging.getLogger("aisynergy.hub")
 _lock = threading.Lock()
 _published_serials: dict[Path, frozenset[str]] = {}
 
 
 def publish(session: Session, ca: CertificateAuthority) -> None:
-    """Rewrite what changed (the broker reloads on every change, so an unchanged file stays untouched)."""
-    revoked = session.execute(select(Certificate.serial, Certificate.revoked_at).where(Certificate.revoked_at.is_not(None))).all()  # type: ignore[union-attr]
-    serials = frozenset(serial for serial, _at in revoked)
-    with _lock:
-        if ca.directory not in _published_serials:
-            _published_serials[ca.directory] = ca.revoked_serials()
-        if _published_serials[ca.directory] != serials:
-            ca.write_crl([(serial, utc(at)) for serial, at in revoked])  # type: ignore[misc]
-            _published_serials[ca.directory] = serials
+    """Rewrite what changed (the broker reloads on every change, so an unchanged file stays untouched); the CRL
+    also when it is due to be signed again (see :data:`cloud.pki.CRL_REFRESH_BEFORE`)."""
+    publish_crl(session, ca)
     deleted = sorted(
         [*session.execute(select(Node.id).where(Node.state == NodeState.DELETED.value)).scalars(),
          *session.execute(select(Device.id).where(Device.state == NodeState.DELETED.value)).scalars()]
     )  # fmt: skip
     _write(ca.directory / REVOKED_FILE, "".join(f"{identity}\n" for identity in deleted))
     publish_devices(session, ca)
+
+
+def publish_crl(session: Session, ca: CertificateAuthority, now: dt.datetime | None = None) -> bool:
+    """Sign the CRL again when the revoked serials changed or it is due; ``True`` when it was written."""
+    revoked = session.execute(select(Certificate.serial, Certificate.revoked_at).where(Certificate.revoked_at.is_not(None))).all()  # type: ignore[union-attr]
+    serials = frozenset(serial for serial, _at in revoked)
+    with _lock:
+        if ca.directory not in _published_serials:
+            _published_serials[ca.directory] = ca.revoked_serials()
+        if _published_serials[ca.directory] == serials and not ca.crl_due(now):
+            return False
+        ca.write_crl([(serial, utc(at)) for serial, at in revoked], now)  # type: ignore[misc]
+        _published_serials[ca.directory] = serials
+    log.info("CRL signed (%s revoked certificates), valid until %s", len(serials), ca.crl_next_update())
+    return True
 
 
 def publish_devices(session: Session, ca: CertificateAuthority) -> None:

@@ -230,6 +230,22 @@ def test_a_device_gets_the_exact_bytes_and_then_from_the_cache_while_the_hub_is_
     assert (edge.cache.root / sha(data)).read_bytes() == data
 
 
+def test_a_range_of_thousands_of_digits_is_416_and_leaves_the_entry_free(hub: HubArtefacts, edge: Edge) -> None:
+    # Prepare: the blob cached
+    token = hub.token("art-2")
+    assert edge.content("art-2", token).status_code == 200
+
+    # Execute
+    beyond = edge.content("art-2", token, Range="bytes=" + "9" * 5000 + "-")
+    to_the_end = edge.content("art-2", token, Range="bytes=0-" + "9" * 5000)
+
+    # Assert: an answer, and no request keeps the blob pinned (it could not be evicted or repaired again)
+    assert (beyond.status_code, beyond.json()["code"]) == (416, "range_not_satisfiable")
+    assert (to_the_end.status_code, to_the_end.content) == (206, hub.blobs["art-2"])
+    assert to_the_end.headers["x-content-type-options"] == "nosniff"
+    assert sum(edge.cache._pins.values()) == 0  # noqa: SLF001
+
+
 def test_range_requests_are_served_from_the_cache(hub: HubArtefacts, edge: Edge) -> None:
     # Prepare
     data, token = hub.blobs["art-2"], hub.token("art-2")
@@ -558,6 +574,11 @@ def test_other_methods_on_artefact_routes_are_405(edge: Edge) -> None:
         ("bytes=0-1,5-6", None),
         ("items=0-1", None),
         ("bytes=a-b", None),
+        ("bytes=" + "9" * 5000 + "-", False),  # beyond any content, not a ValueError from int()
+        ("bytes=0-" + "9" * 5000, (0, 99)),
+        ("bytes=-" + "9" * 5000, (0, 99)),
+        ("bytes=" + "0" * 5000 + "7-8", (7, 8)),
+        ("bytes=\u0661-\u0662", None),  # Arabic-Indic digits are no byte positions
     ],
 )
 def test_parse_range(header: str, expected: object) -> None:

@@ -137,6 +137,7 @@ def test_a_device_of_this_edge_gets_a_certificate_for_the_devices_broker(
     cert.verify_directly_issued_by(test_ca.cert)
     assert cert.subject.get_attributes_for_oid(NameOID.COMMON_NAME)[0].value == "dev-c"
     assert enrolled == ["dev-c"]
+    assert (response.headers["cache-control"], response.headers["x-content-type-options"]) == ("no-store", "nosniff")
     path, headers, forwarded = hub.requests[0]
     assert (path, forwarded, headers["idempotency-key"]) == (
         "/api/v1/devices/dev-c/certificate",

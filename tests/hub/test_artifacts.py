@@ -290,7 +290,7 @@ def test_range_requests_are_206(hub: HubUnderTest, range_header: str, first: int
 
 
 @SQLITE_ONLY
-@pytest.mark.parametrize("range_header", ["bytes=100000-", "bytes=200000-300000", "bytes=-0"])
+@pytest.mark.parametrize("range_header", ["bytes=100000-", "bytes=200000-300000", "bytes=-0", "bytes=" + "9" * 5000 + "-"])
 def test_unsatisfiable_range_is_416(hub: HubUnderTest, range_header: str) -> None:
     # Prepare
     created = stored(hub)
