@@ -169,8 +169,9 @@ class _Server(ThreadingHTTPServer):
     proxy: EnrolmentProxy
 
     def __init__(self, address: tuple[str, int], handler: type[BaseHTTPRequestHandler]) -> None:
-        super().__init__(address, handler)
+        # made first: a failed bind calls server_close() from within the base class's __init__
         self._pool = ThreadPoolExecutor(MAX_HANDLERS, thread_name_prefix="edge-device-http")
+        super().__init__(address, handler)
 
     def process_request(self, request: Any, client_address: Any) -> None:  # type: ignore[override]
         try:
