@@ -84,6 +84,15 @@ def _now() -> str:
     return datetime.now(UTC).isoformat()
 
 
+_UPSERT_DESIRED = (
+    "INSERT INTO desired (scope, target_id, version, payload, updated_at) VALUES (?, ?, ?, ?, ?) "
+    "ON CONFLICT (scope, target_id) DO UPDATE SET version = excluded.version, "
+    "payload = excluded.payload, updated_at = excluded.updated_at"
+)
+_FORGET_DESIRED = "DELETE FROM desired WHERE scope = ? AND target_id = ?"
+_ADD_DEVICE = "INSERT INTO devices (device_id, learned_from, added_at) VALUES (?, ?, ?) ON CONFLICT DO NOTHING"
+
+
 class EdgeStore:
     """The edge's SQLite store; see the module docstring."""
 
@@ -107,9 +116,7 @@ class EdgeStore:
     def put_desired(self, scope: Scope, target_id: str, version: int, payload: bytes) -> None:
         with self._lock:
             self._db.execute(
-                "INSERT INTO desired (scope, target_id, version, payload, updated_at) VALUES (?, ?, ?, ?, ?) "
-                "ON CONFLICT (scope, target_id) DO UPDATE SET version = excluded.version, "
-                "payload = excluded.payload, updated_at = excluded.updated_at",
+                _UPSERT_DESIRED,
                 (scope.value, target_id, version, payload, _now()),
             )
 
@@ -130,7 +137,7 @@ class EdgeStore:
 
     def forget_desired(self, scope: Scope, target_id: str) -> None:
         with self._lock:
-            self._db.execute("DELETE FROM desired WHERE scope = ? AND target_id = ?", (scope.value, target_id))
+            self._db.execute(_FORGET_DESIRED, (scope.value, target_id))
 
     def store_device_desired(
         self, documents: list[tuple[str, int, bytes]], cleared: Iterable[str], learned_from: LearnedFrom
@@ -144,12 +151,11 @@ class EdgeStore:
             self._db.execute("BEGIN IMMEDIATE")
             try:
                 for device_id in cleared:
-                    self._db.execute("DELETE FROM desired WHERE scope = ? AND target_id = ?", (Scope.DEVICE.value, device_id))
-                    self._db.execute("DELETE FROM devices WHERE device_id = ?", (device_id,))
-                    self._db.execute("DELETE FROM device_seq WHERE device_id = ?", (device_id,))
+                    self._db.execute(_FORGET_DESIRED, (Scope.DEVICE.value, device_id))
+                    self._forget_device(device_id)
                 for device_id, version, payload in documents:
                     self._db.execute(
-                        "INSERT INTO devices (device_id, learned_from, added_at) VALUES (?, ?, ?) ON CONFLICT DO NOTHING",
+                        _ADD_DEVICE,
                         (device_id, learned_from.value, now),
                     )
                     row = self._db.execute(
@@ -158,9 +164,7 @@ class EdgeStore:
                     if row is not None and bytes(row[0]) == payload:
                         continue
                     self._db.execute(
-                        "INSERT INTO desired (scope, target_id, version, payload, updated_at) VALUES (?, ?, ?, ?, ?) "
-                        "ON CONFLICT (scope, target_id) DO UPDATE SET version = excluded.version, "
-                        "payload = excluded.payload, updated_at = excluded.updated_at",
+                        _UPSERT_DESIRED,
                         (Scope.DEVICE.value, device_id, version, payload, now),
                     )
                     changed.add(device_id)
@@ -175,7 +179,7 @@ class EdgeStore:
         """Register ``device_id``; ``True`` when it was not known before."""
         with self._lock:
             cursor = self._db.execute(
-                "INSERT INTO devices (device_id, learned_from, added_at) VALUES (?, ?, ?) ON CONFLICT DO NOTHING",
+                _ADD_DEVICE,
                 (device_id, learned_from.value, _now()),
             )
         return cursor.rowcount == 1
@@ -190,8 +194,11 @@ class EdgeStore:
 
     def forget_device(self, device_id: str) -> None:
         with self._lock:
-            self._db.execute("DELETE FROM devices WHERE device_id = ?", (device_id,))
-            self._db.execute("DELETE FROM device_seq WHERE device_id = ?", (device_id,))
+            self._forget_device(device_id)
+
+    def _forget_device(self, device_id: str) -> None:  # the lock held
+        self._db.execute("DELETE FROM devices WHERE device_id = ?", (device_id,))
+        self._db.execute("DELETE FROM device_seq WHERE device_id = ?", (device_id,))
 
     # ---- outbox -------------------------------------------------------------------------------------
     def enqueue(self, topic: str, payload: bytes, qos: int, retain: bool) -> int:
