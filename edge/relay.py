@@ -7,9 +7,14 @@ The hub never touches device topics; it talks to the edge under the edge's own s
                    RELAY_CMD      forwarded on DEVICE_CMD with our response topic and a fresh correlation
                                   id; the device's answer goes to the hub's response topic with the hub's
                                   correlation data; unknown device or no answer in time: a failed result
-    device -> hub  state, reported, events  through the outbox: SQLite first, then published in order
+    device -> hub  reported, events  through the outbox: SQLite first, then published in order
                                   with QoS 1, each row deleted after its PUBACK (the envelope id is the
                                   hub's idempotency key, so a resend after a lost PUBACK is harmless)
+                   state          the latest of each device, coalesced and published retained with QoS 1
+                                  ahead of the outbox (see :meth:`DeviceRelay._pump_states`): a fleet back
+                                  after an outage is ONLINE at the hub without waiting for the events queued
+                                  meanwhile. Kept in memory only: the device's own state is retained on the
+                                  downstream broker, which hands it again to an edge that restarts
                    events         also acknowledged to the device on DEVICE_EVENTS_ACK once committed (the
                                   device keeps each event until then, see :mod:`device.outbox`); stored only
                                   in order: a seq at or below the device's last stored one is a duplicate
@@ -80,7 +85,7 @@ log = logging.getLogger("aisynergy.edge.relay")
 
 # ``error_code`` values of the edge's own failed results, next to those of CommandError
 
-QUEUED: dict[Topic[Any], Topic[Any]] = {
+QUEUED: dict[Topic[Any], Topic[Any]] = {  # device topic -> relay topic; all but state through the outbox
     DEVICE_STATE: RELAY_STATE,
     DEVICE_REPORTED: RELAY_REPORTED,
     DEVICE_EVENTS: RELAY_EVENTS,
@@ -163,6 +168,11 @@ class DeviceRelay:
         # (monotonic time, row) acknowledged by the broker, the newest RESEND_DELIVERED_MAX of them
         self._delivered: deque[tuple[float, OutboxRow]] = deque(maxlen=RESEND_DELIVERED_MAX)
         self._session_ended: float | None = None
+        self._states: dict[str, bytes] = {}  # device id -> its newest state, not yet acknowledged by the broker
+        self._states_ready = asyncio.Event()
+        # (monotonic time, device id, state) acknowledged by the broker, for the next session (see _pump_states)
+        self._states_delivered: deque[tuple[float, str, bytes]] = deque(maxlen=RESEND_DELIVERED_MAX)
+        self._states_ended: float | None = None
         self.duplicates = 0  # device events received again (dropped)
         self.out_of_order = 0  # device events received after a hole (dropped; the device resends)
         self._staged_lock = threading.Lock()
@@ -172,6 +182,7 @@ class DeviceRelay:
         up.route(RELAY_CMD, self._on_relay_command, node_id=node_id)
         up.route(HUB_STATE, self._on_hub_state)
         up.during_session(self._pump_outbox)
+        up.during_session(self._pump_states)
         for device_topic, relay_topic in QUEUED.items():
             down.route(device_topic, functools.partial(self._on_device_message, device_topic, relay_topic))
         down.route(DEVICE_HEARTBEAT, self._on_device_heartbeat)
@@ -393,6 +404,12 @@ class DeviceRelay:
         parsed = self._valid(device_topic, message.topic.value, payload, device_id)
         if parsed is None:
             return
+        if device_topic is DEVICE_STATE:
+            self._states.pop(device_id, None)  # coalesced: the newest replaces the one not yet sent, and queues last
+            self._states[device_id] = payload
+            self._states_ready.set()
+            await self._on_device_online(device_id, payload)
+            return
         seq: int | None = None
         if device_topic is DEVICE_EVENTS:
             body: EventBody = parsed.body
@@ -402,8 +419,6 @@ class DeviceRelay:
         topic = relay_topic.topic(node_id=self.node_id, device_id=device_id)
         if not self.enqueue(topic, payload, relay_topic, device_seq=(device_id, seq) if seq is not None else None):
             return  # outbox full: not acknowledged, so the device keeps the event and sends it again
-        if device_topic is DEVICE_STATE:
-            await self._on_device_online(device_id, payload)
 
     def _admit_event(self, device_id: str, seq: int, prev_seq: int | None) -> bool:
         """Whether a device's event is the next one to store (see the module docstring)."""
@@ -604,7 +619,6 @@ class DeviceRelay:
         first, at the next one: what was lost was the newest, so order holds, and the hub keeps each envelope once.
         """
         self._loop = asyncio.get_running_loop()
-        self._hub_online.clear()  # learn it afresh from this session's retained HUB_STATE
         ended = self._session_ended
         again = [row for at, row in self._delivered if ended is not None and at >= ended - RESEND_DELIVERED_S]
         self._delivered.clear()
@@ -612,6 +626,57 @@ class DeviceRelay:
             await self._pump(client, again)
         finally:
             self._session_ended = time.monotonic()
+            # learnt afresh from the next session's retained HUB_STATE (cleared here, not when the next session
+            # starts: that state may be handled before this pump runs again)
+            self._hub_online.clear()
+
+    async def _pump_states(self, client: aiomqtt.Client) -> None:
+        """Publish the devices' newest states, retained with QoS 1, while the session lasts and the hub is
+        online: beside the outbox, not behind it, so that 1,000 devices back after an outage are ONLINE at the
+        hub at once, whatever number of events waits in the outbox. A state replaced before it was sent is
+        never sent. Like the outbox, what the broker acknowledged in the last :data:`RESEND_DELIVERED_S` before
+        a session ended goes again at the next one (unless a newer state of that device waits).
+        """
+        ended = self._states_ended
+        for at, device_id, payload in self._states_delivered:
+            if ended is not None and at >= ended - RESEND_DELIVERED_S:
+                self._states.setdefault(device_id, payload)
+        self._states_delivered.clear()
+        try:
+            while True:
+                await self._hub_online.wait()
+                if not self._states:
+                    self._states_ready.clear()
+                    await self._states_ready.wait()
+                    continue
+                batch = list(self._states.items())[: self._window]
+                results = await asyncio.gather(
+                    *(
+                        client.publish(
+                            RELAY_STATE.topic(node_id=self.node_id, device_id=device_id),
+                            payload,
+                            qos=RELAY_STATE.qos,
+                            retain=RELAY_STATE.retain,
+                        )
+                        for device_id, payload in batch
+                    ),
+                    return_exceptions=True,
+                )
+                now = time.monotonic()
+                for (device_id, payload), result in zip(batch, results, strict=True):
+                    if isinstance(result, BaseException):
+                        continue
+                    if self._states.get(device_id) is payload:
+                        del self._states[device_id]
+                    self._states_delivered.append((now, device_id, payload))
+                while self._states_delivered and self._states_delivered[0][0] < now - RESEND_DELIVERED_S:
+                    self._states_delivered.popleft()
+                failure = next((r for r in results if isinstance(r, BaseException)), None)
+                if failure is not None:
+                    raise failure
+        finally:
+            self._states_ended = time.monotonic()
+            self._hub_online.clear()
 
     async def _pump(self, client: aiomqtt.Client, again: list[OutboxRow]) -> None:
         if again:

@@ -99,7 +99,8 @@ def test_events_during_an_upstream_outage_arrive_once_and_in_order(
     device.publish(DEVICE_HEARTBEAT.topic(device_id=DEVICE), heartbeat(100), qos=0)
     offline = envelope(DEVICE, StateBody(state=ConnectionState.OFFLINE, reason="will")).model_dump_json().encode()
     device.publish(DEVICE_STATE.topic(device_id=DEVICE), offline, retain=True)
-    wait_until(lambda: outbox_rows(node_dir) == 41, what="41 messages in the outbox")
+    # the 40 events wait in the outbox; the state (the newest of the device) waits beside it, in memory
+    wait_until(lambda: outbox_rows(node_dir) == 40, what="40 events in the outbox")
     device.close()  # a device that reconnects during the outage still finds its desired document
     device = Peer(down, pki, DEVICE, [DEVICE_DESIRED.topic(device_id=DEVICE)])
     assert device.expect(DEVICE_DESIRED.topic(device_id=DEVICE)).payload == desired
@@ -172,3 +173,77 @@ def _stored_desired(node_dir: Path) -> bytes | None:
     with sqlite3.connect(node_dir / "edge.db") as db:
         row = db.execute("SELECT payload FROM desired WHERE scope = 'device' AND target_id = ?", (DEVICE,)).fetchone()
     return bytes(row[0]) if row else None
+
+
+def _state(state: ConnectionState, version: str) -> bytes:
+    return envelope(DEVICE, StateBody(state=state, agent_version=version)).model_dump_json().encode()
+
+
+def test_a_device_state_goes_ahead_of_the_events_queued_meanwhile_and_only_its_newest(
+    tmp_path: Path, pki: Pki, cleanup: list[Callable[[], object]]
+) -> None:
+    # Prepare: the hub records the order in which the device's messages reach it
+    up = Mosquitto(tmp_path / "upstream", pki, edge_acl(NODE, [DEVICE]), persistent=True).start()
+    down = Mosquitto(tmp_path / "downstream", pki, edge_acl(NODE, [DEVICE])).start()
+    cleanup += [up.stop, down.stop]
+    arrived: list[str] = []
+    hub = Peer(up, pki, "hub", [own_subtree(Tier.NODE, NODE)], session_expiry_s=600,
+               on_message=lambda _peer, m: arrived.append(m.topic))  # fmt: skip
+    device = Peer(down, pki, DEVICE)
+    cleanup += [hub.close, device.close]
+    node_dir = enrol_node(tmp_path / "node", pki.ca, NODE, up.url).data_dir
+    edge = start_edge(node_dir, NODE, "--downstream-mqtt-url", down.url, "--device-listen", "off")
+    cleanup.append(lambda: stop_edge(edge))
+    hub.expect(NODE_STATE.topic(node_id=NODE), where=lambda m: body(m)["state"] == "online")
+
+    # Execute: during an outage the device sends 45 events and changes its state three times
+    up.stop()
+    for event in EVENTS:
+        device.publish(DEVICE_EVENTS.topic(device_id=DEVICE), event)
+    states = [_state(ConnectionState.ONLINE, "1"), _state(ConnectionState.OFFLINE, "1"), _state(ConnectionState.ONLINE, "2")]
+    for state in states:
+        device.publish(DEVICE_STATE.topic(device_id=DEVICE), state, retain=True)
+    wait_until(lambda: outbox_rows(node_dir) == len(EVENTS), what=f"{len(EVENTS)} events in the outbox")
+    up.start()
+
+    # Assert: the newest state arrives first, alone; then every event in order
+    events_topic, state_topic = RELAY_EVENTS.topic(node_id=NODE, device_id=DEVICE), RELAY_STATE.topic(node_id=NODE, device_id=DEVICE)
+    assert hub.expect(state_topic, timeout=15).payload == states[-1]
+    assert [hub.expect(events_topic, timeout=15).payload for _ in EVENTS] == EVENTS
+    assert hub.drain(state_topic, quiet_s=0.5) == []
+    mine = [topic for topic in arrived if topic in (events_topic, state_topic)]
+    assert mine[0] == state_topic and mine.count(state_topic) == 1
+    assert stop_edge(edge) == 0
+
+
+def test_a_state_not_yet_relayed_when_the_edge_is_killed_reaches_the_hub_after_its_restart(
+    tmp_path: Path, pki: Pki, cleanup: list[Callable[[], object]]
+) -> None:
+    # Prepare: the hub's broker is away, and the device's new state waits at the edge (in memory)
+    up = Mosquitto(tmp_path / "upstream", pki, edge_acl(NODE, [DEVICE]), persistent=True).start()
+    down = Mosquitto(tmp_path / "downstream", pki, edge_acl(NODE, [DEVICE])).start()
+    cleanup += [up.stop, down.stop]
+    hub = Peer(up, pki, "hub", [own_subtree(Tier.NODE, NODE)], session_expiry_s=600)
+    device = Peer(down, pki, DEVICE)
+    cleanup += [hub.close, device.close]
+    node_dir = enrol_node(tmp_path / "node", pki.ca, NODE, up.url).data_dir
+    options = ("--downstream-mqtt-url", down.url, "--device-listen", "off")
+    edge = start_edge(node_dir, NODE, *options)
+    cleanup.append(lambda: stop_edge(edge))
+    hub.expect(NODE_STATE.topic(node_id=NODE), where=lambda m: body(m)["state"] == "online")
+    up.stop()
+    state = _state(ConnectionState.ONLINE, "3")
+    device.publish(DEVICE_STATE.topic(device_id=DEVICE), state, retain=True)
+    device.publish(DEVICE_EVENTS.topic(device_id=DEVICE), EVENTS[0])  # after the state: once it is stored,
+    wait_until(lambda: outbox_rows(node_dir) == 1, what="the event in the outbox")  # the edge has the state
+
+    # Execute: the edge dies before it could relay it; it starts again, then the hub's broker comes back
+    edge.kill()
+    edge.wait(5)
+    edge = start_edge(node_dir, NODE, *options)
+    up.start()
+
+    # Assert: the device's broker still holds the state (retained) and hands it to the new edge
+    assert hub.expect(RELAY_STATE.topic(node_id=NODE, device_id=DEVICE), timeout=15).payload == state
+    assert hub.expect(RELAY_EVENTS.topic(node_id=NODE, device_id=DEVICE), timeout=15).payload == EVENTS[0]
+    assert stop_edge(edge) == 0
