@@ -330,6 +330,20 @@ class Device:
         return handler
 
     # ---- lifecycle ----------------------------------------------------------------------------------
+    def enrol(self) -> bool:
+        """Enrol now if no identity is stored (:meth:`start` does it otherwise); ``True`` when it enrolled.
+
+        ``aisynergy device run`` enrols this way and then starts itself again, so that the running agent does not
+        keep the enrolment's libraries (the HTTP client, the CSR code) in its memory. Raises what :meth:`start` does.
+        """
+        with self._lifecycle:
+            self.identity.check_owner(self.device_id)
+            if self.identity.is_enrolled():
+                return False
+            self.data_dir.mkdir(parents=True, exist_ok=True)
+            self._enrolment()
+            return True
+
     def start(self) -> None:
         """Enrol if needed, then connect in the background and return. A second call does nothing.
 

@@ -1,8 +1,9 @@
 """``aisynergy device``: run the device agent.
 
 ``aisynergy device run --device-id ID --data-dir DIR [--enrol-url URL --bootstrap-token T]`` enrols once
-(CSR + bootstrap token -> certificate, kept in DIR; the enrolment URL is the device's edge, or the hub)
-and then keeps the device's MQTT session up until SIGTERM or SIGINT. A restart with a stored
+(CSR + bootstrap token -> certificate, kept in DIR; the enrolment URL is the device's edge, or the hub),
+executes itself again (the same process id; the agent then runs from the stored identity, without the
+enrolment's HTTP client and CSR code in its memory) and then keeps the device's MQTT session up until SIGTERM or SIGINT. A restart with a stored
 certificate needs neither the token nor the enrolment endpoint. ``--emit-every S`` makes it a demo or
 load device that emits an event (``--emit-type``, data ``{"count": n}``) every S seconds.
 
@@ -27,11 +28,13 @@ Exit codes:
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import NoReturn
 
@@ -99,8 +102,12 @@ def run(
     if any(factory) and not all(factory):
         raise click.UsageError("--firmware, --firmware-manifest and --firmware-public-key go together")
     local = [_dataset_option(text) for text in datasets]
+    with _exits():
+        # a first start enrols, then starts afresh: the agent's process never holds the enrolment's libraries
+        if Device(device_id, data_dir, enrol_url, bootstrap_token, mqtt_url, heartbeat_interval).enrol():
+            _reexecute("enrolled; starting the agent")
     firmware_boot = _boot_firmware(data_dir / FIRMWARE_DIR, *factory)  # type: ignore[arg-type]
-    try:
+    with _exits():
         agent = Device(
             device_id, data_dir, enrol_url, bootstrap_token, mqtt_url, heartbeat_interval, reboot=_reexecute, firmware_boot=firmware_boot
         )
@@ -110,6 +117,19 @@ def run(
             except DatasetError as exc:
                 raise click.UsageError(f"--dataset {name}={path}: {exc}") from None
         agent.start()
+    if emit_every:
+        threading.Thread(
+            target=_emit_forever, args=(agent, emit_type, emit_every), name="demo-emitter", daemon=True
+        ).start()
+    agent.run_forever()
+    sys.exit(EXIT_OK)
+
+
+@contextlib.contextmanager
+def _exits() -> Iterator[None]:
+    """The agent's start-up errors as this command's exit statuses (see the module docstring)."""
+    try:
+        yield
     except ConfigError as exc:
         raise click.UsageError(f"{exc} (see --device-id, --enrol-url, --bootstrap-token, --mqtt-url)") from None
     except StoredStateError as exc:
@@ -118,12 +138,6 @@ def run(
         _fail(EXIT_UNREACHABLE, f"enrolment failed: {exc.detail}")
     except EnrolmentError as exc:
         _fail(EXIT_REFUSED, f"enrolment refused ({exc.code}): {exc.detail}")
-    if emit_every:
-        threading.Thread(
-            target=_emit_forever, args=(agent, emit_type, emit_every), name="demo-emitter", daemon=True
-        ).start()
-    agent.run_forever()
-    sys.exit(EXIT_OK)
 
 
 def _dataset_option(text: str) -> tuple[str, Path]:
@@ -159,9 +173,9 @@ def _boot_firmware(root: Path, image: Path | None, manifest: Path | None, public
     return result
 
 
-def _reexecute() -> None:
+def _reexecute(why: str = "restarting to boot the installed firmware") -> None:
     """The reboot hook: the same interpreter, options and arguments again, so the new slot boots."""
-    log.info("restarting to boot the installed firmware")
+    log.info("%s", why)
     for stream in (sys.stdout, sys.stderr):
         stream.flush()
     for handler in logging.getLogger().handlers:

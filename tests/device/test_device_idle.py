@@ -20,7 +20,7 @@ from interfaces.deployments import EXECUTION_EVENT, INSTALLED_KEY
 from interfaces.ids import new_id
 from interfaces.messages import CommandBody, DesiredBody, envelope
 from interfaces.topics import DEVICE_DESIRED
-from tests.device.conftest import DeviceBroker, EdgeObserver, ThrowawayCA
+from tests.device.conftest import DeviceBroker, EdgeObserver, EnrolmentServer, ThrowawayCA
 from tests.device.ota_support import V1, blob_server, make_order
 from tests.support import wait_for
 
@@ -52,10 +52,17 @@ sys.argv = ["device.cli", "run", "--device-id", sys.argv[1], "--data-dir", sys.a
 runpy.run_module("device.cli", run_name="__main__", alter_sys=True)
 """
 
+CLI_FIRST_START = DUMP_ON_STDIN + """
+import runpy
+device_id, data_dir, url, token = sys.argv[1:]
+sys.argv = ["device.cli", "run", "--device-id", device_id, "--data-dir", data_dir, "--enrol-url", url, "--bootstrap-token", token]
+runpy.run_module("device.cli", run_name="__main__", alter_sys=True)
+"""
 
-def _modules_of_idle_agent(program: str, device_id: str, data_dir: Path, edge: EdgeObserver) -> set[str]:
+
+def _modules_of_idle_agent(program: str, device_id: str, data_dir: Path, edge: EdgeObserver, *args: str) -> set[str]:
     agent = subprocess.Popen(
-        [sys.executable, "-c", program, device_id, str(data_dir)],
+        [sys.executable, "-c", program, device_id, str(data_dir), *args],
         stdin=subprocess.PIPE, stdout=subprocess.PIPE, cwd=REPO, text=True,
     )  # fmt: skip
     try:
@@ -97,6 +104,28 @@ def test_an_idle_device_cli_boots_its_firmware_slots_without_cryptography(
     booted = {"device.ota.firmware", "device.ota.verify"}  # the slots, and the digest checks an image needs
     assert booted | {"click"} <= loaded
     assert sorted(m for m in NOT_IDLE if m in loaded and m not in booted) == []
+
+
+def test_a_first_start_of_the_device_cli_runs_the_agent_without_the_enrolment_code(
+    tmp_path: Path, device_broker: DeviceBroker, enrolment_server: EnrolmentServer
+) -> None:
+    # Prepare: a device that has never enrolled
+    device_id, data_dir = new_id("dv"), tmp_path / "device"
+    enrolment_server.mqtt_url, enrolment_server.heartbeat_s = device_broker.url, 0.2
+    enrolment_server.tokens[device_id] = "t" * 43
+    edge = EdgeObserver(device_broker, device_id)
+
+    # Execute: it enrols, then the same process runs the agent from the stored identity
+    try:
+        loaded = _modules_of_idle_agent(CLI_FIRST_START, device_id, data_dir, edge, enrolment_server.url, "t" * 43)
+    finally:
+        edge.close()
+
+    # Assert
+    assert enrolment_server.enrolled == {device_id} and len(enrolment_server.requests) == 1
+    assert IdentityStore(data_dir).is_enrolled()
+    assert "device.agent" in loaded
+    assert sorted(m for m in ("httpx", "cryptography", "device.enrol") if m in loaded) == []
 
 
 def test_the_model_built_ins_work_before_any_model_is_installed(enrolled: tuple[str, Path], edge: EdgeObserver) -> None:
