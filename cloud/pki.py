@@ -166,6 +166,9 @@ class CertificateAuthority:
                 str(v) for v in san.get_values_for_type(x509.IPAddress)
             }
             if set(hosts) <= have:
+                if key_path.stat().st_mode & 0o077:  # an older PKI left it readable to the broker's account
+                    with contextlib.suppress(PermissionError):
+                        os.chmod(key_path, 0o600)
                 return
         key = new_private_key()
         names: list[x509.GeneralName] = []
@@ -180,9 +183,8 @@ class CertificateAuthority:
             .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH]), critical=False)
             .sign(self._key, hashes.SHA256())
         )
-        # the broker may run as another user (mosquitto drops root): its key must be readable by it
-        write_public(key_path, _key_pem(key))
-        os.chmod(key_path, 0o640 if os.geteuid() != 0 else 0o644)
+        # private like every key: the broker reads its own copy (cloud.broker.runner hands it to its account)
+        _write_private(key_path, _key_pem(key))
         write_public(crt, cert.public_bytes(serialization.Encoding.PEM))
 
     def ensure_client_identity(self, common_name: str) -> tuple[Path, Path]:
