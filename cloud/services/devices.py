@@ -8,11 +8,12 @@ from datetime import datetime, timedelta
 from sqlalchemy import select
 from sqlmodel import Session
 
+from cloud.auth import TokenIdentity
 from cloud.errors import NotFound
-from cloud.services import enrolment, twins
+from cloud.services import audit, enrolment, twins
 from cloud.services.labels import apply_patch, clear_labels, selector_clause, set_labels
 from cloud.services.nodes import get as get_node
-from cloud.services.nodes import now
+from cloud.services.nodes import issue_recorded_bootstrap, now, revoke_recorded
 from cloud.services.paging import page, parse_selector_or_400
 from cloud.pki import CertificateAuthority
 from cloud.tables import Certificate, Device, DeviceEventRow
@@ -64,13 +65,15 @@ def update_device(session: Session, device_id: str, body: DeviceUpdate) -> Devic
     return apply_patch(session, get(session, device_id), body)  # type: ignore[no-any-return]
 
 
-def delete(session: Session, device_id: str) -> None:
+def delete(session: Session, device_id: str, actor: TokenIdentity) -> None:
+    """Mark the device DELETED and revoke its certificates; recorded on its node (``device_deleted``)."""
     device = get(session, device_id)
     device.state = NodeState.DELETED.value
     device.deleted_at = device.updated_at = now()
-    enrolment.revoke_all(session, device.id, device.deleted_at)
+    revoked = enrolment.revoke_all(session, device.id, device.deleted_at)
     clear_labels(session, device.id)
     session.add(device)
+    audit.record(session, device.node_id, "device_deleted", actor, f"device {device_id} deleted", device_id=device_id, revoked=revoked)
     session.commit()
     log.info("deleted device %s", device_id)
 
@@ -79,11 +82,16 @@ def put_twin(session: Session, device_id: str, body: TwinUpdate) -> Device:
     return twins.put_desired(session, Device, get, device_id, body)  # type: ignore[no-any-return]
 
 
-def reissue_bootstrap(session: Session, device_id: str, ttl_s: int) -> tuple[str, datetime]:
-    get(session, device_id)
-    token, expires = enrolment.issue_bootstrap(session, device_id, ttl_s)
-    session.commit()
-    return token, expires
+def reissue_bootstrap(session: Session, device_id: str, ttl_s: int, actor: TokenIdentity) -> tuple[str, datetime]:
+    """A token for the device (recorded on its node); the admin role once the device ever enrolled."""
+    device = get(session, device_id)
+    return issue_recorded_bootstrap(session, device.node_id, device_id, ttl_s, actor, "device")
+
+
+def revoke_superseded(session: Session, device_id: str, actor: TokenIdentity) -> list[str]:
+    """Revoke the device's certificates but its newest (recorded on its node); returns their serials."""
+    device = get(session, device_id)
+    return revoke_recorded(session, device.node_id, device_id, device.certificate_serial, actor, "device")
 
 
 def enrol(session: Session, ca: CertificateAuthority, device_id: str, body: CertificateRequest, validity: timedelta) -> tuple[Device, Certificate, str]:

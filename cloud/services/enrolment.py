@@ -6,14 +6,15 @@ import logging
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
-from sqlalchemy import update
+from sqlalchemy import select, update
 from sqlmodel import Session
 
 from cloud.auth import hash_secret, new_secret
 from cloud.convert import utc
 from cloud.errors import BadRequest, Conflict, Forbidden, NotFound
 from cloud.pki import CertificateAuthority, CsrError
-from cloud.tables import BootstrapToken, Certificate
+from cloud.services import audit
+from cloud.tables import BootstrapToken, Certificate, Device
 from interfaces.errors import ErrorCode
 from interfaces.ids import is_id
 from interfaces.lifecycle import NodeState
@@ -45,11 +46,33 @@ def revoke_all(session: Session, identity: str, at: datetime) -> int:
     return result.rowcount  # type: ignore[attr-defined,no-any-return]
 
 
+def revoke_superseded(session: Session, identity: str, current: str | None, at: datetime) -> list[str]:
+    """Revoke every valid certificate of ``identity`` but ``current`` (not committed); returns their serials."""
+    serials = list(session.execute(
+        select(Certificate.serial).where(Certificate.identity == identity, Certificate.revoked_at.is_(None), Certificate.serial != current)  # type: ignore[union-attr,arg-type]
+    ).scalars())  # fmt: skip
+    if serials:
+        session.execute(update(Certificate).where(Certificate.serial.in_(serials)).values(revoked_at=at))  # type: ignore[attr-defined]
+    return serials
+
+
+def ever_enrolled(session: Session, identity: str) -> bool:
+    """Whether the hub ever issued ``identity`` a certificate (revoked or not)."""
+    return session.execute(select(Certificate.serial).where(Certificate.identity == identity).limit(1)).first() is not None
+
+
+def valid_serials(session: Session, identity: str) -> list[str]:
+    return list(session.execute(select(Certificate.serial).where(Certificate.identity == identity, Certificate.revoked_at.is_(None))).scalars())  # type: ignore[union-attr]
+
+
 def enrol(session: Session, ca: CertificateAuthority, owner: type[Any], owner_id: str, csr_pem: str, token_secret: str,
           validity: timedelta) -> tuple[Any, Certificate, str]:  # fmt: skip
-    """Check the one-time token, sign the CSR (CN = ``owner_id``), revoke certificates it supersedes.
+    """Check the one-time token and sign the CSR (CN = ``owner_id``).
 
-    ``owner`` is the table (Node or Device) whose row gets the new certificate's serial.
+    A new certificate revokes none: an identity re-enrolled with a reissued token keeps working with its earlier
+    certificates until an admin revokes the superseded ones (:func:`revoke_superseded`), so a token that reached
+    the wrong party cannot cut the real node off. A re-enrolment is recorded (``certificate_issued`` on the node,
+    with the serials still valid). ``owner`` is the table (Node or Device) whose row gets the serial.
     """
     kind = owner.__name__.lower()
     if not is_id(owner_id):
@@ -80,7 +103,12 @@ def enrol(session: Session, ca: CertificateAuthority, owner: type[Any], owner_id
         session.rollback()
         raise Conflict("bootstrap token was already used", code=ErrorCode.BOOTSTRAP_TOKEN_USED)
     at = datetime.now(UTC)
-    superseded = revoke_all(session, owner_id, at)
+    still_valid = valid_serials(session, owner_id)
+    if ever_enrolled(session, owner_id):
+        ids = {"device_id": owner_id} if owner is Device else {}
+        audit.record(session, row.node_id if owner is Device else owner_id, "certificate_issued", None,
+                     f"{kind} {owner_id} enrolled again; its earlier certificates stay valid until an admin revokes them",
+                     serial=issued.serial, still_valid=still_valid, **ids)  # fmt: skip
     cert = Certificate(serial=issued.serial, identity=owner_id, issued_at=at, not_after=issued.not_after)
     session.add(cert)
     row.certificate_serial = issued.serial
@@ -88,5 +116,5 @@ def enrol(session: Session, ca: CertificateAuthority, owner: type[Any], owner_id
     row.updated_at = at
     session.add(row)
     session.commit()
-    log.info("issued certificate %s to %s %s (superseded %d)", issued.serial, kind, owner_id, superseded)
+    log.info("issued certificate %s to %s %s (%d earlier ones still valid)", issued.serial, kind, owner_id, len(still_valid))
     return row, cert, issued.certificate_pem

@@ -11,12 +11,14 @@ from datetime import UTC, datetime, timedelta
 from sqlalchemy import select
 from sqlmodel import Session
 
-from cloud.errors import Conflict, NotFound
+from cloud.auth import TokenIdentity
+from cloud.errors import Conflict, Forbidden, NotFound
 from cloud.pki import CertificateAuthority
-from cloud.services import enrolment, twins
+from cloud.services import audit, enrolment, twins
 from cloud.services.labels import apply_patch, clear_labels, selector_clause, set_labels
 from cloud.services.paging import page, parse_selector_or_400
 from cloud.tables import Certificate, Device, Node, NodeEventRow, NodeTransitionRow
+from interfaces.auth import Role
 from interfaces.errors import ErrorCode
 from interfaces.ids import is_id, new_id
 from interfaces.lifecycle import AdminState, IllegalTransition, NodeState, check_transition
@@ -106,11 +108,44 @@ def set_admin_state(session: Session, node_id: str, admin_state: AdminState) -> 
     return node
 
 
-def reissue_bootstrap(session: Session, node_id: str, ttl_s: int) -> tuple[str, datetime]:
+def reissue_bootstrap(session: Session, node_id: str, ttl_s: int, actor: TokenIdentity) -> tuple[str, datetime]:
+    """A fresh token for the node (recorded: ``bootstrap_token_issued``); the admin role once it ever enrolled."""
     get(session, node_id)
-    token, expires = enrolment.issue_bootstrap(session, node_id, ttl_s)
+    return issue_recorded_bootstrap(session, node_id, node_id, ttl_s, actor, "node")
+
+
+def issue_recorded_bootstrap(session: Session, node_id: str, identity: str, ttl_s: int, actor: TokenIdentity, kind: str) -> tuple[str, datetime]:
+    """Issue a token for ``identity`` (the node itself or one of its devices) and record who did, on the node.
+
+    A token for an identity that holds (or held) a certificate lets its bearer act as that node or device: only an
+    admin may issue one; an operator may for an identity that never enrolled."""
+    enrolled = enrolment.ever_enrolled(session, identity)
+    if enrolled and not Role(actor.role).allows(Role.ADMIN):
+        raise Forbidden(f"{kind} {identity} has enrolled: a new bootstrap token for it needs the admin role; the token has {actor.role}")
+    token, expires = enrolment.issue_bootstrap(session, identity, ttl_s)
+    ids = {"device_id": identity} if identity != node_id else {}
+    audit.record(session, node_id, "bootstrap_token_issued", actor, f"a bootstrap token for {kind} {identity} was issued",
+                 enrolled=enrolled, expires_at=expires.isoformat(), **ids)  # fmt: skip
     session.commit()
+    log.info("bootstrap token for %s %s issued by %s (%s)", kind, identity, actor.id, actor.role)
     return token, expires
+
+
+def revoke_superseded(session: Session, node_id: str, actor: TokenIdentity) -> list[str]:
+    """Revoke the node's certificates but its newest (recorded: ``certificates_revoked``); returns their serials."""
+    node = get(session, node_id)
+    return revoke_recorded(session, node_id, node_id, node.certificate_serial, actor, "node")
+
+
+def revoke_recorded(session: Session, node_id: str, identity: str, current: str | None, actor: TokenIdentity, kind: str) -> list[str]:
+    serials = enrolment.revoke_superseded(session, identity, current, now())
+    if serials:
+        ids = {"device_id": identity} if identity != node_id else {}
+        audit.record(session, node_id, "certificates_revoked", actor, f"superseded certificates of {kind} {identity} revoked",
+                     serials=serials, current=current, **ids)  # fmt: skip
+        session.commit()
+        log.info("revoked %d superseded certificates of %s %s (by %s)", len(serials), kind, identity, actor.id)
+    return serials
 
 
 def enrol(session: Session, ca: CertificateAuthority, node_id: str, body: CertificateRequest, validity: timedelta) -> tuple[Node, Certificate, str]:

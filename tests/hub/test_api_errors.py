@@ -42,6 +42,8 @@ WRITE_REQUESTS: dict[tuple[str, str], dict[str, Any] | None] = {
     ("DELETE", "/devices/{device_id}"): None,
     ("PUT", "/devices/{device_id}/twin"): {"desired": {"fps": 5}},
     ("POST", "/devices/{device_id}/bootstrap-token"): {"ttl_s": 600},
+    ("POST", "/nodes/{node_id}/certificates/revoke-superseded"): None,
+    ("POST", "/devices/{device_id}/certificates/revoke-superseded"): None,
     ("PUT", "/devices/{device_id}/privacy-budgets/{dataset}"): {"epsilon": 1.0, "delta": 1e-5},
     ("PUT", "/nodes/{node_id}/twin"): {"desired": {"log_level": "debug"}},
     ("POST", "/nodes/{node_id}/commands"): {"name": "ping"},

@@ -9,7 +9,7 @@ from fastapi.concurrency import run_in_threadpool
 
 from cloud.api import commands
 from cloud.api.deps import (
-    DEFAULT_PAGE, CADep, Cursor, IdempotencyKey, Limit, Operator, Selector, SessionDep, SettingsDep, Viewer, poke_desired, read_one,
+    DEFAULT_PAGE, Admin, CADep, Cursor, IdempotencyKey, Limit, Operator, Selector, SessionDep, SettingsDep, Viewer, poke_desired, read_one,
 )  # fmt: skip
 from cloud.api.problems import PROBLEM_RESPONSES
 from cloud.convert import device_event_to_wire, device_status_to_wire, device_to_wire, twin_to_wire
@@ -54,9 +54,11 @@ def update_device(device_id: str, body: DeviceUpdate, session: SessionDep, _: Op
 
 
 @router.delete("/{device_id}", status_code=status.HTTP_204_NO_CONTENT)
-def delete_device(device_id: str, request: Request, session: SessionDep, ca: CADep, _: Operator, __: IdempotencyKey = None) -> Response:
-    """Delete a device: revoke its certificate and cut it off at the broker."""
-    device_service.delete(session, device_id)
+def delete_device(device_id: str, request: Request, session: SessionDep, ca: CADep, caller: Admin, __: IdempotencyKey = None) -> Response:
+    """Delete a device: revoke its certificate and cut it off at the broker (admin, as deleting a node).
+
+    Recorded as a `device_deleted` event on its node (source `hub`: who and when)."""
+    device_service.delete(session, device_id, caller)
     revocation.publish(session, ca)
     poke_desired(request)
     return Response(status_code=status.HTTP_204_NO_CONTENT)
@@ -90,10 +92,26 @@ def device_events(device_id: str, session: SessionDep, _: Viewer, limit: Limit =
 
 
 @router.post("/{device_id}/bootstrap-token", status_code=status.HTTP_201_CREATED)
-def reissue_device_bootstrap_token(device_id: str, body: BootstrapTokenReissue, session: SessionDep, _: Operator, __: IdempotencyKey = None) -> dict[str, str]:
-    """Issue a one-time bootstrap token with which the device enrols (through its edge)."""
-    token, expires = device_service.reissue_bootstrap(session, device_id, body.ttl_s)
+def reissue_device_bootstrap_token(device_id: str, body: BootstrapTokenReissue, session: SessionDep, caller: Operator, __: IdempotencyKey = None) -> dict[str, str]:
+    """Issue a one-time bootstrap token with which the device enrols (through its edge).
+
+    The operator role suffices for a device that never enrolled; for one that holds (or held) a certificate this
+    needs the admin role (403 otherwise). Each issue is recorded as a `bootstrap_token_issued` event on the
+    device's node (source `hub`, `data.device_id`, `data.by`, `by_name`, `role`; `ts` is when). Enrolling with the
+    new token revokes nothing: the earlier certificate stays valid until an admin calls
+    `POST /devices/{id}/certificates/revoke-superseded`, or it expires."""
+    token, expires = device_service.reissue_bootstrap(session, device_id, body.ttl_s, caller)
     return {"bootstrap_token": token, "bootstrap_expires_at": expires.isoformat()}
+
+
+@router.post("/{device_id}/certificates/revoke-superseded")
+def revoke_superseded_device_certificates(device_id: str, session: SessionDep, ca: CADep, caller: Admin, __: IdempotencyKey = None) -> dict[str, list[str]]:
+    """Revoke every certificate of the device but its newest (after a re-enrolment); returns the revoked serials.
+
+    The broker refuses them from then on (CRL). Recorded as a `certificates_revoked` event on its node."""
+    serials = device_service.revoke_superseded(session, device_id, caller)
+    revocation.publish(session, ca)
+    return {"revoked": serials}
 
 
 @router.post("/{device_id}/certificate", status_code=status.HTTP_201_CREATED, openapi_extra={"security": []})

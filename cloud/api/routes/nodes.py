@@ -109,10 +109,27 @@ def node_history(node_id: str, session: SessionDep, _: Viewer, limit: Limit = 10
 
 
 @router.post("/{node_id}/bootstrap-token", status_code=status.HTTP_201_CREATED)
-def reissue_bootstrap_token(node_id: str, body: BootstrapTokenReissue, session: SessionDep, _: Operator, __: IdempotencyKey = None) -> dict[str, str]:
-    """Issue a fresh one-time bootstrap token (to re-enrol a node that lost its identity)."""
-    token, expires = node_service.reissue_bootstrap(session, node_id, body.ttl_s)
+def reissue_bootstrap_token(node_id: str, body: BootstrapTokenReissue, session: SessionDep, caller: Operator, __: IdempotencyKey = None) -> dict[str, str]:
+    """Issue a fresh one-time bootstrap token (to re-enrol a node that lost its identity).
+
+    The operator role suffices for a node that never enrolled; for one that holds (or held) a certificate this
+    needs the admin role (403 otherwise). An earlier token not used yet expires. Each issue is recorded as a
+    `bootstrap_token_issued` event on the node (source `hub`: `data.by`, `by_name`, `role`; `ts` is when).
+    Enrolling with the new token revokes nothing: the node's earlier certificate stays valid (the node keeps
+    working) until an admin calls `POST /nodes/{id}/certificates/revoke-superseded` once the re-enrolled node is
+    back online, or until it expires."""
+    token, expires = node_service.reissue_bootstrap(session, node_id, body.ttl_s, caller)
     return {"bootstrap_token": token, "bootstrap_expires_at": expires.isoformat()}
+
+
+@router.post("/{node_id}/certificates/revoke-superseded")
+def revoke_superseded_certificates(node_id: str, session: SessionDep, ca: CADep, caller: Admin, __: IdempotencyKey = None) -> dict[str, list[str]]:
+    """Revoke every certificate of the node but its newest (after a re-enrolment); returns the revoked serials.
+
+    The broker refuses them from then on (CRL). Recorded as a `certificates_revoked` event on the node."""
+    serials = node_service.revoke_superseded(session, node_id, caller)
+    revocation.publish(session, ca)
+    return {"revoked": serials}
 
 
 @router.post("/{node_id}/certificate", status_code=status.HTTP_201_CREATED, openapi_extra={"security": []})
@@ -120,7 +137,7 @@ def enrol_node(node_id: str, body: CertificateRequest, request: Request, session
     """Sign the node's CSR (CN = node id) in exchange for its one-time bootstrap token."""
     validity = timedelta(days=settings.certificate_validity_days)
     node, cert, pem = node_service.enrol(session, ca, node_id, body, validity)
-    revocation.publish(session, ca)  # a superseded certificate is revoked
+    revocation.publish(session, ca)
     return CertificateIssued(
         node_id=node.id, certificate_pem=pem, ca_pem=ca.ca_pem, serial=cert.serial, not_after=cert.not_after,
         mqtt_url=settings.public_mqtt_url or settings.broker_url, heartbeat_interval_s=settings.heartbeat_interval_s, offline_timeout_s=settings.offline_timeout_s,
