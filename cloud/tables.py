@@ -189,6 +189,7 @@ class IdempotencyRecord(SQLModel, table=True):
     status_code: int | None = None
     response_headers: list[list[str]] | None = Field(default=None, sa_column=Column(JSON, nullable=True))
     response_body: str | None = Field(default=None, sa_column=Column(Text, nullable=True))
+    response_sha256: str | None = Field(default=None, max_length=64)  # instead of the body when it carried a secret
     created_at: datetime = _ts(nullable=False)
 
 

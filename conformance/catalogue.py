@@ -42,7 +42,7 @@ CATALOGUE: list[Clause] = [
     _c("8.0.1", "Errors are RFC 9457 problem documents with a stable code; malformed and oversized requests are refused and change nothing", "DESIGN §4, §6"),
     _c("8.0.2", "Integrators authenticate with bearer tokens bound to roles admin | operator | viewer", "DESIGN §4, §6"),
     _c("8.0.3", "Lists page with limit/cursor ({items, next_cursor}) and filter with label selectors", "DESIGN §4"),
-    _c("8.0.4", "Every write accepts Idempotency-Key: a repeat returns the first answer, a reuse with another request is refused", "DESIGN §4"),
+    _c("8.0.4", "Every write accepts Idempotency-Key: a repeat returns the first answer (one that carried a secret is refused, not replayed), a reuse with another request is refused", "DESIGN §4"),
     _c("8.0.5", "MQTT: envelopes on the topic table; a malformed or foreign message is dropped, answered with an error event, and changes nothing", "DESIGN §4.4, §6"),
     # ---- 8.1 edge node management -----------------------------------------------------------------------
     _c("8.1.1", "Pre-registration: POST /nodes gives the node (REGISTERED) and a one-time bootstrap token with an expiry", "DESIGN §4.1"),

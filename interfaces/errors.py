@@ -30,6 +30,7 @@ class ErrorCode(StrEnum):
     METHOD_NOT_ALLOWED = "method_not_allowed"
     IDEMPOTENCY_KEY_REUSED = "idempotency_key_reused"  # same key, different request
     IDEMPOTENCY_IN_PROGRESS = "idempotency_in_progress"  # same key, first request still running
+    IDEMPOTENCY_NOT_REPLAYABLE = "idempotency_not_replayable"  # same key, the first answer carried a secret not kept
     INVALID_SELECTOR = "invalid_selector"
     INVALID_CURSOR = "invalid_cursor"
     TARGET_OFFLINE = "target_offline"  # a command for a node or device that is not connected

@@ -148,7 +148,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.state.settings = settings
     problems.install(app)
     app.add_middleware(
-        RequestGuard, engine=lambda: app.state.engine, max_body_bytes=settings.max_body_bytes, streamed_uploads={API_PREFIX + "/artifacts"},
+        RequestGuard, engine=lambda: app.state.engine, tokens=lambda: app.state.token_cache, max_body_bytes=settings.max_body_bytes, streamed_uploads={API_PREFIX + "/artifacts"},
     )  # fmt: skip
     app.add_middleware(SecurityHeaders)  # outermost: on every response, the guard's refusals too
 

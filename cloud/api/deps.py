@@ -66,7 +66,7 @@ Admin = Annotated[TokenIdentity, Depends(require(Role.ADMIN))]
 # Documents the header; RequestGuard does the work.
 IdempotencyKey = Annotated[
     str | None,
-    Header(alias="Idempotency-Key", min_length=1, max_length=255, pattern=r"^[\x20-\x7e]+$", description="Retry-safe writes: the same key replays the first response"),
+    Header(alias="Idempotency-Key", min_length=1, max_length=255, pattern=r"^[\x20-\x7e]+$", description="Retry-safe writes: the same key replays the first response (one that carried a token is not kept: 409)"),
 ]
 Limit = Annotated[int, Query(ge=1, le=MAX_LIMIT, description="page size")]
 Cursor = Annotated[str | None, Query(max_length=128, description="next_cursor of the previous page")]

@@ -5,6 +5,12 @@ a retry with the same request gets the stored response (``Idempotent-Replayed: t
 with a different request is refused (422 ``idempotency_key_reused``); a retry while the first is
 still running gets 409 ``idempotency_in_progress``. Server errors are not stored, so they can be retried.
 
+The caller is the bearer token the hub verifies at that moment (its id and role), not the header's text: a
+revoked token gets no replay (the route answers 401). Callers without a valid token (enrolment) share one
+scope per path, so another body under the same key is 422 there. An answer that carries a secret (any
+``token``, ``*_token`` or ``*secret`` field: bootstrap and download tokens) is kept only as its SHA-256; its
+replay is 409 ``idempotency_not_replayable`` (the secret was issued once; issue a new one).
+
 Multipart uploads to a ``streamed_uploads`` path (POST /artifacts) pass through unbuffered: the route streams
 them to disk under its own size limit. They are not replayed by ``Idempotency-Key`` (their bodies are never
 held to compare); the route answers a repeated upload with 409 ``artifact_exists`` instead.
@@ -13,6 +19,7 @@ held to compare); the route answers a repeated upload with 409 ``artifact_exists
 from __future__ import annotations
 
 import hashlib
+import json
 import re
 from collections.abc import Callable, Collection
 from datetime import UTC, datetime
@@ -25,6 +32,7 @@ from sqlmodel import Session
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from cloud.api.problems import simple_problem
+from cloud.auth import TokenCache
 from cloud.tables import IdempotencyRecord
 from interfaces.errors import ErrorCode
 
@@ -61,6 +69,29 @@ async def _read_body(receive: Receive, limit: int) -> bytes | None:
         if not message.get("more_body", False):
             break
     return b"".join(chunks)
+
+
+def _is_secret_name(name: str) -> bool:
+    name = name.lower()
+    return name in ("token", "secret") or name.endswith(("_token", "_secret", "-token"))
+
+
+def _holds_secret(value: object) -> bool:
+    if isinstance(value, dict):
+        return any((_is_secret_name(str(k)) and isinstance(v, str) and v != "") or _holds_secret(v) for k, v in value.items())
+    if isinstance(value, list):
+        return any(_holds_secret(v) for v in value)
+    return False
+
+
+def carries_secret(body: bytes, headers: list[list[str]]) -> bool:
+    """Whether an answer hands out a secret (a bootstrap token, a download token, ...) that must not be kept."""
+    if any(_is_secret_name(name) for name, _value in headers):
+        return True
+    try:
+        return _holds_secret(json.loads(body))
+    except ValueError:  # not JSON (an empty 204, a file): nothing named to look for
+        return False
 
 
 def _replay(body: bytes) -> Receive:
@@ -103,9 +134,12 @@ class SecurityHeaders:
 
 
 class RequestGuard:
-    def __init__(self, app: ASGIApp, engine: Callable[[], Engine], max_body_bytes: int, streamed_uploads: Collection[str] = ()) -> None:
+    def __init__(
+        self, app: ASGIApp, engine: Callable[[], Engine], tokens: Callable[[], TokenCache], max_body_bytes: int, streamed_uploads: Collection[str] = (),
+    ) -> None:  # fmt: skip
         self.app = app
         self.engine = engine
+        self.tokens = tokens
         self.max_body_bytes = max_body_bytes
         self.streamed_uploads = frozenset(streamed_uploads)
 
@@ -137,14 +171,34 @@ class RequestGuard:
             return
         await self._idempotent(scope, body, key, send)
 
+    async def _principal(self, scope: Scope) -> str:
+        """The verified caller: a valid bearer token's id and role; without one (enrolment, or a token the route
+        will refuse) everyone who calls this path."""
+        scheme, _, secret = (_header(scope, b"authorization") or "").partition(" ")
+        secret = secret.strip()
+        identity = None
+        if scheme.lower() == "bearer" and secret:
+            cache = self.tokens()
+            identity = cache.cached(secret)
+            if identity is None:
+                engine = self.engine()
+                identity = await anyio.to_thread.run_sync(cache.lookup, lambda: Session(engine), secret)
+        caller = f"token:{identity.id}:{identity.role}" if identity is not None else f"anonymous:{scope['path']}"
+        return hashlib.sha256(caller.encode()).hexdigest()
+
     async def _idempotent(self, scope: Scope, body: bytes, key: str, send: Send) -> None:
-        # Keys are scoped per caller; callers without a bearer token (enrolment) per path.
-        authorization = _header(scope, b"authorization") or f"anonymous:{scope['path']}"
-        principal = hashlib.sha256(authorization.encode()).hexdigest()
+        principal = await self._principal(scope)
         fingerprint = hashlib.sha256(
             b"\0".join([scope["method"].encode(), scope["path"].encode(), scope.get("query_string", b""), body])
         ).hexdigest()
         claim = await anyio.to_thread.run_sync(self._claim, principal, key, fingerprint)
+        if isinstance(claim, IdempotencyRecord) and claim.response_sha256 is not None:
+            await simple_problem(
+                ErrorCode.IDEMPOTENCY_NOT_REPLAYABLE, 409, "Secret not replayed",
+                f"the first request under this Idempotency-Key was answered (HTTP {claim.status_code}) with a secret the hub does not keep: "
+                "the token was issued; issue a new one", scope.get("path"),
+            )(scope, _replay(b""), send)  # fmt: skip
+            return
         if isinstance(claim, IdempotencyRecord):
             headers = [(k.encode("latin-1"), v.encode("latin-1")) for k, v in claim.response_headers or []]
             headers.append((b"idempotent-replayed", b"true"))
@@ -201,8 +255,12 @@ class RequestGuard:
                 session.delete(row)
             else:
                 row.status_code = status
-                row.response_headers = headers  # type: ignore[assignment]
-                row.response_body = body.decode("utf-8", errors="replace")
+                if carries_secret(body, headers):  # type: ignore[arg-type]
+                    # kept as a hash only: the secret is never written down in clear, and never handed out twice
+                    row.response_sha256 = hashlib.sha256(body).hexdigest()
+                else:
+                    row.response_headers = headers  # type: ignore[assignment]
+                    row.response_body = body.decode("utf-8", errors="replace")
                 session.add(row)
             session.commit()
 
