@@ -547,6 +547,9 @@ class FlRoundRow(SQLModel, table=True):
     closed_at: datetime = Field(sa_column=Column(DateTime(timezone=True), nullable=False))
     reason: str = Field(default="", max_length=512)
     metrics: dict[str, float] = Field(default_factory=dict, sa_column=Column(JSON, nullable=False))
+    participant_ids: list[str] | None = Field(
+        default=None, sa_column=Column(JSON, nullable=True), description="the closing attempt's participants: the only ones whose late update may count as stale",
+    )  # fmt: skip
 
 
 class SplitPlan(SQLModel, table=True):

@@ -14,7 +14,16 @@ names, on its own target: a device's worker reports itself; an edge's aggregator
 The layer must be float32 ``weight`` / ``bias`` of the plan's shapes with finite values; its contributors must be
 participants of the open attempt that have not contributed yet (a repeat is refused: nobody is counted twice).
 An update for an earlier round or attempt is *late*: dropped (``late_updates: drop``), or kept as *stale* for the
-next fusion (``stale``, at most ``max_staleness`` rounds old, weighted ``n / (1 + staleness)``).
+next fusion (``stale``, at most ``max_staleness`` rounds old, weighted ``n / (1 + staleness)``), and only when it was
+computed for the attempt that closed its round by participants of that attempt (``fl_rounds.participant_ids``).
+``num_examples`` is bounded by what its contributors reported of the task's dataset (the sum of their
+``datasets[dataset].rows``, at least 1 each, so a contributor that reports none counts 1): a claim above that is
+clamped to it and a warning goes to the task's log; FedAvg's weights and the round's metrics use the clamped count.
+
+**One vote per participant per round**: a fusion takes at most one update from each device. The fresh updates of
+the closing attempt come first (each contributes once by construction), then the stale ones, newest round first;
+a stale update whose contributors already voted is left out (it is marked used in that round, kept, and counted in
+the round's ``outvoted`` metric). So a device that sends 1 + ``max_staleness`` updates casts one vote, its newest.
 
 **A round attempt closes** when every participant's update is in, or at its deadline with at least
 ``min_participants`` (k of n); the strategy (``interfaces.aggregation``, its state kept in the plan) fuses the
@@ -81,9 +90,16 @@ def accept(session: Session, task: Task, kind: str, target_id: str, data: FlUpda
     except ValueError as exc:
         log.warning("task %s: refused an update from %s: %s", task.id, data.worker_id, exc)
         return "refused"
+    bound = _examples_bound(session, data.contributors, spec.dataset)
+    num_examples = min(data.num_examples, bound)
+    if num_examples < data.num_examples:
+        from cloud.services.tasks import hub_log
+
+        hub_log(session, task.id, f"an update from worker {data.worker_id} claimed {data.num_examples} examples; its contributors "
+                f"reported {bound} rows of {spec.dataset}: counted as {bound}", "warning", at, data.worker_id, target_id)  # fmt: skip
     row = FlUpdateRow(
         task_id=task.id, round=data.round, attempt=data.attempt, worker_id=data.worker_id, contributors=list(data.contributors),
-        num_examples=data.num_examples, data=frame, metrics={k: float(v) for k, v in data.metrics.items() if math.isfinite(v)}, received_at=at,
+        num_examples=num_examples, data=frame, metrics={k: float(v) for k, v in data.metrics.items() if math.isfinite(v)}, received_at=at,
     )  # fmt: skip
     if plan.attempt > 0 and (data.round, data.attempt) == (plan.round, plan.attempt):
         if not set(data.contributors) <= set(plan.participants):
@@ -100,6 +116,8 @@ def accept(session: Session, task: Task, kind: str, target_id: str, data: FlUpda
         return "accepted"
     if (data.round, data.attempt) < (plan.round, plan.attempt) or data.round < plan.round:
         if spec.late_updates == "stale" and data.round < plan.round and plan.round - data.round <= spec.max_staleness:
+            if not _closing_participants(session, task.id, data.round, data.attempt) >= set(data.contributors):
+                return "late"  # not computed by participants of the attempt that closed that round
             if _contributors(session, task.id, data.round, data.attempt) & set(data.contributors) or _stale_seen(session, task.id, data.round, data.contributors):
                 return "duplicate"  # already fused (a redelivery), or already kept as stale
             row.stale = True
@@ -160,6 +178,32 @@ def _contributors(session: Session, task_id: str, round: int, attempt: int) -> s
                                                FlUpdateRow.stale.is_(False))  # type: ignore[attr-defined]
     ).scalars()  # fmt: skip
     return {c for row in rows for c in row}
+
+
+def _closing_participants(session: Session, task_id: str, round: int, attempt: int) -> set[str]:
+    """The participants of ``round`` if ``attempt`` is the one that closed it (nobody otherwise)."""
+    row = session.get(FlRoundRow, (task_id, round))
+    return set(row.participant_ids or []) if row is not None and row.attempts == attempt else set()
+
+
+def _examples_bound(session: Session, contributors: list[str], dataset: str) -> int:
+    """The most examples ``contributors`` can have trained on: the rows they reported of ``dataset``, at least 1 each."""
+    rows = {d.id: d for d in session.execute(select(Device).where(Device.id.in_(contributors))).scalars()}  # type: ignore[attr-defined]
+    return sum(max(1, info.rows if (info := budgets.reported_dataset(rows[c], dataset)) else 1) if c in rows else 1 for c in set(contributors))
+
+
+def _one_vote_each(fresh: list[FlUpdateRow], stale: list[FlUpdateRow]) -> tuple[list[FlUpdateRow], list[FlUpdateRow]]:
+    """The stale updates that may vote beside ``fresh`` (newest round first, none from a contributor that already
+    voted), and those left out."""
+    voted = {c for r in fresh for c in r.contributors}
+    kept, outvoted = [], []
+    for row in sorted(stale, key=lambda r: (-r.round, -r.attempt, r.id or 0)):
+        if voted & set(row.contributors):
+            outvoted.append(row)
+            continue
+        voted |= set(row.contributors)
+        kept.append(row)
+    return sorted(kept, key=lambda r: r.id or 0), outvoted
 
 
 def _stale_seen(session: Session, task_id: str, round: int, contributors: list[str]) -> bool:
@@ -319,6 +363,7 @@ def _close(session: Session, task: Task, plan: FlPlan, spec: FederatedTrainingSp
         select(FlUpdateRow).where(FlUpdateRow.task_id == task.id, FlUpdateRow.stale.is_(True), FlUpdateRow.used_in.is_(None),  # type: ignore[attr-defined,union-attr]
                                   FlUpdateRow.round >= plan.round - spec.max_staleness).order_by(FlUpdateRow.id)
     ).scalars()) if spec.late_updates == "stale" else []  # fmt: skip
+    stale, outvoted = _one_vote_each(fresh, stale)
     if spec.secure_aggregation:
         updates = [_unmasked(plan, layer, fresh)]
     else:
@@ -331,16 +376,16 @@ def _close(session: Session, task: Task, plan: FlPlan, spec: FederatedTrainingSp
     contributors = {c for r in fresh for c in r.contributors}
     opened = utc(plan.opened_at) or at
     metrics |= {"round": float(plan.round), "participants": float(len(plan.participants)), "contributors": float(len(contributors)),
-                "stale": float(len(stale)), "round_s": (at - opened).total_seconds(), "examples": float(sum(r.num_examples for r in fresh))}  # fmt: skip
+                "stale": float(len(stale)), "outvoted": float(len(outvoted)), "round_s": (at - opened).total_seconds(), "examples": float(sum(r.num_examples for r in fresh))}  # fmt: skip
     if spec.eval_inputs and blobs is not None:
         metrics |= _evaluate(session, blobs, task, plan, spec, layer, new)
     session.add(FlRoundRow(
         task_id=task.id, round=plan.round, attempts=plan.attempt, participants=len(plan.participants), contributors=len(contributors), stale=len(stale),
         opened_at=opened, closed_at=at, reason=EVERYONE if contributors >= set(plan.participants) else "deadline with k of n",
-        metrics=metrics,
+        metrics=metrics, participant_ids=list(plan.participants),
     ))  # fmt: skip
     session.add(TaskMetric(task_id=task.id, worker_id=HUB_WORKER, target_id=HUB_WORKER, message_id=f"fl-{task.id}-r{plan.round}", ts=at, values=metrics))
-    ids = [r.id for r in fresh + stale]
+    ids = [r.id for r in fresh + stale + outvoted]
     if ids:
         session.execute(update(FlUpdateRow).where(FlUpdateRow.id.in_(ids)).values(used_in=plan.round))  # type: ignore[union-attr]
     plan.weights = save({k: np.ascontiguousarray(v, dtype=np.float32) for k, v in new.items()})

@@ -651,23 +651,24 @@ def test_stale_updates_are_fused_into_the_next_round_at_a_reduced_weight(sqlite_
     t1 = t0 + timedelta(seconds=TIMEOUT + 1)
     fleet.tick(t1)  # round 1 closes with a alone
 
-    # Execute: b's round-1 update (40 examples) arrives during round 2; both answer round 2
+    # Execute: b's round-1 update (40 examples) arrives during round 2; a answers round 2, which closes at its deadline
     late = trained(2)
     send_update(fleet, workers[b], 1, late, 40, metrics={"loss": 100.0})
-    round2 = {a: (trained(21), 10, 1.0), b: (trained(22), 30, 3.0)}
+    round2 = {a: (trained(21), 10, 1.0)}
     for d, (layer, n, loss) in round2.items():
         send_update(fleet, workers[d], 2, layer, n, metrics={"loss": loss})
-    fleet.tick(t1 + timedelta(seconds=1))
+    t1 += timedelta(seconds=TIMEOUT + 1)
+    fleet.tick(t1)
 
     # Assert: stored as stale; fused into round 2 at weight 40 / (1 + 1) = 20
-    assert counters(fleet) == {"task_update_accepted": 3, "task_update_stale": 1}
+    assert counters(fleet) == {"task_update_accepted": 2, "task_update_stale": 1}
     stale = [u for u in stored_updates(fleet, task["id"]) if u.stale]
     assert [(u.round, u.num_examples, u.used_in) for u in stale] == [(1, 40, 2)]
     closed = closed_rounds(fleet, task["id"])
-    assert [(r.round, r.contributors, r.stale) for r in closed] == [(1, 1, 0), (2, 2, 1)]
-    assert closed[1].metrics["examples"] == 40.0 and closed[1].metrics["stale"] == 1.0
-    assert closed[1].metrics["loss"] == pytest.approx((10 * 1.0 + 30 * 3.0) / 40)  # the round's own participants' losses
-    expected = fedavg([(round2[a][0], 10), (round2[b][0], 30), (late, 40 / 2)])
+    assert [(r.round, r.contributors, r.stale) for r in closed] == [(1, 1, 0), (2, 1, 1)]
+    assert closed[1].metrics["examples"] == 10.0 and closed[1].metrics["stale"] == 1.0
+    assert closed[1].metrics["loss"] == pytest.approx(1.0)  # the round's own participants' losses
+    expected = fedavg([(round2[a][0], 10), (late, 40 / 2)])
     assert_layer(load(plan_of(fleet, task["id"]).weights), expected)  # type: ignore[union-attr]
 
     # Execute: round 3 open; an update from round 1 (two rounds old) arrives, then the round closes with a and b
@@ -712,6 +713,92 @@ def test_an_update_already_fused_is_not_fused_again_as_stale(sqlite_fleet: TaskF
     # Assert: a's round-1 training, already in round 1's fusion, is not counted a second time
     assert fleet.ingest.counters["task_update_stale"] == 0
     assert_layer(load(plan_of(fleet, task["id"]).weights), fedavg(list(round2.values())))  # type: ignore[union-attr]
+
+
+def test_a_device_that_sends_one_plus_max_staleness_updates_casts_one_vote(sqlite_fleet: TaskFleet) -> None:
+    # Prepare: a, b, c; k = 1, stale updates kept two rounds; rounds 1 and 2 close at their deadline with a alone
+    fleet = sqlite_fleet
+    gw = fleet.node()
+    model = upload_model(fleet)
+    a, b, c = (keeping_device(fleet, gw, model) for _ in range(3))
+    task = federate(fleet, [a, b, c], rounds=3, min_participants=1, late_updates="stale", max_staleness=2, strategy="fedavg")
+    at = datetime.now(UTC)
+    fleet.tick(at)
+    workers = devices_of(fleet, task["id"])
+    run_all(fleet, workers)
+    for number in (1, 2):
+        send_update(fleet, workers[a], number, trained(number), 10)
+        at += timedelta(seconds=TIMEOUT + 1)
+        fleet.tick(at)
+    assert plan_of(fleet, task["id"]).round == 3  # type: ignore[union-attr]
+
+    # Execute: in round 3, b sends its round-1, round-2 and round-3 updates; c its round-1 and round-2 ones; a answers
+    for number in (1, 2):
+        send_update(fleet, workers[b], number, trained(10 + number), 20)
+        send_update(fleet, workers[c], number, trained(20 + number), 40)
+    fresh = {a: (trained(3), 10), b: (trained(13), 20)}
+    for d, (layer, n) in fresh.items():
+        send_update(fleet, workers[d], 3, layer, n)
+    at += timedelta(seconds=TIMEOUT + 1)
+    fleet.tick(at)
+
+    # Assert: b votes once (its round-3 update), c once (its newest, round 2, at 40 / (1 + 1)); the rest is kept, unused
+    assert counters(fleet)["task_update_stale"] == 4
+    closed = closed_rounds(fleet, task["id"])[2]
+    assert (closed.contributors, closed.stale, closed.metrics["outvoted"]) == (2, 1, 3.0)
+    expected = fedavg([(fresh[a][0], 10), (fresh[b][0], 20), (trained(22), 40 / 2)])
+    assert_layer(load(plan_of(fleet, task["id"]).weights), expected)  # type: ignore[union-attr]
+    assert sorted((u.round, u.used_in) for u in stored_updates(fleet, task["id"]) if u.stale) == [(1, 3), (1, 3), (2, 3), (2, 3)]
+
+
+def test_a_stale_update_counts_only_from_participants_of_its_round(sqlite_fleet: TaskFleet) -> None:
+    # Prepare: hierarchical; gw_a with a1, a2 and a3 (a3 not in the task), gw_b with b1; round 1 closes with b1 alone
+    fleet = sqlite_fleet
+    gw_a, gw_b = fleet.node("a"), fleet.node("b")
+    model = upload_model(fleet)
+    a1, a2, a3 = (keeping_device(fleet, gw_a, model) for _ in range(3))
+    b1 = keeping_device(fleet, gw_b, model)
+    task = federate(fleet, [a1, a2, b1], topology="hierarchical", rounds=2, min_participants=1, late_updates="stale", max_staleness=1)
+    at = datetime.now(UTC)
+    fleet.tick(at)
+    roles = by_role(fleet, task["id"])
+    run_all(fleet, {**roles["worker"], **roles[FL_AGGREGATOR]})
+    send_update(fleet, roles["worker"][b1], 1, trained(1), 10)
+    at += timedelta(seconds=TIMEOUT + 1)
+    fleet.tick(at)
+    assert plan_of(fleet, task["id"]).round == 2  # type: ignore[union-attr]
+
+    # Execute: gw_a's aggregator sends a round-1 update that includes a3's training, then one of a1 and a2 alone
+    aggregator = roles[FL_AGGREGATOR][gw_a]
+    send_update(fleet, aggregator, 1, trained(2), 20, contributors=[a1, a3])
+    send_update(fleet, aggregator, 1, trained(3), 20, contributors=[a1, a2])
+
+    # Assert: the first is late (a3 took no part in round 1), the second kept as stale
+    assert (counters(fleet)["task_update_late"], counters(fleet)["task_update_stale"]) == (1, 1)
+    assert [u.contributors for u in stored_updates(fleet, task["id"]) if u.stale] == [[a1, a2]]
+
+
+def test_an_inflated_num_examples_is_clamped_to_the_reported_rows_and_logged(sqlite_fleet: TaskFleet) -> None:
+    # Prepare: a reports 300 rows of the dataset, b 100
+    fleet = sqlite_fleet
+    gw = fleet.node()
+    model = upload_model(fleet)
+    a, b = keeping_device(fleet, gw, model, rows=300), keeping_device(fleet, gw, model, rows=100)
+    task = federate(fleet, [a, b], rounds=1, strategy="fedavg")
+    fleet.tick()
+    workers = devices_of(fleet, task["id"])
+    run_all(fleet, workers)
+
+    # Execute: a claims a billion examples, b the truth
+    send_update(fleet, workers[a], 1, trained(1), 10**9)
+    send_update(fleet, workers[b], 1, trained(2), 100)
+    fleet.tick()
+
+    # Assert: a counts as 300 (stored so, and in FedAvg's weights); the clamp is in the task's log
+    assert sorted(u.num_examples for u in stored_updates(fleet, task["id"])) == [100, 300]
+    assert_layer(load(plan_of(fleet, task["id"]).weights), fedavg([(trained(1), 300), (trained(2), 100)]))  # type: ignore[union-attr]
+    logs = fleet.hub.get(f"/tasks/{task['id']}/logs", params={"limit": 500}).json()["items"]
+    assert [line["level"] for line in logs if "claimed 1000000000 examples" in line["text"] and "counted as 300" in line["text"]] == ["warning"]
 
 
 def test_a_retried_task_runs_the_round_it_failed_in_again(sqlite_fleet: TaskFleet) -> None:
