@@ -13,6 +13,8 @@ from sqlalchemy import event
 from sqlalchemy.engine import Engine, make_url
 from sqlmodel import Session, create_engine
 
+from cloud.filemodes import private_sqlite
+
 log = logging.getLogger("aisynergy.hub.db")
 MIGRATIONS = Path(__file__).parent / "migrations"
 
@@ -30,8 +32,8 @@ def make_engine(url: str) -> Engine:
     url = normalise_url(url)
     parsed = make_url(url)
     if parsed.get_backend_name() == "sqlite":
-        if parsed.database and parsed.database != ":memory:":
-            Path(parsed.database).parent.mkdir(parents=True, exist_ok=True)
+        if parsed.database and parsed.database != ":memory:" and not parsed.database.startswith("file:"):
+            private_sqlite(Path(parsed.database))
         engine = create_engine(url, connect_args={"check_same_thread": False, "timeout": 30}, pool_size=20, max_overflow=20)
 
         @event.listens_for(engine, "connect")

@@ -337,10 +337,10 @@ class Device:
         keep the enrolment's libraries (the HTTP client, the CSR code) in its memory. Raises what :meth:`start` does.
         """
         with self._lifecycle:
+            self.identity.secure()
             self.identity.check_owner(self.device_id)
             if self.identity.is_enrolled():
                 return False
-            self.data_dir.mkdir(parents=True, exist_ok=True)
             self._enrolment()
             return True
 
@@ -355,7 +355,7 @@ class Device:
                 return
             if self._stopping.is_set():
                 raise NotRunning("a stopped Device cannot be started again; make a new one")
-            self.data_dir.mkdir(parents=True, exist_ok=True)
+            self.identity.secure()
             enrolment = self._enrolment()
             self.node_id = enrolment.node_id
             self._host, self._port = parse_mqtt_url(self._mqtt_url or enrolment.mqtt_url)

@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING, ClassVar, Generic, Self, TypeVar
 from pydantic import BaseModel, ValidationError
 
 from device.errors import IdentityError, IdentityMismatch
+from device.filemodes import PRIVATE_FILE, narrow_mode, owner_only_dir
 from device.files import write_atomic
 
 if TYPE_CHECKING:
@@ -132,6 +133,15 @@ class AgentIdentityStore(Generic[R]):
 
     def is_enrolled(self) -> bool:
         return self.enrolment_path.exists()
+
+    def secure(self) -> None:
+        """At start: the data directory and the identity directory 0700, the key and ``enrolment.json`` 0600, also
+        when an earlier version left them open to other users."""
+        owner_only_dir(self.data_dir)
+        if self.identity_dir.exists():
+            owner_only_dir(self.identity_dir)
+        for path in (self.key_path, self.enrolment_path):
+            narrow_mode(path, PRIVATE_FILE)
 
     def check_owner(self, owner_id: str) -> None:
         """Raise :class:`IdentityMismatch` when the stored identity is another agent's."""

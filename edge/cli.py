@@ -119,8 +119,8 @@ def run(
         cache_bytes = parse_size(artifact_cache_size)
     except ValueError as exc:
         raise click.BadParameter(str(exc), param_hint="--artifact-cache-size") from None
-    data_dir.mkdir(parents=True, exist_ok=True)
     store = IdentityStore(data_dir)
+    store.secure()
     try:
         store.check_owner(node_id)
         enrolment = _enrolment(store, node_id, hub_url, bootstrap_token)

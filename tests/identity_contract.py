@@ -77,6 +77,37 @@ class IdentityContract:
         assert stat.S_IMODE(restarted.key_path.stat().st_mode) == 0o600
         assert stat.S_IMODE(restarted.enrolment_path.stat().st_mode) == 0o600
 
+    def test_secure_makes_a_new_data_directory_owner_only(self, tmp_path: Path) -> None:
+        # Prepare
+        store = self.store(tmp_path / "new" / "data")
+
+        # Execute
+        store.secure()
+        store.make_csr(self.owner)
+
+        # Assert
+        assert stat.S_IMODE(store.data_dir.stat().st_mode) == 0o700
+        assert stat.S_IMODE(store.identity_dir.stat().st_mode) == 0o700
+        assert stat.S_IMODE(store.key_path.stat().st_mode) == 0o600
+
+    def test_secure_narrows_what_an_earlier_version_left_open(self, tmp_path: Path, test_ca: Any, caplog: pytest.LogCaptureFixture) -> None:
+        # Prepare: an identity whose directories and files other users may read
+        store = self._enrolled(tmp_path / "data", test_ca)
+        for path, mode in ((store.data_dir, 0o755), (store.identity_dir, 0o755), (store.key_path, 0o644), (store.enrolment_path, 0o664)):
+            path.chmod(mode)
+
+        # Execute
+        with caplog.at_level("WARNING"):
+            self.store(store.data_dir).secure()
+
+        # Assert
+        assert stat.S_IMODE(store.data_dir.stat().st_mode) == 0o700
+        assert stat.S_IMODE(store.identity_dir.stat().st_mode) == 0o700
+        assert stat.S_IMODE(store.key_path.stat().st_mode) == 0o600
+        assert stat.S_IMODE(store.enrolment_path.stat().st_mode) == 0o600
+        assert sum("open to other users" in r.getMessage() for r in caplog.records) == 4
+        self.store(store.data_dir).check_complete()
+
     def test_identity_of_another_owner_is_refused(self, tmp_path: Path, test_ca: Any) -> None:
         store = self._enrolled(tmp_path, test_ca)
 

@@ -28,6 +28,7 @@ from cloud.bridge import MqttBridge
 from cloud.config import Settings
 from cloud.db import make_engine, upgrade
 from cloud.desired import DesiredPublisher
+from cloud.filemodes import secure_data_dir
 from cloud.ingest import StatusIngest
 from cloud.liveness import mark_silent_nodes_offline
 from cloud.metrics import metrics_router
@@ -100,6 +101,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         assert settings.database_url
+        await asyncio.to_thread(secure_data_dir, settings.data_dir, settings.pki_dir, settings.data_dir / "artifacts")
         await asyncio.to_thread(upgrade, settings.database_url)
         engine = make_engine(settings.database_url)
         app.state.engine = engine

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import stat
 import subprocess
 import sys
 from pathlib import Path
@@ -9,6 +10,7 @@ from typing import ClassVar
 
 from click.testing import CliRunner
 
+from device.agent import Device
 from device.cli import EXIT_STORED_STATE, device
 from device.identity import IdentityStore
 from tests.device.conftest import NODE_ID
@@ -33,6 +35,22 @@ def test_cli_exits_4_on_identity_mismatch(tmp_path: Path, test_ca) -> None:  # t
     result = CliRunner().invoke(device, ["run"], env=env)
 
     assert result.exit_code == EXIT_STORED_STATE
+
+
+def test_the_agent_narrows_a_data_directory_left_open(tmp_path: Path, test_ca) -> None:  # type: ignore[no-untyped-def]
+    # Prepare: an earlier version's data directory and key, readable by every user
+    store = IdentityStore(tmp_path / "data")
+    store.save(test_ca.issue(store.make_csr("dv-0001"), "dv-0001"), "https://edge")
+    store.data_dir.chmod(0o755)
+    store.key_path.chmod(0o644)
+
+    # Execute
+    enrolled_now = Device("dv-0001", store.data_dir).enrol()
+
+    # Assert
+    assert enrolled_now is False
+    assert stat.S_IMODE(store.data_dir.stat().st_mode) == 0o700
+    assert stat.S_IMODE(store.key_path.stat().st_mode) == 0o600
 
 
 def test_cli_first_start_without_token_is_a_usage_error(tmp_path: Path) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import stat
 from pathlib import Path
 from typing import ClassVar
 
@@ -26,6 +27,22 @@ def test_cli_exits_4_on_identity_mismatch(tmp_path: Path, test_ca) -> None:
     result = CliRunner().invoke(edge, ["run", "--node-id", "nd-0002", "--data-dir", str(tmp_path)])
 
     assert result.exit_code == EXIT_IDENTITY
+
+
+def test_cli_narrows_a_data_directory_left_open_before_anything_else(tmp_path: Path, test_ca) -> None:
+    # Prepare: an earlier version's data directory and key, readable by every user
+    store = IdentityStore(tmp_path / "data")
+    store.save(test_ca.issue(store.make_csr("nd-0001"), "nd-0001"), "https://hub")
+    store.data_dir.chmod(0o755)
+    store.key_path.chmod(0o644)
+
+    # Execute: a start that stops at the identity check
+    result = CliRunner().invoke(edge, ["run", "--node-id", "nd-0002", "--data-dir", str(store.data_dir)])
+
+    # Assert
+    assert result.exit_code == EXIT_IDENTITY
+    assert stat.S_IMODE(store.data_dir.stat().st_mode) == 0o700
+    assert stat.S_IMODE(store.key_path.stat().st_mode) == 0o600
 
 
 def test_cli_first_start_without_token_is_a_usage_error(tmp_path: Path) -> None:
