@@ -27,12 +27,32 @@ def test_compose_services_and_commands_are_valid(monkeypatch) -> None:
     doc = yaml.safe_load(COMPOSE.read_text())
     services = doc["services"]
 
-    # Assert: the four processes of the design, each command accepted by the CLI
-    assert set(services) == {"postgres", "broker", "hub", "edge"}
-    for name in ("broker", "hub", "edge"):
+    # Assert: the four processes of the design and the broker's share of the PKI, each command accepted by the CLI
+    assert set(services) == {"postgres", "broker-pki", "broker", "hub", "edge"}
+    for name in ("broker-pki", "broker", "hub", "edge"):
         for key, value in (services[name].get("environment") or {}).items():
             monkeypatch.setenv(key, "n-example" if str(value).startswith("${") else str(value))
         command, rest = _resolve(list(services[name]["command"]))
         command.make_context(name, rest)  # raises click.UsageError on an unknown option
     assert services["hub"]["environment"]["AISYNERGY_DATABASE_URL"].startswith("postgresql://")
     assert "mqtts://broker:8883" in services["hub"]["command"]
+
+
+def test_the_broker_never_mounts_the_hubs_pki() -> None:
+    # Prepare
+    services = yaml.safe_load(COMPOSE.read_text())["services"]
+
+    def volumes(name: str) -> dict[str, str]:
+        return {v.split(":")[0]: v.split(":", 1)[1] for v in services[name].get("volumes", [])}
+
+    # Assert: the CA key and the signing key live in `pki`, which only the hub's side mounts; the broker reads
+    # the share that `broker share` writes, read-only, and runs Mosquitto as its own user
+    assert "pki" in volumes("hub") and "pki" in volumes("broker-pki")
+    assert "pki" not in volumes("broker")
+    assert volumes("broker")["broker-pki"].endswith(":ro")
+    share_to = services["broker-pki"]["command"][services["broker-pki"]["command"].index("--to") + 1]
+    assert volumes("broker-pki")["broker-pki"] == share_to
+    pki_dir = services["broker"]["command"][services["broker"]["command"].index("--pki-dir") + 1]
+    assert volumes("broker")["broker-pki"] == f"{pki_dir}:ro"
+    dockerfile = (COMPOSE.parent / "Dockerfile").read_text()
+    assert "\nUSER aisynergy\n" in dockerfile
