@@ -134,6 +134,52 @@ def tls_context(pki_dir: Path, identity: str) -> ssl.SSLContext:
 
 
 MAX_INFLIGHT = 1000  # QoS 1 publishes awaiting their PUBACK (paho's default: 20); the broker allows any number
+MESSAGE_COST_BYTES = 1024  # what a queued message costs beside its payload (its objects, topic, properties)
+INCOMING_QUEUE_BYTES = 192 * 1024 * 1024
+"""The bound of the messages received and not yet dispatched, each counted as its payload plus
+:data:`MESSAGE_COST_BYTES`: the broker's whole window of unacknowledged QoS 1 messages (:data:`RECEIVE_MAXIMUM`) fits
+when they are up to 2 KiB (reports are a few hundred bytes); of the largest (256 KiB), about 760."""
+
+
+class IncomingOverflow(aiomqtt.MqttError):
+    """QoS 1 messages were left unacknowledged when the incoming queue was full: the broker delivers them again on
+    the next connection of the persistent session."""
+
+
+class IncomingQueue(asyncio.Queue):  # type: ignore[type-arg]
+    """aiomqtt's incoming queue, bounded by :data:`INCOMING_QUEUE_BYTES`. Full, it drops what arrives: a QoS 0
+    message (a heartbeat: the next one follows) for good, a QoS 1 message unacknowledged, so the broker keeps it
+    and sends it again when the bridge connects again (:class:`IncomingOverflow`, once the queue has drained)."""
+
+    def __init__(self, maxsize: int = 0, max_bytes: int = INCOMING_QUEUE_BYTES) -> None:
+        super().__init__(maxsize)
+        self.max_bytes = max_bytes
+        self.bytes = 0
+        self.dropped = 0  # QoS 0, gone
+        self.left_unacknowledged = 0  # QoS 1, the broker's to send again
+
+    @staticmethod
+    def cost(message: aiomqtt.Message) -> int:
+        payload = message.payload
+        return MESSAGE_COST_BYTES + (len(payload) if isinstance(payload, bytes | bytearray) else 0)
+
+    def put_nowait(self, item: aiomqtt.Message) -> None:
+        if self.bytes >= self.max_bytes or self.full():
+            if item.qos > 0:
+                self.left_unacknowledged += 1
+            else:
+                self.dropped += 1
+            return
+        super().put_nowait(item)
+
+    def _put(self, item: aiomqtt.Message) -> None:
+        self.bytes += self.cost(item)
+        super()._put(item)  # type: ignore[misc]
+
+    def _get(self) -> aiomqtt.Message:
+        item: aiomqtt.Message = super()._get()  # type: ignore[misc]
+        self.bytes -= self.cost(item)
+        return item
 DRAIN_BATCH = 256  # queued messages dispatched between two passes of the event loop
 OPERATION_TIMEOUT_S = 120.0  # a SUBSCRIBE's or a QoS 1 publish's answer, once connected (aiomqtt's default: 10 s)
 
@@ -191,7 +237,7 @@ class MqttBridge:
                 client = aiomqtt.Client(
                     self.host, self.port, identifier=self.identity, protocol=aiomqtt.ProtocolVersion.V5,
                     tls_context=ctx, keepalive=30, clean_start=False, properties=connect_props, will=will,
-                    max_queued_incoming_messages=200_000, socket_options=((socket.IPPROTO_TCP, socket.TCP_NODELAY, 1),),
+                    queue_type=IncomingQueue, socket_options=((socket.IPPROTO_TCP, socket.TCP_NODELAY, 1),),
                     max_inflight_messages=MAX_INFLIGHT,
                 )  # fmt: skip
                 # aiomqtt has no option for it; its paho client does (acknowledge after the ingest commit)
@@ -230,6 +276,9 @@ class MqttBridge:
                             publisher.cancel()
             except asyncio.CancelledError:
                 raise
+            except IncomingOverflow as exc:
+                self.counters["incoming_overflows"] += 1
+                log.warning("%s; connecting again, for the broker to send them again", exc)
             except (aiomqtt.MqttError, OSError, ssl.SSLError) as exc:
                 self.counters["connection_errors"] += 1
                 log.warning("broker %s:%d unavailable: %s", self.host, self.port, exc)
@@ -247,13 +296,22 @@ class MqttBridge:
         generation = self._generation
         # aiomqtt's iterator costs a task and two passes of the event loop per message: what is queued already is
         # taken at once (a pass of the loop every DRAIN_BATCH), or a burst waits thousands of passes
-        queue: asyncio.Queue[aiomqtt.Message] = client._queue  # noqa: SLF001
+        queue: IncomingQueue = client._queue  # noqa: SLF001
+        counted = 0
         async for first in client.messages:
             message, taken = first, 0
             while True:
                 ack = (generation, message.mid, message.qos) if message.qos > 0 else None
                 self.dispatch(str(message.topic), message.payload, message.properties, ack)  # type: ignore[arg-type]
                 if queue.empty():
+                    if queue.dropped != counted:
+                        log.warning("incoming queue full (%d bytes): %d QoS 0 messages dropped", queue.max_bytes, queue.dropped - counted)
+                        self.counters["incoming_dropped"] += queue.dropped - counted
+                        counted = queue.dropped
+                    if queue.left_unacknowledged:
+                        self.counters["incoming_left_unacknowledged"] += queue.left_unacknowledged
+                        raise IncomingOverflow(f"incoming queue full ({queue.max_bytes} bytes): {queue.left_unacknowledged} "
+                                               "QoS 1 messages left unacknowledged")  # fmt: skip
                     break
                 message = queue.get_nowait()
                 taken += 1
