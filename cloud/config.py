@@ -29,6 +29,9 @@ class Settings(BaseSettings):
     max_artifact_bytes: int = Field(default=2 * 1024**3, ge=1, description="largest artefact POST /artifacts accepts (streamed to disk)")
     idempotency_ttl_s: int = Field(default=24 * 3600, ge=60)
     token_cache_ttl_s: float = Field(default=10.0, ge=0, le=300)
+    sse_streams_per_token: int = Field(default=4, ge=1, le=1000, description="concurrent task log streams one bearer token may hold (429 beyond)")
+    sse_token_check_s: float = Field(default=5.0, gt=0, le=300, description="how often a log stream checks its token again (a revoked one ends it)")
+    sse_poll_s: float = Field(default=2.0, gt=0, le=60, description="how often a log stream reads the database when nothing in this process woke it (other replicas' writes)")
     certificate_validity_days: int = Field(default=365, ge=1, le=3650)
     enable_mqtt: bool = Field(default=True, description="off only for tests of the REST layer alone")
 

@@ -5,6 +5,7 @@
     ├── Conflict            409 conflict / illegal_transition / node_deleted / idempotency_*
     ├── Unauthenticated     401 unauthenticated
     ├── Forbidden           403 forbidden
+    ├── TooManyRequests     429 too_many_requests
     └── BadRequest          400/422 (bootstrap token, CSR, selector, cursor, ...)
 """
 
@@ -55,6 +56,10 @@ class BadRequest(ApiError):
 
 class ValidationFailed(ApiError):
     status, code, title = 422, ErrorCode.VALIDATION_FAILED, "Validation failed"
+
+
+class TooManyRequests(ApiError):
+    status, code, title = 429, ErrorCode.TOO_MANY_REQUESTS, "Too many requests"
 
 
 class PayloadTooLarge(ApiError):

@@ -33,6 +33,7 @@ from sqlalchemy import insert, select
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlmodel import Session
 
+from cloud.services import task_watch
 from cloud.services.tasks import ASSIGNED, DONE, PENDING, decode_chunk, hub_log, move_task, move_worker, retry_of
 from cloud.tables import Task, TaskChunk, TaskLog, TaskMetric, TaskWorker, TrainingResult
 from interfaces.messages import Envelope, EventBody
@@ -170,6 +171,7 @@ def _log(session: Session, task: Task, worker: TaskWorker, message: Envelope[Eve
          "level": line.level, "text": line.text}
         for i, line in enumerate(data.lines)
     ]  # fmt: skip
+    task_watch.touched(session, task.id)
     return "applied" if _insert_ignoring_duplicates(session, TaskLog, rows, ["message_id", "line"]) else "duplicate"
 
 

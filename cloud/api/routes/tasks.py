@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-import asyncio
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Annotated, Any
 
+import anyio
 from fastapi import APIRouter, Header, Query, Request, Response, status
 from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import StreamingResponse
@@ -15,15 +15,16 @@ from sqlmodel import Session
 
 from cloud.api.deps import DEFAULT_PAGE, Cursor, IdempotencyKey, Limit, Operator, SessionDep, Viewer, poke_desired
 from cloud.api.problems import PROBLEM_RESPONSES
-from cloud.errors import BadRequest, NotFound
+from cloud.errors import BadRequest, NotFound, TooManyRequests
+from cloud.services import task_watch
 from cloud.services import tasks as service
+from cloud.tables import ApiToken
 from interfaces.errors import ErrorCode
 from interfaces.pagination import Page
 from interfaces.tasks import TASK_FINAL, TaskAction, TaskCreate, TaskDetail, TaskLogLine, TaskMetrics, TaskOutputs, TaskPublic, TaskState, TaskType, WorkerPublic
 
 router = APIRouter(prefix="/tasks", tags=["tasks"], responses=PROBLEM_RESPONSES)
 SSE_MEDIA_TYPE = "text/event-stream"
-SSE_POLL_S = 0.25
 SSE_KEEPALIVE_S = 15.0
 SSE_BATCH = 500
 
@@ -155,10 +156,11 @@ def _last_event_id(header: str | None, after: int) -> int:
 @router.get(
     "/{task_id}/logs",
     responses={200: {"content": {SSE_MEDIA_TYPE: {"schema": {"type": "string"}, "example": 'event: log\nid: 42\ndata: {"id": 42, ...}\n\n'}},
-                     "description": "a page of lines, or with Accept: text/event-stream a stream of them"}},
+                     "description": "a page of lines, or with Accept: text/event-stream a stream of them"},
+               429: PROBLEM_RESPONSES[409] | {"description": "The token holds as many log streams as it may"}},
 )  # fmt: skip
 async def task_logs(
-    task_id: str, request: Request, _: Viewer, after: Annotated[int, Query(ge=0, description="only lines with a larger id")] = 0, limit: Limit = DEFAULT_PAGE,
+    task_id: str, request: Request, caller: Viewer, after: Annotated[int, Query(ge=0, description="only lines with a larger id")] = 0, limit: Limit = DEFAULT_PAGE,
     accept: Annotated[str | None, Header()] = None, last_event_id: Annotated[str | None, Header(alias="Last-Event-ID", max_length=32)] = None,
 ) -> Any:  # fmt: skip
     """The task's log lines (its workers' and the hub's), oldest first.
@@ -167,7 +169,10 @@ async def task_logs(
     no more are stored yet. With ``Accept: text/event-stream``: Server-Sent Events, ``event: log`` per line
     (``id`` = the line id; reconnect with ``Last-Event-ID`` to resume), ``event: state`` when the task's
     state or progress changes, ``event: end`` once the task is final and every line was sent; a comment
-    every 15 s keeps idle connections open.
+    every 15 s keeps idle connections open. A token holds at most ``sse_streams_per_token`` streams at once
+    (4 by default; 429 ``too_many_requests`` beyond). A stream checks its token again every ``sse_token_check_s``
+    (5 s): once the token is revoked the stream ends with ``event: end`` (``state`` null). New lines written by
+    this hub are sent at once; those another replica writes within ``sse_poll_s`` (2 s).
     """
     engine = request.app.state.engine
     start = _last_event_id(last_event_id, after)
@@ -175,40 +180,128 @@ async def task_logs(
     if snapshot is None:
         raise NotFound(f"task {task_id} does not exist")
     if accept and SSE_MEDIA_TYPE in accept:
+        settings = request.app.state.settings
+        slot = _stream_slots(request).take(caller.id, settings.sse_streams_per_token)
         headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
-        return StreamingResponse(_stream(request, engine, task_id, start), media_type=SSE_MEDIA_TYPE, headers=headers)
+        return _LogStream(_stream(request, engine, task_id, start, caller.id), slot, media_type=SSE_MEDIA_TYPE, headers=headers)
     next_cursor = str(lines[-1].id) if len(lines) == limit else None
     return Page[TaskLogLine](items=lines, next_cursor=next_cursor)
 
 
-async def _stream(request: Request, engine: Any, task_id: str, after: int) -> AsyncIterator[str]:
+class StreamSlots:
+    """The log streams each token holds open in this process."""
+
+    def __init__(self) -> None:
+        self.open: dict[str, int] = {}
+
+    def take(self, token_id: str, limit: int) -> Callable[[], None]:
+        """A slot for one more stream of ``token_id`` (429 when it holds ``limit``); returns its release (idempotent)."""
+        if self.open.get(token_id, 0) >= limit:
+            raise TooManyRequests(f"this token holds {limit} log streams already; close one first", limit=limit)
+        self.open[token_id] = self.open.get(token_id, 0) + 1
+        released = False
+
+        def release() -> None:
+            nonlocal released
+            if not released:
+                released = True
+                left = self.open.get(token_id, 1) - 1
+                if left > 0:
+                    self.open[token_id] = left
+                else:
+                    self.open.pop(token_id, None)
+
+        return release
+
+
+def _stream_slots(request: Request) -> StreamSlots:
+    slots = getattr(request.app.state, "log_stream_slots", None)
+    if slots is None:  # one per app, made on the event loop's thread on first use
+        slots = request.app.state.log_stream_slots = StreamSlots()
+    return slots  # type: ignore[no-any-return]
+
+
+class _LogStream(StreamingResponse):
+    """A stream that gives its slot back and closes its generator however it ends (finished, disconnected, failed)."""
+
+    def __init__(self, content: AsyncIterator[str], release: Callable[[], None], **kwargs: Any) -> None:
+        super().__init__(content, **kwargs)
+        self._content, self._release = content, release
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            async with anyio.create_task_group() as group:
+                # a client gone is noticed at once, not at the stream's next write (ASGI 2.4 servers report it only then)
+                group.start_soon(_until_disconnect, receive, group.cancel_scope)
+                await super().__call__(scope, receive, send)
+                group.cancel_scope.cancel()
+        finally:
+            self._release()
+            with anyio.CancelScope(shield=True):
+                await self._content.aclose()  # type: ignore[attr-defined]
+
+
+async def _until_disconnect(receive: Any, scope: anyio.CancelScope) -> None:
+    while (await receive())["type"] != "http.disconnect":
+        pass
+    scope.cancel()
+
+
+def _token_valid(engine: Any, token_id: str) -> bool:
+    with Session(engine) as session:
+        row = session.get(ApiToken, token_id)
+        return row is not None and row.revoked_at is None
+
+
+async def _stream(request: Request, engine: Any, task_id: str, after: int, token_id: str) -> AsyncIterator[str]:
+    """The stream's events. It reads the database when woken (a change of the task committed in this process), at
+    the latest every ``sse_poll_s``; it checks its token every ``sse_token_check_s`` (no read of the lines)."""
+    settings = request.app.state.settings
     last_state: dict[str, Any] | None = None
-    last_sent = time.monotonic()
-    yield format_sse_event(comment="aisynergy task log", retry=2000)
-    while True:
-        lines, snapshot = await run_in_threadpool(_lines_and_state, engine, task_id, after, SSE_BATCH)
-        for line in lines:
-            yield format_sse_event(event="log", id=str(line.id), data_str=line.model_dump_json())
-            after = line.id
-        if snapshot is None:  # deleted while streaming
-            yield format_sse_event(event="end", data_str='{"state": null, "reason": "the task was deleted"}')
-            return
-        if snapshot != last_state:
-            yield format_sse_event(event="state", data_str=_json(snapshot))
-            last_state = snapshot
-        if lines:
-            last_sent = time.monotonic()
-            if len(lines) == SSE_BATCH:
-                continue
-        if not lines and TaskState(snapshot["state"]) in TASK_FINAL:
-            yield format_sse_event(event="end", data_str=_json(snapshot))
-            return
-        if await request.is_disconnected():
-            return
-        if time.monotonic() - last_sent > SSE_KEEPALIVE_S:
-            yield format_sse_event(comment="keepalive")
-            last_sent = time.monotonic()
-        await asyncio.sleep(SSE_POLL_S)
+    now = time.monotonic()
+    last_sent, next_check, next_poll = now, now + settings.sse_token_check_s, now + settings.sse_poll_s
+    changes = task_watch.watch(engine)
+    waiter = changes.subscribe(task_id)
+    try:
+        yield format_sse_event(comment="aisynergy task log", retry=2000)
+        read = True
+        while True:
+            if read:
+                lines, snapshot = await run_in_threadpool(_lines_and_state, engine, task_id, after, SSE_BATCH)
+                for line in lines:
+                    yield format_sse_event(event="log", id=str(line.id), data_str=line.model_dump_json())
+                    after = line.id
+                if snapshot is None:  # deleted while streaming
+                    yield format_sse_event(event="end", data_str='{"state": null, "reason": "the task was deleted"}')
+                    return
+                if snapshot != last_state:
+                    yield format_sse_event(event="state", data_str=_json(snapshot))
+                    last_state = snapshot
+                    last_sent = time.monotonic()
+                if lines:
+                    last_sent = time.monotonic()
+                    if len(lines) == SSE_BATCH:
+                        continue
+                if not lines and TaskState(snapshot["state"]) in TASK_FINAL:
+                    yield format_sse_event(event="end", data_str=_json(snapshot))
+                    return
+            if await request.is_disconnected():
+                return
+            now = time.monotonic()
+            if now >= next_check:
+                if not await run_in_threadpool(_token_valid, engine, token_id):
+                    yield format_sse_event(event="end", data_str='{"state": null, "reason": "the bearer token is no longer valid"}')
+                    return
+                next_check = time.monotonic() + settings.sse_token_check_s
+            if now - last_sent > SSE_KEEPALIVE_S:
+                yield format_sse_event(comment="keepalive")
+                last_sent = now
+            woken = await waiter.wait(max(0.0, min(next_poll, next_check, last_sent + SSE_KEEPALIVE_S) - time.monotonic()))
+            read = woken or time.monotonic() >= next_poll
+            if read:
+                next_poll = time.monotonic() + settings.sse_poll_s
+    finally:
+        changes.unsubscribe(task_id, waiter)
 
 
 def _json(doc: dict[str, Any]) -> str:
