@@ -208,7 +208,8 @@ class RolloutController:
     def _order(self, session: Session, e: Execution, artifact: Artifact, action: OrderAction, allow_downgrade: bool, timeout_s: int,
                base_sha256: str | None) -> DeploymentOrder:  # fmt: skip
         delta = None
-        if base_sha256 and base_sha256 != artifact.sha256 and self.blobs is not None:
+        base_sha256 = base_sha256 if base_sha256 != artifact.sha256 else None
+        if base_sha256 and self.blobs is not None:
             try:
                 delta = offer_delta(session, self.blobs, base_sha256, artifact)
             except Exception:  # noqa: BLE001 - a delta is an optimisation; the full artefact always works
@@ -216,7 +217,7 @@ class RolloutController:
         return DeploymentOrder(
             execution_id=e.id, deployment_id=e.deployment_id, action=action, artifact_id=artifact.id, signed_manifest=signed_manifest(artifact),
             path=f"/artifacts/{artifact.id}/content", delta=delta, allow_downgrade=allow_downgrade,
-            token=self.signing.issue_download_token(artifact.id, artifact.sha256, e.target_id, ttl_s=timeout_s + TOKEN_GRACE_S),
+            token=self.signing.issue_download_token(artifact.id, artifact.sha256, e.target_id, ttl_s=timeout_s + TOKEN_GRACE_S, base_sha256=base_sha256 or None),
         )  # fmt: skip
 
 

@@ -78,8 +78,9 @@ class SigningKey:
         signature = self.private_key.sign(manifest_signing_bytes(manifest))
         return SignedManifest(manifest=manifest, signature=base64.b64encode(signature).decode(), key_id=self.key_id)
 
-    def issue_download_token(self, artifact_id: str, sha256: str, target_id: str, ttl_s: int) -> str:
-        grant = DownloadGrant(artifact_id=artifact_id, sha256=sha256, target_id=target_id, exp=int(time.time()) + ttl_s)
+    def issue_download_token(self, artifact_id: str, sha256: str, target_id: str, ttl_s: int, base_sha256: str | None = None) -> str:
+        """A token for the artefact's content and, with ``base_sha256`` (what the target runs), the delta from it."""
+        grant = DownloadGrant(artifact_id=artifact_id, sha256=sha256, target_id=target_id, exp=int(time.time()) + ttl_s, base_sha256=base_sha256)
         return encode_download_token(grant, self.private_key.sign(download_token_signing_bytes(grant)))
 
     def verify_download_token(self, token: str, artifact_id: str) -> DownloadGrant:

@@ -11,8 +11,9 @@ The token is checked offline against the hub's pinned signing key (401 ``invalid
 resumed with ``Range: bytes=<have>-`` after an interruption (a 206 must start there; a 200 starts over),
 and moved into the cache only when its SHA-256 is the grant's (a delta's: the hub's ETag, or the order's
 offer). Concurrent requests for one blob share one upstream download. The hub's refusals (404 unknown
-artefact or delta, 401, ...) pass through; the hub unreachable and the blob not cached: 503
-``hub_unreachable``; the hub sent other bytes than it signed: 502 ``invalid_response``, nothing kept.
+artefact or delta, 401, 503 ``busy`` with its ``Retry-After``, ...) pass through; the hub unreachable and the
+blob not cached: 503 ``hub_unreachable``; the hub sent other bytes than it signed: 502 ``invalid_response``,
+nothing kept. A delta is served only from the base the token names (its order's), cached or not: 403 else.
 
 Layout under ``<data dir>/artifacts/``::
 
@@ -315,6 +316,9 @@ class ArtifactCache:
                 base = parse_qs(split.query).get("from", [""])[0]
                 if not _SHA.match(base):
                     return problem(422, ErrorCode.VALIDATION_FAILED, "Invalid delta base", "from must be a lower-case hex SHA-256")
+                if grant.base_sha256 != base:  # as at the hub: a cached patch from other bytes would reveal them
+                    log.info("refused a delta to %s from %s: the token names another base", artifact_id, base[:12])
+                    return problem(403, ErrorCode.FORBIDDEN, "Forbidden", f"the download token allows no delta from {base}")
                 blob = self.acquire_delta(artifact_id, token, base, grant.sha256)
                 media_type = DELTA_MEDIA_TYPE
         except _Failure as exc:
@@ -598,6 +602,8 @@ class ArtifactCache:
                 log.info("the hub answered %s for %s", response.status_code, url)
                 media_type = response.headers.get("content-type", PROBLEM_MEDIA_TYPE)
                 answer_headers = {"Content-Type": media_type, "Content-Length": str(len(response.content))}
+                if "retry-after" in response.headers:
+                    answer_headers["Retry-After"] = response.headers["retry-after"]
                 raise _Failure(Answer(response.status_code, answer_headers, response.content))
             etag = _etag(response.headers.get("etag"))
             if expected is not None and etag is not None and etag != expected:

@@ -152,7 +152,9 @@ def compare_versions(a: str, b: str) -> int:
 
 
 class DownloadGrant(NoNul):
-    """What a download token allows: this target may fetch this artefact (and deltas to it) until ``exp``."""
+    """What a download token allows: this target may fetch this artefact until ``exp``, and the delta to it from
+    ``base_sha256`` (the version the target runs, named in its order) and from no other base: a patch from other
+    bytes would reveal those bytes to the holder."""
 
     model_config = ConfigDict(extra="forbid")
 
@@ -160,15 +162,21 @@ class DownloadGrant(NoNul):
     sha256: Sha256
     target_id: str = Field(min_length=1, max_length=64)
     exp: int = Field(ge=0, description="expiry, Unix seconds")
+    base_sha256: Sha256 | None = Field(default=None, description="the only base a delta may start from; none: no delta")
+
+
+def _grant_json(grant: DownloadGrant) -> bytes:
+    # a grant without a base is signed as before the field existed
+    return json.dumps(grant.model_dump(mode="json", exclude_none=True), sort_keys=True, separators=(",", ":")).encode()
 
 
 def download_token_signing_bytes(grant: DownloadGrant) -> bytes:
-    return DOWNLOAD_TOKEN_DOMAIN + json.dumps(grant.model_dump(mode="json"), sort_keys=True, separators=(",", ":")).encode()
+    return DOWNLOAD_TOKEN_DOMAIN + _grant_json(grant)
 
 
 def encode_download_token(grant: DownloadGrant, signature: bytes) -> str:
     """``<base64url(grant JSON)>.<base64url(signature)>``."""
-    payload = json.dumps(grant.model_dump(mode="json"), sort_keys=True, separators=(",", ":")).encode()
+    payload = _grant_json(grant)
     return _b64(payload) + "." + _b64(signature)
 
 

@@ -228,7 +228,7 @@ def test_a_corrupt_cached_delta_is_fetched_again(hub: HubArtefacts, edge: Edge) 
     # Prepare
     base, patch = sha(b"version 1"), b"BSDIFF40 patch bytes " * 50
     hub.deltas[("art-1", base)] = patch
-    token, path = hub.token("art-1"), f"/api/v1/artifacts/art-1/delta?from={base}"
+    token, path = hub.token("art-1", base=base), f"/api/v1/artifacts/art-1/delta?from={base}"
     assert edge.get(path, token).content == patch
     flip_byte(edge.cache.blob_path(sha(patch)), 3)
 

@@ -144,8 +144,8 @@ class HubArtefacts:
         threading.Thread(target=self.server.serve_forever, args=(0.05,), daemon=True).start()
         self.running = True
 
-    def token(self, artifact_id: str, ttl_s: int = 600, device: str = DEVICE) -> str:
-        return self.signing.issue_download_token(artifact_id, sha(self.blobs[artifact_id]), device, ttl_s)
+    def token(self, artifact_id: str, ttl_s: int = 600, device: str = DEVICE, base: str | None = None) -> str:
+        return self.signing.issue_download_token(artifact_id, sha(self.blobs[artifact_id]), device, ttl_s, base_sha256=base)
 
     def fetches(self, route: str = "/content") -> list[dict[str, str]]:
         return [headers for path, headers in self.requests if urlsplit(path).path.endswith(route)]
@@ -410,11 +410,11 @@ def test_deltas_are_fetched_once_and_an_unknown_delta_is_404(hub: HubArtefacts, 
     base = sha(b"version 1")
     patch = b"BSDIFF40 patch bytes " * 20
     hub.deltas[("art-2", base)] = patch
-    token = hub.token("art-2")
+    token = hub.token("art-2", base=base)
     path = f"/api/v1/artifacts/art-2/delta?from={base}"
 
     # Execute
-    unknown = edge.get(f"/api/v1/artifacts/art-2/delta?from={'1' * 64}", token)
+    unknown = edge.get(f"/api/v1/artifacts/art-2/delta?from={'1' * 64}", hub.token("art-2", base="1" * 64))
     first = edge.get(path, token)
     hub.stop()
     second = edge.get(path, token)
@@ -441,7 +441,7 @@ def order_for(hub: HubArtefacts, artifact_id: str, delta: DeltaOffer | None = No
         artifact_id=artifact_id,
         signed_manifest=hub.signing.sign_manifest(manifest),
         path=f"/artifacts/{artifact_id}/content",
-        token=hub.token(artifact_id),
+        token=hub.token(artifact_id, base=delta.base_sha256 if delta else None),
         delta=delta,
     )
 

@@ -391,7 +391,7 @@ def test_delta_patches_the_base_into_the_target(hub: HubUnderTest) -> None:
     target = bytes(target) + b"tail"
     old = stored(hub, base, version="1.0.0")
     new = stored(hub, target, version="1.0.1")
-    token = hub.app.state.signing.issue_download_token(new["id"], new["sha256"], "d-target", ttl_s=60)
+    token = hub.app.state.signing.issue_download_token(new["id"], new["sha256"], "d-target", ttl_s=60, base_sha256=old["sha256"])
 
     # Execute
     r = hub.get(f"/artifacts/{new['id']}/delta", None, params={"from": old["sha256"]}, headers={DOWNLOAD_TOKEN_HEADER: token})

@@ -23,9 +23,10 @@ from sqlmodel import Session
 from cloud.api.deps import DEFAULT_PAGE, Cursor, IdempotencyKey, Limit, Operator, SessionDep, SettingsDep, Viewer, _bearer, require
 from cloud.api.problems import PROBLEM_RESPONSES, problem_response
 from cloud.artifacts import (
-    CHUNK, BlobStore, artifact_to_wire, create_artifact, delete_artifact, ensure_absent, get_artifact, list_artifacts, offer_delta,
+    CHUNK, DELTA_RETRY_AFTER_S, BlobStore, DeltaBusy, artifact_to_wire, create_artifact, delete_artifact, ensure_absent, get_artifact,
+    list_artifacts, offer_delta,
 )  # fmt: skip
-from cloud.errors import ApiError, MalformedRequest, PayloadTooLarge, Unauthenticated, UnsupportedMediaType, ValidationFailed
+from cloud.errors import ApiError, Forbidden, MalformedRequest, PayloadTooLarge, Unauthenticated, UnsupportedMediaType, ValidationFailed
 from cloud.signing import SigningKey, TokenRejected
 from interfaces import API_PREFIX
 from interfaces.auth import Role
@@ -338,17 +339,29 @@ def artifact_content(artifact_id: str, request: Request, session: SessionDep, gr
     return serve_blob(request, request.app.state.blobs, row.sha256, "application/octet-stream", {"Content-Disposition": f'attachment; filename="{filename}"'})
 
 
-@router.get("/artifacts/{artifact_id}/delta", response_class=Response, responses=_RANGE_RESPONSES | {200: {"content": {DELTA_MEDIA_TYPE: {}}, "description": "A bsdiff4 patch"}})
+@router.get("/artifacts/{artifact_id}/delta", response_class=Response, responses=_RANGE_RESPONSES | {
+    200: {"content": {DELTA_MEDIA_TYPE: {}}, "description": "A bsdiff4 patch"},
+    503: {"model": Problem, "content": {"application/problem+json": {}}, "description": "Busy computing other patches (Retry-After)"},
+})
 def artifact_delta(
     artifact_id: str, request: Request, session: SessionDep, grant: DownloadAccess,
     base: Annotated[str, Query(alias="from", pattern=SHA256_RE, description="SHA-256 of the version the target runs")],
 ) -> Response:  # fmt: skip
     """A bsdiff4 patch from the bytes the target runs (``from``) to this artefact; 404 when the base is not stored
     or a patch would not be smaller than the artefact (download the content then). Same authorisation and Range
-    support as the content; ``X-Delta-Base`` and ``X-Delta-Sha256`` name the base and the patch."""
+    support as the content, except that a download token allows only the base its order names (403 otherwise);
+    503 with ``Retry-After`` while the hub computes as many patches as it may at once (or download the content).
+    ``X-Delta-Base`` and ``X-Delta-Sha256`` name the base and the patch."""
     row = get_artifact(session, artifact_id)
     _check_grant(grant, row.sha256)
-    offer = offer_delta(session, request.app.state.blobs, base, row)
+    if grant is not None and grant.base_sha256 != base:
+        # a patch from other bytes would let the holder rebuild much of those bytes
+        raise Forbidden(f"the download token allows no delta from {base}")
+    try:
+        offer = offer_delta(session, request.app.state.blobs, base, row, wait=False)
+    except DeltaBusy as exc:
+        problem = Problem.of(ErrorCode.BUSY, 503, "Busy", f"{exc}: retry later, or download the content", instance=request.url.path)
+        return problem_response(problem, {"Retry-After": str(DELTA_RETRY_AFTER_S)})
     session.commit()
     if offer is None:
         raise ApiError(f"no delta from {base} to artifact {artifact_id}: download the content", code=ErrorCode.NOT_FOUND, status=404)
