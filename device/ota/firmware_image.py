@@ -12,9 +12,11 @@ An image is a gzip-compressed tar with ``firmware.json`` at its root and the pay
 ``firmware.json`` itself (directories and links carry no content of their own).
 
 Reading refuses, before anything is written: absolute member names, ``..``, links that point outside the
-image (or hard links to a member that is not there), device files and FIFOs, repeated names, more than
-``MAX_MEMBERS`` members, more than ``MAX_UNPACKED_BYTES`` once unpacked, an image file larger than
-``MAX_IMAGE_BYTES`` and a ``firmware.json`` that :class:`FirmwareInfo` does not accept. It also reads the
+image (each followed through the image's other links, as the unpacked tree would resolve it, in whatever
+order they come; a loop of links too), members under a link, hard links to a member that is not there,
+device files and FIFOs, repeated names, more than ``MAX_MEMBERS`` members, more than ``MAX_UNPACKED_BYTES``
+once unpacked, an image file larger than ``MAX_IMAGE_BYTES`` and a ``firmware.json`` that
+:class:`FirmwareInfo` does not accept. It also reads the
 whole archive, every member to its end and the gzip stream to its trailer, so a corrupt or truncated
 stream (a CRC or length error, a deflate error, a short member) is refused, as is anything but zeros after
 the tar's end marker (where the reader would otherwise stop early without a word). Then every regular file
@@ -218,8 +220,52 @@ def _check(tar: tarfile.TarFile) -> ImageContents:
         raise ImageError(f"the image is damaged (corrupt or truncated): {exc}") from exc
     if info is None:
         raise ImageError(f"the image has no {FIRMWARE_JSON} at its root")
+    _check_links(members)
     _check_files(info, members)
     return ImageContents(info, members)
+
+
+MAX_LINK_HOPS = 40  # as Linux's MAXSYMLINKS
+
+
+def _check_links(members: list[Member]) -> None:
+    """Every symbolic link, followed through the image's other links as the file system would once unpacked
+    (whatever their order in the archive), stays inside the image; and no member lies under a link."""
+    links = {m.name: m.link or "" for m in members if m.type == "symlink"}
+    for m in members:
+        parents = m.name.split("/")[:-1]
+        if any("/".join(parents[: i + 1]) in links for i in range(len(parents))):
+            raise ImageError(f"the member {m.name!r} lies under a symbolic link")
+    for name, target in links.items():
+        _resolve_link(name, target, links)
+
+
+def _resolve_link(name: str, target: str, links: dict[str, str]) -> list[str]:
+    """The path (components below the image root) that the link ``name -> target`` reaches; ImageError when it
+    climbs out of the image on the way or loops."""
+    where = name.split("/")[:-1]
+    pending = target.split("/")
+    hops = 0
+    while pending:
+        part = pending.pop(0)
+        if part in ("", "."):
+            continue
+        if part == "..":
+            if not where:
+                raise ImageError(f"the link {name!r} points outside the image ({target!r}, followed through the image's links)")
+            where.pop()
+            continue
+        path = "/".join([*where, part])
+        if path in links:
+            hops += 1
+            if hops > MAX_LINK_HOPS:
+                raise ImageError(f"the link {name!r} does not resolve (a loop of links)")
+            if links[path].startswith("/"):
+                raise ImageError(f"the link {name!r} points outside the image (through {path!r})")
+            pending = links[path].split("/") + pending
+            continue
+        where.append(part)
+    return where
 
 
 def _sha256_member(tar: tarfile.TarFile, tarinfo: tarfile.TarInfo) -> str:
