@@ -126,7 +126,7 @@ class EdgeAgent:
                     artifacts=self.artifacts,
                 )
             prefetch = self.artifacts.prefetch if self.artifacts is not None else None
-            self.relay = DeviceRelay(config.node_id, self.store, self.up, self.down, prefetch=prefetch)
+            self.relay = DeviceRelay(config.node_id, self.store, self.up, self.down, prefetch=prefetch, on_task_orders=self.split.learn_orders)
         except BaseException:
             if self.artifacts is not None:
                 self.artifacts.close()

@@ -49,6 +49,7 @@ from device.rejections import Rejections
 from edge.link import Link
 from edge.store import EdgeStore, LearnedFrom, OutboxRow, Scope
 from interfaces.deployments import DeploymentOrder
+from interfaces.tasks import WorkerOrder
 from interfaces.messages import (
     MAX_MESSAGE_BYTES,
     CommandError,
@@ -136,9 +137,11 @@ class DeviceRelay:
         outbox_window: int = 256,
         outbox_limit: int = 100_000,
         prefetch: Callable[[DeploymentOrder], object] | None = None,
+        on_task_orders: Callable[[str, list[WorkerOrder]], None] | None = None,
     ) -> None:
         """Plug into the links (the same one twice when devices use the hub's broker); ``prefetch`` gets the
-        deployment orders of each desired document (it must not block)."""
+        deployment orders of each desired document (it must not block); ``on_task_orders`` the task orders of
+        each device, as stored now and then of each document the hub sends (none: the hub cleared it)."""
         self.node_id = node_id
         self.up, self.down = up, down
         self.rejections = Rejections(log)
@@ -147,6 +150,13 @@ class DeviceRelay:
         self._window = outbox_window
         self._limit = outbox_limit
         self._prefetch = prefetch
+        self._on_task_orders = on_task_orders
+        if on_task_orders is not None:
+            for stored in store.all_desired(Scope.DEVICE):
+                try:
+                    on_task_orders(stored.target_id, RELAY_DESIRED.payload.model_validate_json(stored.payload).body.tasks)
+                except ValidationError as exc:
+                    log.warning("the stored desired document of %s does not parse: %s", stored.target_id, exc)
         self._prefetched: dict[str, int] = {}  # device id -> the deployments_version whose orders were prefetched
         # device id -> (version, document) received and not yet stored; version None: cleared by the hub
         self._desired_waiting: dict[str, tuple[int | None, bytes]] = {}
@@ -215,6 +225,8 @@ class DeviceRelay:
             except ValidationError as exc:
                 self._reject(message.topic.value, exc, device_id=device_id)
                 return
+            if self._on_task_orders is not None:
+                self._on_task_orders(device_id, request.body.tasks)
             if self._prefetch is not None and request.body.deployments_version > self._prefetched.get(device_id, -1):
                 # only when the orders changed: a document re-sent for a task order still holds the finished ones
                 self._prefetched[device_id] = request.body.deployments_version
@@ -226,6 +238,8 @@ class DeviceRelay:
             version: int | None = request.body.version
         else:
             version = None  # the hub cleared it: the device is no longer ours
+            if self._on_task_orders is not None:
+                self._on_task_orders(device_id, [])
         self._desired_waiting.pop(device_id, None)  # re-inserted last: the writer takes documents in arrival order
         self._desired_waiting[device_id] = (version, payload)
         if self._desired_writer is None or self._desired_writer.done():

@@ -5,9 +5,12 @@ only its own devices' topics). A request names its task in its user properties; 
 task (:mod:`device.tasks.split`) registered an answer function with :meth:`TailRouter.serve`. The answer is
 computed on a small thread pool, so the link's dispatch never waits for a model, and goes to the requesting
 device's ``infer/reply`` (that device's topic, whatever response topic the request named) with the request's
-correlation data. A request for a task this edge serves no tail of, a malformed one, or one beyond
-``max_pending`` waiting is answered at once with an error, so the device falls back without waiting out its
-timeout; one without correlation data cannot be answered and is dropped.
+correlation data. Only a device that runs a head of the task is answered: the hub's orders say which (the
+``tasks`` of each device's desired document, relayed by this edge: :meth:`TailRouter.learn_orders`); any other
+device's request is refused without reaching the tail, so a device cannot use another's task, nor learn which
+tasks this edge serves. Such a request, one for a task this edge serves no tail of, a malformed one, or one
+beyond ``max_pending`` waiting is answered at once with an error, so the device falls back without waiting out
+its timeout; one without correlation data cannot be answered and is dropped.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from paho.mqtt.properties import Properties
 
 from edge.link import Link
 from interfaces.infer import MAX_CORRELATION_BYTES, InferReply, InferRequest
+from interfaces.tasks import SPLIT_HEAD, TaskType, WorkerAction, WorkerOrder
 from interfaces.topics import DEVICE_INFER, DEVICE_INFER_REPLY
 
 log = logging.getLogger("aisynergy.edge.split")
@@ -40,6 +44,7 @@ class TailRouter:
     def __init__(self, threads: int = DEFAULT_THREADS, max_pending: int = DEFAULT_MAX_PENDING) -> None:
         self._lock = threading.Lock()
         self._answers: dict[str, Answer] = {}
+        self._heads: dict[str, frozenset[str]] = {}  # device id -> the split tasks it runs a head of
         self._threads, self._max_pending = threads, max_pending
         self._pool: ThreadPoolExecutor | None = None
         self._link: Link | None = None
@@ -68,6 +73,21 @@ class TailRouter:
         with self._lock:
             return sorted(self._answers)
 
+    # ---- the hub's orders (the relay, on the event loop) ---------------------------------------------
+    def learn_orders(self, device_id: str, orders: list[WorkerOrder]) -> None:
+        """The task orders of ``device_id``'s newest desired document (empty: none, or the device is gone): from
+        now on it is answered for exactly the split tasks it is ordered to run a head of."""
+        heads = frozenset(o.task_id for o in orders if o.type is TaskType.SPLIT_INFERENCE and o.role == SPLIT_HEAD and o.action is WorkerAction.RUN)
+        with self._lock:
+            if heads:
+                self._heads[device_id] = heads
+            else:
+                self._heads.pop(device_id, None)
+
+    def runs_head(self, device_id: str, task_id: str) -> bool:
+        with self._lock:
+            return task_id in self._heads.get(device_id, ())
+
     # ---- the link's side (the event loop) ----------------------------------------------------------
     async def _on_request(self, client: aiomqtt.Client, message: aiomqtt.Message, ids: dict[str, str]) -> None:
         self.counters["requests"] += 1
@@ -82,6 +102,9 @@ class TailRouter:
             request = InferRequest.from_pairs(getattr(props, "UserProperty", None))
         except ValueError as exc:
             await self._refuse(reply_topic, correlation, str(exc))
+            return
+        if not self.runs_head(ids["device_id"], request.task_id):
+            await self._refuse(reply_topic, correlation, f"device {ids['device_id']} runs no head of task {request.task_id}")
             return
         with self._lock:
             answer = self._answers.get(request.task_id)

@@ -65,6 +65,10 @@ CNN_CUT = "max_pool2d"
 
 
 # ---- the two ends of the channel -------------------------------------------------------------------------
+def head_of(task_id: str) -> WorkerOrder:
+    return WorkerOrder(worker_id=f"wk-head-{task_id}", task_id=task_id, type=TaskType.SPLIT_INFERENCE, role=SPLIT_HEAD, spec={})
+
+
 class Edge:
     """The edge's end: a :class:`TailRouter` on a downstream :class:`Link` (the node's certificate); the link's
     event loop runs on a thread of its own, so that the test's threads play the device and the workers."""
@@ -75,6 +79,8 @@ class Edge:
         tls.load_cert_chain(str(crt), str(key))
         self.link = Link("downstream", broker.url, tls, SessionPlan(NODE, connect_timeout_s=5))
         self.router = TailRouter(threads=4)
+        # what the hub's orders, relayed by the edge, say: the device runs a head of each task these tests ask for
+        self.router.learn_orders(DEVICE, [head_of(t) for t in ("tk-echo", "tk-other", "tk-missing", "tk-held", "tk-fragile")])
         if attach:
             self.router.attach(self.link)
         self.loop = asyncio.new_event_loop()
@@ -494,6 +500,7 @@ class Rig:
         self.device_host.apply([])
         wait_until(lambda: not self.models.routed(self.mlp.name) and not self.models.routed(self.cnn.name), 10, what="the old head's route removed")
         order = head_order(model, task_id, f"wk-head-{len(self.device_events.items)}", **spec)
+        self.edge.router.learn_orders(DEVICE, [order])  # the order, relayed by the edge, reaches the router too
         self.device_host.apply([order])
         self.head_id = order.worker_id
         self.device_events.wait(
