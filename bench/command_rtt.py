@@ -577,7 +577,7 @@ def start_system(run: Run) -> dict[str, list[Any]]:
 
     def args(port: int) -> list[str]:
         return [*run.cli.get("hub", AISYNERGY), "hub", "serve", "--data-dir", str(d), "--port", str(port),
-                "--broker-url", f"mqtts://127.0.0.1:{run.broker_port}"]  # fmt: skip
+                "--broker-url", f"mqtts://127.0.0.1:{run.broker_port}", "--no-tls"]  # fmt: skip  (HTTP on the loopback, as measured before)
 
     def mqtt_up(proc: Proc, port: int) -> bool:
         exited(proc)

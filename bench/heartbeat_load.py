@@ -697,7 +697,7 @@ def start_system(run: Run) -> dict[str, Any]:
         cli, env = [sys.executable, str(ROOT / "bench" / "_hub_timing.py")], {"AISYNERGY_BENCH_TIMINGS": str(d / "hub-timings.jsonl")}
     hub = start_proc("hub", [*cli, "hub", "serve", "--data-dir", str(d), "--port", str(run.hub_port),
                              "--broker-url", f"mqtts://127.0.0.1:{run.broker_port}",
-                             "--heartbeat-interval", str(run.args.interval)], d / "hub.log", env)  # fmt: skip
+                             "--heartbeat-interval", str(run.args.interval), "--no-tls"], d / "hub.log", env)  # fmt: skip
     run.procs.append(hub)
 
     def mqtt_up() -> bool:

@@ -77,6 +77,16 @@ def _key_pem(key: ec.EllipticCurvePrivateKey) -> bytes:
     return key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption())
 
 
+def _host_names(hosts: list[str]) -> list[x509.GeneralName]:
+    names: list[x509.GeneralName] = []
+    for host in hosts:
+        try:
+            names.append(x509.IPAddress(ipaddress.ip_address(host)))
+        except ValueError:
+            names.append(x509.DNSName(host))
+    return names
+
+
 def new_private_key() -> ec.EllipticCurvePrivateKey:
     return ec.generate_private_key(ec.SECP256R1())
 
@@ -140,6 +150,11 @@ class CertificateAuthority:
     def ca_pem(self) -> str:
         return self.cert.public_bytes(serialization.Encoding.PEM).decode()
 
+    @property
+    def fingerprint(self) -> str:
+        """``sha256:<hex>`` of the CA certificate's DER: what an agent pins before it enrols (``--ca-sha256``)."""
+        return "sha256:" + self.cert.fingerprint(hashes.SHA256()).hex()
+
     def _builder(self, subject_cn: str, public_key: object, validity: dt.timedelta) -> x509.CertificateBuilder:
         now = _now()
         return (
@@ -157,7 +172,12 @@ class CertificateAuthority:
         )
 
     def ensure_broker_identity(self, extra_hosts: tuple[str, ...] = ()) -> None:
-        crt, key_path = self.directory / "broker.crt", self.directory / "broker.key"
+        self.ensure_server_identity("broker", "aisynergy-broker", extra_hosts)
+
+    def ensure_server_identity(self, name: str, common_name: str, extra_hosts: tuple[str, ...] = ()) -> tuple[Path, Path]:
+        """``<name>.crt`` and ``<name>.key``: a TLS server certificate for localhost, 127.0.0.1, ::1 and
+        ``extra_hosts`` (made again when a host is missing from the one there); the broker's, the hub's HTTPS."""
+        crt, key_path = self.directory / f"{name}.crt", self.directory / f"{name}.key"
         hosts = sorted({"localhost", "127.0.0.1", "::1", *extra_hosts})
         if crt.exists() and key_path.exists():
             existing = x509.load_pem_x509_certificate(crt.read_bytes())
@@ -169,23 +189,18 @@ class CertificateAuthority:
                 if key_path.stat().st_mode & 0o077:  # an older PKI left it readable to the broker's account
                     with contextlib.suppress(PermissionError):
                         os.chmod(key_path, 0o600)
-                return
+                return crt, key_path
         key = new_private_key()
-        names: list[x509.GeneralName] = []
-        for host in hosts:
-            try:
-                names.append(x509.IPAddress(ipaddress.ip_address(host)))
-            except ValueError:
-                names.append(x509.DNSName(host))
         cert = (
-            self._builder("aisynergy-broker", key.public_key(), LEAF_VALIDITY)
-            .add_extension(x509.SubjectAlternativeName(names), critical=False)
+            self._builder(common_name, key.public_key(), LEAF_VALIDITY)
+            .add_extension(x509.SubjectAlternativeName(_host_names(hosts)), critical=False)
             .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH]), critical=False)
             .sign(self._key, hashes.SHA256())
         )
         # private like every key: the broker reads its own copy (cloud.broker.runner hands it to its account)
         _write_private(key_path, _key_pem(key))
         write_public(crt, cert.public_bytes(serialization.Encoding.PEM))
+        return crt, key_path
 
     def ensure_client_identity(self, common_name: str) -> tuple[Path, Path]:
         crt, key_path = self.directory / f"{common_name}.crt", self.directory / f"{common_name}.key"
@@ -196,19 +211,21 @@ class CertificateAuthority:
             write_public(crt, cert.public_bytes(serialization.Encoding.PEM))
         return crt, key_path
 
-    def _client_cert(self, common_name: str, public_key: object, validity: dt.timedelta) -> x509.Certificate:
-        return (
-            self._builder(common_name, public_key, validity)
-            .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.CLIENT_AUTH]), critical=False)
-            .add_extension(
-                x509.KeyUsage(True, False, True, False, False, False, False, False, False), critical=True
-            )
-            .sign(self._key, hashes.SHA256())
-        )
+    def _client_cert(self, common_name: str, public_key: object, validity: dt.timedelta, server: bool = False) -> x509.Certificate:
+        """A client certificate; ``server``: also a TLS server's, named ``common_name`` (an edge's listener serves
+        its devices with its node certificate, and they check that name: ``tls_server_name``)."""
+        usages = [ExtendedKeyUsageOID.CLIENT_AUTH, *([ExtendedKeyUsageOID.SERVER_AUTH] if server else [])]
+        builder = self._builder(common_name, public_key, validity).add_extension(x509.ExtendedKeyUsage(usages), critical=False)
+        if server:
+            builder = builder.add_extension(x509.SubjectAlternativeName([x509.DNSName(common_name)]), critical=False)
+        return builder.add_extension(
+            x509.KeyUsage(True, False, True, False, False, False, False, False, False), critical=True
+        ).sign(self._key, hashes.SHA256())
 
     # ---- node identities ----------------------------------------------------------------------------
-    def sign_csr(self, csr_pem: str, expected_cn: str, validity: dt.timedelta = LEAF_VALIDITY) -> Issued:
-        """Sign a node's CSR. The subject must be exactly ``CN=<expected_cn>``; RSA < 2048 refused."""
+    def sign_csr(self, csr_pem: str, expected_cn: str, validity: dt.timedelta = LEAF_VALIDITY, server: bool = False) -> Issued:
+        """Sign an agent's CSR. The subject must be exactly ``CN=<expected_cn>``; RSA < 2048 refused. ``server``:
+        the certificate may also serve TLS under that name (a node's: see :meth:`_client_cert`)."""
         try:
             csr = x509.load_pem_x509_csr(csr_pem.encode())
         except (ValueError, TypeError) as exc:
@@ -230,7 +247,7 @@ class CertificateAuthority:
                 raise CsrError("EC keys smaller than 256 bits are refused")
         elif not isinstance(public_key, ed25519.Ed25519PublicKey):
             raise CsrError("unsupported key type: use EC P-256, Ed25519 or RSA >= 2048")
-        cert = self._client_cert(expected_cn, public_key, validity)
+        cert = self._client_cert(expected_cn, public_key, validity, server=server)
         return Issued(
             certificate_pem=cert.public_bytes(serialization.Encoding.PEM).decode(),
             serial=format(cert.serial_number, "x"),

@@ -4,6 +4,11 @@ Everything lives in one data directory, so a second ``up`` resumes the same stac
 
     DIR/pki/ broker/ hub.db      hub CA, broker config, SQLite database
     DIR/admin.token               the admin bearer token printed at start (0600)
+    DIR/*.bootstrap               a first start's one-time tokens, handed to the agents as files (0600, removed
+                                  once the agent is ONLINE): a command line is visible to every user
+
+The hub serves HTTPS with a certificate from its CA, and the edge's device listener with the node's own;
+the edge and the devices check the CA's fingerprint (``--ca-sha256``) before they send their tokens.
     DIR/stack.json                the edge node's id and the devices' ids
     DIR/edge-1/                   the edge agent's identity and local state
     DIR/device-N/                 each device's identity and state
@@ -16,6 +21,7 @@ import json
 import logging
 import os
 import signal
+import ssl
 import subprocess
 import sys
 import time
@@ -56,7 +62,11 @@ class Stack:
 
     @property
     def hub_url(self) -> str:
-        return f"http://{self.host}:{self.hub_port}"
+        return f"https://{self.host}:{self.hub_port}"
+
+    @property
+    def ca_path(self) -> Path:
+        return self.data_dir / "pki" / "ca.crt"
 
     @property
     def broker_url(self) -> str:
@@ -97,28 +107,47 @@ class Stack:
 
         self._wait("the broker", broker_up, broker)
         hub = self._spawn("hub", ["hub", "serve", "--data-dir", d, "--host", self.host, "--port", str(self.hub_port), "--broker-url", self.broker_url])
-        self._wait("the hub", lambda: httpx.get(self.hub_url + "/healthz", timeout=1).json()["mqtt"]["connected"], hub)
+        healthy = lambda: httpx.get(self.hub_url + "/healthz", timeout=1, verify=self._verify()).json()["mqtt"]["connected"]  # noqa: E731
+        self._wait("the hub", healthy, hub)
         self.admin_token = self._admin_token()
-        node_id, token = self._edge_node()
-        enrol_url = f"http://{self.host}:{self.enrol_port}"
+        node_id, token, pin = self._edge_node()
+        enrol_url = f"https://{self.host}:{self.enrol_port}"
         args = ["edge", "run", "--hub", self.hub_url, "--node-id", node_id, "--data-dir", str(self.data_dir / "edge-1"),
                 "--device-listen", f"{self.host}:{self.enrol_port}"]  # fmt: skip
         if token:
-            args += ["--bootstrap-token", token]
+            args += ["--bootstrap-token-file", str(self._token_file("edge-1", token)), "--ca-sha256", pin]
         edge = self._spawn("edge-1", args)
         self._wait("the edge node to come ONLINE", lambda: self._state(f"/nodes/{node_id}/status") == "ONLINE", edge)
+        self._forget_token("edge-1")
         devices = self._devices(node_id)
         # a device is started once the broker has loaded the access list that names it (it reloads the list
         # a moment after the hub registers the device); one connecting in between was seen cut off
         acl = BrokerLayout(self.data_dir).acl_file
         self._wait("the broker to know the devices", lambda: all(d in acl.read_text() for d, _ in devices), broker, timeout=15)
         time.sleep(ACL_RELOAD_GRACE_S)
-        for index, (device_id, device_token) in enumerate(devices, start=1):
-            args = ["device", "run", "--device-id", device_id, "--data-dir", str(self.data_dir / f"device-{index}"), "--enrol-url", enrol_url]
-            if device_token:
-                args += ["--bootstrap-token", device_token]
-            device = self._spawn(f"device-{index}", args)
-            self._wait(f"device-{index} to come ONLINE", lambda d=device_id: self._state(f"/devices/{d}/status") == "ONLINE", device)
+        for index, (device_id, issued) in enumerate(devices, start=1):
+            name = f"device-{index}"
+            args = ["device", "run", "--device-id", device_id, "--data-dir", str(self.data_dir / name), "--enrol-url", enrol_url]
+            if issued is not None:
+                args += ["--bootstrap-token-file", str(self._token_file(name, issued["bootstrap_token"])),
+                         "--ca-sha256", issued["ca_sha256"], "--tls-server-name", issued["tls_server_name"]]  # fmt: skip
+            device = self._spawn(name, args)
+            self._wait(f"{name} to come ONLINE", lambda d=device_id: self._state(f"/devices/{d}/status") == "ONLINE", device)
+            self._forget_token(name)
+
+    def _verify(self) -> ssl.SSLContext:
+        """The hub's HTTPS is checked against the hub CA (made by the broker's first start)."""
+        return ssl.create_default_context(cafile=str(self.ca_path))
+
+    def _token_file(self, name: str, token: str) -> Path:
+        path = self.data_dir / f"{name}.bootstrap"
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as fh:
+            fh.write(token + "\n")
+        return path
+
+    def _forget_token(self, name: str) -> None:
+        (self.data_dir / f"{name}.bootstrap").unlink(missing_ok=True)  # used: the agent holds its certificate now
 
     def _admin_token(self) -> str:
         path = self.data_dir / "admin.token"
@@ -133,7 +162,7 @@ class Stack:
         return token
 
     def api(self) -> httpx.Client:
-        return httpx.Client(base_url=self.hub_url + "/api/v1", headers={"Authorization": f"Bearer {self.admin_token}"}, timeout=5)
+        return httpx.Client(base_url=self.hub_url + "/api/v1", headers={"Authorization": f"Bearer {self.admin_token}"}, timeout=5, verify=self._verify())
 
     @property
     def _state_file(self) -> Path:
@@ -145,26 +174,26 @@ class Stack:
     def _save(self, **values: object) -> None:
         self._state_file.write_text(json.dumps({**self._saved(), **values}) + "\n")
 
-    def _edge_node(self) -> tuple[str, str | None]:
-        """The edge node's id, registering it (and returning its bootstrap token) on first start."""
+    def _edge_node(self) -> tuple[str, str | None, str]:
+        """The edge node's id, registering it (and returning its bootstrap token) on first start; the CA's pin."""
         node_id = self._saved().get("edge_node_id")
         if node_id:
             with self.api() as api:
                 if api.get(f"/nodes/{node_id}").status_code == 200:
                     self.node_id = node_id
-                    return node_id, None
+                    return node_id, None, ""
         with self.api() as api:
             r = api.post("/nodes", json={"name": "edge-1", "labels": {"stack": "local"}})
             r.raise_for_status()
             registered = r.json()
         self.node_id = registered["node"]["id"]
         self._save(edge_node_id=self.node_id, device_ids=[])
-        return self.node_id, registered["bootstrap_token"]
+        return self.node_id, registered["bootstrap_token"], registered["ca_sha256"]
 
-    def _devices(self, node_id: str) -> list[tuple[str, str | None]]:
-        """``devices`` devices under the edge: (id, bootstrap token for those not enrolled yet)."""
+    def _devices(self, node_id: str) -> list[tuple[str, dict[str, str] | None]]:
+        """``devices`` devices under the edge: (id, the bootstrap-token answer for those not enrolled yet)."""
         known = list(self._saved().get("device_ids", []))[: self.devices]
-        out: list[tuple[str, str | None]] = []
+        out: list[tuple[str, dict[str, str] | None]] = []
         with self.api() as api:
             for index in range(self.devices):
                 if index < len(known) and (self.data_dir / f"device-{index + 1}" / "enrolment.json").exists():
@@ -178,7 +207,7 @@ class Stack:
                     device_id = r.json()["id"]
                 r = api.post(f"/devices/{device_id}/bootstrap-token", json={})
                 r.raise_for_status()
-                out.append((device_id, r.json()["bootstrap_token"]))
+                out.append((device_id, r.json()))
         self.device_ids = [d for d, _ in out]
         self._save(device_ids=self.device_ids)
         return out

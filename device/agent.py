@@ -2,7 +2,8 @@
 
 Synchronous on purpose, so that a Raspberry Pi application embeds it without an event loop::
 
-    dev = Device("dv-01", "/var/lib/mydevice", enrol_url="https://edge:8000", bootstrap_token=token)
+    dev = Device("dv-01", "/var/lib/mydevice", enrol_url="https://edge:8090", bootstrap_token=token,
+                 ca_sha256=pin, tls_server_name=edge_node_id)   # both printed by the hub with the token
 
     @dev.command("reboot")
     def reboot(args: dict) -> dict | None: ...
@@ -56,6 +57,7 @@ import logging
 import queue
 import signal
 import socket
+import ssl
 import sys
 import threading
 from collections.abc import Callable
@@ -197,9 +199,11 @@ class _Lazy(Generic[T]):
 class Device:
     """A device's MQTT session and its handlers; see the module docstring.
 
-    ``enrol_url`` and ``bootstrap_token`` are needed only on the first start; ``mqtt_url`` and
-    ``heartbeat_interval_s`` override what enrolment returned. Raises :class:`~device.errors.ConfigError`
-    for a bad device id, URL or interval.
+    ``enrol_url`` and ``bootstrap_token`` are needed only on the first start, and so are ``ca_sha256`` (the hub
+    CA's fingerprint, checked before the token is sent: see :mod:`device.enrol`) and ``tls_server_name`` (the
+    name in the enrolment server's certificate when it is not the URL's host: the node id of an edge); the
+    hub's bootstrap-token answer gives all three. ``mqtt_url`` and ``heartbeat_interval_s`` override what
+    enrolment returned. Raises :class:`~device.errors.ConfigError` for a bad device id, URL, pin or interval.
     """
 
     def __init__(
@@ -219,6 +223,8 @@ class Device:
         sampler: ResourceSampler | None = None,
         reboot: Callable[[], None] | None = None,
         firmware_boot: BootResult | None = None,
+        ca_sha256: str | None = None,
+        tls_server_name: str | None = None,
     ) -> None:
         try:
             DEVICE_STATE.topic(device_id=device_id)
@@ -233,6 +239,11 @@ class Device:
         self.data_dir = Path(data_dir)
         self.identity = IdentityStore(self.data_dir)
         self._enrol_url, self._bootstrap_token = enrol_url, bootstrap_token
+        self._ca_sha256, self._tls_server_name = ca_sha256, tls_server_name
+        if ca_sha256 is not None:
+            from device.enrol import parse_ca_pin  # a bad pin is a ConfigError now, not at the first start
+
+            parse_ca_pin(ca_sha256)
         self._mqtt_url, self._heartbeat_interval_s = mqtt_url, heartbeat_interval_s
         try:  # the session core (device.session): the same plan as the edge's links, run on paho's own thread
             self._plan = SessionPlan(
@@ -564,10 +575,18 @@ class Device:
             from device.enrol import request_certificate  # httpx is loaded only when enrolling
 
             csr = self.identity.make_csr(self.device_id)
-            issued = request_certificate(self._enrol_url, self.device_id, csr, self._bootstrap_token)
-            enrolment = self.identity.save(issued, self._enrol_url)
+            issued = request_certificate(
+                self._enrol_url, self.device_id, csr, self._bootstrap_token, ca_sha256=self._ca_sha256, server_name=self._tls_server_name
+            )
+            enrolment = self.identity.save(issued, self._enrol_url, tls_server_name=self._tls_server_name)
         self.identity.check_complete()
         return enrolment
+
+    def _server_context(self) -> ssl.SSLContext:
+        """How downloads from the enrolment server are checked: the stored hub CA (and the system's CAs)."""
+        from device.tls import agent_context  # httpx's module: loaded with the first download, not by an idle agent
+
+        return agent_context(self.identity.ca_path)
 
     def _ota(self) -> Updater | None:
         """The OTA updater, made at the first order when start() did not need it; ``None`` before start()."""
@@ -593,6 +612,8 @@ class Device:
             firmware,
             self.reboot if self._reboot is not None else None,
             models=self.models,
+            verify=self._server_context(),
+            server_name=enrolment.tls_server_name,
         )
         if self.firmware_boot is not None:
             updater.report_boot(self.firmware_boot)

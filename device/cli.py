@@ -42,6 +42,8 @@ import click
 
 from device.agent import Device
 from device.errors import ConfigError, EnrolmentError, EnrolmentUnreachable, NotRunning, OutboxFull, StoredStateError
+from device.files import read_secret
+from device.identity import IdentityStore
 from device.local_data import DatasetError
 from device.ota.firmware import BootResult, FirmwareError, FirmwareSlots
 from device.ota.verify import VerificationError, load_public_key, verify_manifest
@@ -74,7 +76,10 @@ def device() -> None:
     help="identity and local state",
 )
 @click.option("--enrol-url", envvar="AISYNERGY_ENROL_URL", help="the edge (or hub) base URL, first start only")
-@click.option("--bootstrap-token", envvar="AISYNERGY_BOOTSTRAP_TOKEN", help="one-time token, first start only")
+@click.option("--bootstrap-token", envvar="AISYNERGY_BOOTSTRAP_TOKEN", help="one-time token, first start only (better: the variable or --bootstrap-token-file: a command line is visible to every user)")
+@click.option("--bootstrap-token-file", type=click.Path(dir_okay=False, path_type=Path), envvar="AISYNERGY_BOOTSTRAP_TOKEN_FILE", help="read the one-time token from this file (first start only: it may be gone later)")
+@click.option("--ca-sha256", envvar="AISYNERGY_CA_SHA256", help="the hub CA's fingerprint (sha256:...), checked before the token is sent; first start only")
+@click.option("--tls-server-name", envvar="AISYNERGY_TLS_SERVER_NAME", help="the name in the enrolment server's certificate (an edge: its node id); first start only")
 @click.option("--mqtt-url", help="override the broker URL from enrolment (mqtts://host:port)")
 @click.option("--heartbeat-interval", type=click.FloatRange(min=0.1), help="seconds; overrides enrolment's value")
 @click.option("--emit-every", type=click.FloatRange(min=0.001), help="demo/load: emit an event every S seconds")
@@ -88,6 +93,9 @@ def run(
     data_dir: Path,
     enrol_url: str | None,
     bootstrap_token: str | None,
+    bootstrap_token_file: Path | None,
+    ca_sha256: str | None,
+    tls_server_name: str | None,
     mqtt_url: str | None,
     heartbeat_interval: float | None,
     emit_every: float | None,
@@ -102,11 +110,14 @@ def run(
     if any(factory) and not all(factory):
         raise click.UsageError("--firmware, --firmware-manifest and --firmware-public-key go together")
     local = [_dataset_option(text) for text in datasets]
-    with _exits():
-        # a first start enrols, then starts afresh: the agent's process never holds the enrolment's libraries
-        if Device(device_id, data_dir, enrol_url, bootstrap_token, mqtt_url, heartbeat_interval).enrol():
-            _reexecute("enrolled; starting the agent")
+    bootstrap_token = bootstrap_token_option(bootstrap_token, bootstrap_token_file, IdentityStore(data_dir).is_enrolled())
     firmware_boot = _boot_firmware(data_dir / FIRMWARE_DIR, *factory)  # type: ignore[arg-type]
+    with _exits():
+        # a first start enrols, then starts afresh (booting the slots again finds them booted): the agent's process
+        # never holds the enrolment's libraries
+        trust = {"ca_sha256": ca_sha256, "tls_server_name": tls_server_name}
+        if Device(device_id, data_dir, enrol_url, bootstrap_token, mqtt_url, heartbeat_interval, **trust).enrol():
+            _reexecute("enrolled; starting the agent")
     with _exits():
         agent = Device(
             device_id, data_dir, enrol_url, bootstrap_token, mqtt_url, heartbeat_interval, reboot=_reexecute, firmware_boot=firmware_boot
@@ -125,13 +136,26 @@ def run(
     sys.exit(EXIT_OK)
 
 
+def bootstrap_token_option(token: str | None, token_file: Path | None, enrolled: bool) -> str | None:
+    """``--bootstrap-token`` or what ``--bootstrap-token-file`` holds (read only for a first start: the file may be
+    gone later); the options exclude each other. Also the edge's (``aisynergy edge run``)."""
+    if token_file is not None and token:
+        raise click.UsageError("--bootstrap-token and --bootstrap-token-file exclude each other")
+    if token_file is None or enrolled:
+        return token
+    try:
+        return read_secret(token_file, "--bootstrap-token-file")
+    except (OSError, ValueError) as exc:
+        raise click.UsageError(str(exc)) from None
+
+
 @contextlib.contextmanager
 def _exits() -> Iterator[None]:
     """The agent's start-up errors as this command's exit statuses (see the module docstring)."""
     try:
         yield
     except ConfigError as exc:
-        raise click.UsageError(f"{exc} (see --device-id, --enrol-url, --bootstrap-token, --mqtt-url)") from None
+        raise click.UsageError(f"{exc} (see --device-id, --enrol-url, --bootstrap-token, --ca-sha256, --mqtt-url)") from None
     except StoredStateError as exc:
         _fail(EXIT_STORED_STATE, str(exc))
     except EnrolmentUnreachable as exc:

@@ -9,6 +9,17 @@ are retried, with the agents' back-off (:func:`interfaces.reconnect.reconnect_de
 :class:`~device.errors.EnrolmentUnreachable` is raised when every attempt failed. The answer also carries the
 hub's artefact-signing key (``signing_key_pem``), which the agent pins.
 
+Trust (DESIGN §6). The agent is given, beside its bootstrap token, the SHA-256 fingerprint of the hub CA
+(``ca_sha256``: the hub prints it with every bootstrap token), as ``kubeadm join`` is given
+``--discovery-token-ca-cert-hash``. Over HTTPS the agent first fetches the CA from ``{url}/api/v1/ca.crt``
+without trusting it, compares its fingerprint with the pin (:data:`CA_PIN_MISMATCH` and nothing sent
+otherwise), and then sends its token and CSR only over a connection verified against that CA (and the
+system's CAs, for a hub whose operator gave it a certificate from elsewhere); the
+answer's ``ca_pem`` must be the same CA. ``server_name`` is the name the server's certificate must carry
+when it is not the URL's host: an edge's listener presents its node certificate, whose name is the node id
+(as ``tls-server-name`` in a kubeconfig). Without a pin the first answer's CA is trusted as it comes, and
+over plain HTTP the token travels in clear: both are logged as warnings.
+
 What a tier differs in is an :class:`EnrolmentTier`; the request, the retry decisions and the reading of
 answers are one :class:`Enrolling`, which does no I/O. Two faces drive it, each only the loop (wait, send,
 judge): :func:`enrol` with a blocking ``httpx.Client`` for the device, whose SDK is synchronous and never
@@ -20,17 +31,22 @@ back-off and 15 s timeouts) before it exits, where an awaited face stops at once
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
 import logging
+import re
+import ssl
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Generic, TypedDict, TypeVar, Unpack
+from urllib.parse import urlsplit
 
 import httpx
 from pydantic import ValidationError
 
-from device.errors import EnrolmentError, EnrolmentUnreachable
-from device.tls import tls_verify
+from device.errors import ConfigError, EnrolmentError, EnrolmentUnreachable
+from device.tls import server_name_extension, tls_verify
 from interfaces import API_PREFIX
 from interfaces.errors import PROBLEM_MEDIA_TYPE, ErrorCode
 from interfaces.nodes import CertificateIssued, CertificateRequest, DeviceCertificateIssued
@@ -40,7 +56,33 @@ log = logging.getLogger("aisynergy.device")
 
 UNREACHABLE = "enrolment_unreachable"
 INVALID_RESPONSE = ErrorCode.INVALID_RESPONSE.value
+CA_PIN_MISMATCH = "ca_pin_mismatch"  # the endpoint's CA is not the one the agent was told to trust
 TIMEOUT_S = 15.0
+CA_PATH = f"{API_PREFIX}/ca.crt"  # the hub CA's certificate (PEM), at the hub and at every edge's listener
+_PIN = re.compile(r"^(?:sha256:)?([0-9a-fA-F]{64})$")
+
+
+def parse_ca_pin(value: str) -> str:
+    """A CA fingerprint as given (``sha256:<64 hex>`` or the 64 hex digits alone) -> the lower-case hex digits;
+    :class:`~device.errors.ConfigError` for anything else."""
+    match = _PIN.match(value.strip())
+    if match is None:
+        raise ConfigError(f"{value!r} is not a CA fingerprint (sha256:<64 hex digits>)")
+    return match.group(1).lower()
+
+
+def ca_fingerprint(ca_pem: str) -> str:
+    """SHA-256 of a PEM certificate's DER encoding, in lower-case hex (what a pin names)."""
+    return hashlib.sha256(ssl.PEM_cert_to_DER_cert(ca_pem.strip())).hexdigest()
+
+
+def pinned_context(ca_pem: str) -> ssl.SSLContext:
+    """A client context that trusts ``ca_pem`` (the pinned hub CA) and the system's CAs (a hub may serve a
+    certificate its operator got elsewhere), TLS 1.2 at least: what :func:`device.tls.agent_context` trusts later."""
+    context = ssl.create_default_context(cadata=ca_pem)
+    context.load_default_certs()
+    context.minimum_version = ssl.TLSVersion.TLSv1_2
+    return context
 
 C = TypeVar("C", CertificateIssued, DeviceCertificateIssued)  # the model of the issued certificate
 
@@ -90,7 +132,9 @@ class Retry(TypedDict, total=False):
 
     attempts: int  # POSTs at most (default 8)
     max_delay_s: float  # the cap of the back-off between them (default 30)
-    verify: str | bool  # a CA bundle, or False; default: the system's CAs
+    verify: str | bool  # a CA bundle, or False; default: the system's CAs (unused with a pin)
+    ca_sha256: str | None  # the hub CA's fingerprint (see the module docstring); None: trust the first answer
+    server_name: str | None  # the name in the server's certificate when it is not the URL's host
 
 
 class Enrolling(Generic[C]):
@@ -107,16 +151,27 @@ class Enrolling(Generic[C]):
         attempts: int = 8,
         max_delay_s: float = 30.0,
         verify: str | bool = True,
+        ca_sha256: str | None = None,
+        server_name: str | None = None,
     ) -> None:
         self.tier = tier
         self.owner_id = owner_id
         self.url = tier.certificate_url(base_url, owner_id)
+        self.ca_url = f"{base_url.rstrip('/')}{CA_PATH}"
         self.body = CertificateRequest(csr_pem=csr_pem, bootstrap_token=bootstrap_token).model_dump(mode="json")
         self.attempts = attempts
         self.max_delay_s = max_delay_s
         self.verify = verify
+        self.pin = parse_ca_pin(ca_sha256) if ca_sha256 is not None else None
+        self.server_name = server_name
+        self.https = urlsplit(base_url).scheme == "https"
+        self.trusted_ca: str | None = None  # the endpoint's CA, once its fingerprint matched the pin
         self.attempt = 0
         self.last = "no attempt made"
+        if self.pin is None:
+            log.warning("no CA fingerprint given: the CA in the enrolment answer is trusted as it comes")
+        if not self.https:
+            log.warning("enrolling over plain HTTP: the bootstrap token travels in clear (use https://)")
 
     def delays(self) -> Iterator[float]:
         """Seconds to wait before each attempt: none before the first, jittered back-off before the others."""
@@ -128,6 +183,42 @@ class Enrolling(Generic[C]):
             self.attempt = attempt
             yield delay
 
+    def needs_ca(self) -> bool:
+        """Whether this attempt must first fetch the endpoint's CA and check it against the pin."""
+        return self.https and self.pin is not None and self.trusted_ca is None
+
+    def ca_request(self, client: httpx.Client | httpx.AsyncClient) -> httpx.Request:
+        """The GET of the endpoint's CA, on a connection that trusts nothing yet (``verify=False``)."""
+        return client.build_request("GET", self.ca_url)
+
+    def ca_answered(self, response: httpx.Response) -> bool:
+        """Keep the CA when it matches the pin; ``False`` for a 5xx (retried); raises :class:`EnrolmentError` for
+        a refusal or a CA that is not the pinned one (never retried: nothing from this endpoint is trusted)."""
+        if response.status_code >= 500:
+            self.last = str(_refusal(response))
+            return False
+        if response.status_code != 200:
+            raise _refusal(response)
+        self._check_pin(response.text, f"the CA at {self.ca_url}", "; nothing was sent to it")
+        self.trusted_ca = response.text
+        return True
+
+    def _check_pin(self, ca_pem: str, what: str, consequence: str = "") -> None:
+        """:class:`EnrolmentError` unless ``ca_pem`` is the pinned CA (``what`` names where it came from)."""
+        try:
+            found = ca_fingerprint(ca_pem)
+        except ValueError as exc:
+            raise EnrolmentError(INVALID_RESPONSE, f"{what} is not a PEM certificate: {exc}") from None
+        if found != self.pin:
+            raise EnrolmentError(
+                CA_PIN_MISMATCH, f"{what} has the fingerprint sha256:{found}, not the sha256:{self.pin} this agent was given{consequence}"
+            )
+
+    def trust(self) -> ssl.SSLContext | str | bool:
+        """What the certificate request's connection verifies the server with: the pinned CA alone once it
+        is known, else ``verify``."""
+        return pinned_context(self.trusted_ca) if self.trusted_ca is not None else tls_verify(self.verify)
+
     def request(self, client: httpx.Client | httpx.AsyncClient) -> httpx.Request:
         """The POST of this attempt (built by ``client``, so that its timeout applies)."""
         log.info(
@@ -137,7 +228,7 @@ class Enrolling(Generic[C]):
             self.attempt,
             self.attempts,
         )
-        return client.build_request("POST", self.url, json=self.body)
+        return client.build_request("POST", self.url, json=self.body, extensions=server_name_extension(self.server_name))
 
     def failed(self, exc: httpx.TransportError) -> None:
         """The attempt got no answer; it is retried."""
@@ -165,6 +256,8 @@ class Enrolling(Generic[C]):
             raise EnrolmentError(
                 INVALID_RESPONSE, f"the answer is not a {self.tier.answer.__name__}: {exc}", response.status_code
             ) from exc
+        if self.pin is not None:
+            self._check_pin(issued.ca_pem, "the answer's CA")
         issued_to = getattr(issued, self.tier.owner_field)
         if issued_to != self.owner_id:
             raise EnrolmentError(
@@ -178,10 +271,17 @@ class Enrolling(Generic[C]):
 
 def enrol(enrolling: Enrolling[C], transport: httpx.BaseTransport | None = None) -> C:
     """POST the CSR, blocking; retry connection errors and 5xx with jittered back-off, never 4xx."""
-    with httpx.Client(transport=transport, verify=tls_verify(enrolling.verify), timeout=TIMEOUT_S) as client:
+    with contextlib.ExitStack() as stack:
+        client: httpx.Client | None = None
         for delay in enrolling.delays():
             time.sleep(delay)
             try:
+                if enrolling.needs_ca():
+                    with httpx.Client(transport=transport, verify=False, timeout=TIMEOUT_S) as bare:
+                        if not enrolling.ca_answered(bare.send(enrolling.ca_request(bare))):
+                            continue
+                if client is None:
+                    client = stack.enter_context(httpx.Client(transport=transport, verify=enrolling.trust(), timeout=TIMEOUT_S))
                 response = client.send(enrolling.request(client))
             except httpx.TransportError as exc:
                 enrolling.failed(exc)
@@ -195,10 +295,19 @@ async def enrol_async(enrolling: Enrolling[C], transport: httpx.AsyncBaseTranspo
     """:func:`enrol` for an event loop: the waits and the requests are awaited, and cancelling stops them."""
     import asyncio  # here, so that a device, which never awaits, does not load it
 
-    async with httpx.AsyncClient(transport=transport, verify=tls_verify(enrolling.verify), timeout=TIMEOUT_S) as client:
+    async with contextlib.AsyncExitStack() as stack:
+        client: httpx.AsyncClient | None = None
         for delay in enrolling.delays():
             await asyncio.sleep(delay)
             try:
+                if enrolling.needs_ca():
+                    async with httpx.AsyncClient(transport=transport, verify=False, timeout=TIMEOUT_S) as bare:
+                        if not enrolling.ca_answered(await bare.send(enrolling.ca_request(bare))):
+                            continue
+                if client is None:
+                    client = await stack.enter_async_context(
+                        httpx.AsyncClient(transport=transport, verify=enrolling.trust(), timeout=TIMEOUT_S)
+                    )
                 response = await client.send(enrolling.request(client))
             except httpx.TransportError as exc:
                 enrolling.failed(exc)

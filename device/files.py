@@ -25,3 +25,21 @@ def write_atomic(path: Path, data: bytes, mode: int = 0o644) -> None:
         os.fsync(dir_fd)  # the rename itself must survive a power cut
     finally:
         os.close(dir_fd)
+
+
+MAX_SECRET_BYTES = 4096
+
+
+def read_secret(path: Path, what: str) -> str:
+    """A secret kept in a file (a bootstrap token: a command line is visible to every user of the machine), its
+    surrounding whitespace stripped; ``ValueError`` when it is empty, too long or not text."""
+    data = Path(path).read_bytes()[: MAX_SECRET_BYTES + 1]
+    if len(data) > MAX_SECRET_BYTES:
+        raise ValueError(f"{what} {path}: more than {MAX_SECRET_BYTES} bytes")
+    try:
+        secret = data.decode("ascii").strip()
+    except UnicodeDecodeError:
+        raise ValueError(f"{what} {path}: not ASCII text") from None
+    if not secret or any(c.isspace() for c in secret):
+        raise ValueError(f"{what} {path}: holds no token (one line, no spaces)")
+    return secret

@@ -66,10 +66,11 @@ class EnrolmentRecord(BaseModel):
         return str(getattr(self, self.owner_field))
 
     @classmethod
-    def from_issued(cls, issued: BaseModel, url: str, certificate_sha256: str) -> Self:
-        """The record of an enrolment answer: the fields it shares with the answer, and the URL it came from."""
+    def from_issued(cls, issued: BaseModel, url: str, certificate_sha256: str, **extra: object) -> Self:
+        """The record of an enrolment answer: the fields it shares with the answer, the URL it came from and
+        ``extra`` fields of the tier's record."""
         shared = issued.model_dump(include=set(cls.model_fields))
-        return cls.model_validate({**shared, cls.url_field: url, "certificate_sha256": certificate_sha256})
+        return cls.model_validate({**shared, **extra, cls.url_field: url, "certificate_sha256": certificate_sha256})
 
 
 class Enrolment(EnrolmentRecord):
@@ -82,6 +83,7 @@ class Enrolment(EnrolmentRecord):
     device_id: str
     node_id: str
     enrol_url: str
+    tls_server_name: str | None = None  # the name in the enrolment server's certificate, when not the URL's host
 
 
 R = TypeVar("R", bound=EnrolmentRecord)
@@ -200,10 +202,11 @@ class AgentIdentityStore(Generic[R]):
         return csr.public_bytes(serialization.Encoding.PEM).decode()
 
     # ---- the enrolment answer -----------------------------------------------------------------------
-    def save(self, issued: CertificateIssued | DeviceCertificateIssued, url: str) -> R:
+    def save(self, issued: CertificateIssued | DeviceCertificateIssued, url: str, **extra: object) -> R:
         """Check the issued certificate against our key and CA, then store it; ``enrolment.json`` last.
 
-        ``url`` is the enrolment endpoint that answered (the hub for a node; normally its edge for a device).
+        ``url`` is the enrolment endpoint that answered (the hub for a node; normally its edge for a device);
+        ``extra``: fields of the tier's record that the answer does not hold.
         """
         from cryptography import x509
         from cryptography.exceptions import InvalidSignature
@@ -213,7 +216,7 @@ class AgentIdentityStore(Generic[R]):
             ca = x509.load_pem_x509_certificate(issued.ca_pem.encode())
         except ValueError as exc:
             raise IdentityError(f"the enrolment answer holds an unreadable certificate: {exc}") from exc
-        enrolment = self.record.from_issued(issued, url, fingerprint(issued.certificate_pem))
+        enrolment = self.record.from_issued(issued, url, fingerprint(issued.certificate_pem), **extra)
         if _common_names(cert) != [enrolment.owner_id]:
             raise IdentityError(f"the issued certificate is not for CN={enrolment.owner_id}")
         if _public_der(cert.public_key()) != _public_der(self.load_or_create_key().public_key()):

@@ -3,16 +3,25 @@
 Building a default context loads the system CA bundle: about 25 ms of CPU on a server core, far more
 on a small board, and more than the whole check of an artefact. Enrolment, artefact downloads and an
 edge's proxying for its devices all make short-lived ``httpx`` clients, so they share this one.
+
+After enrolment an agent checks the servers it talks to (its edge's listener, the hub) against the hub CA it
+stored, and against the system's CAs (a hub may serve a certificate its operator got elsewhere):
+:func:`agent_context`, one per CA file and process. ``server_name`` is the name that server's certificate carries
+when it is not the URL's host (an edge's listener presents its node certificate, named by the node id): httpx
+takes it per request, as the ``sni_hostname`` extension (:func:`server_name_extension`).
 """
 
 from __future__ import annotations
 
 import ssl
 import threading
+from pathlib import Path
+from typing import Any
 
 import httpx
 
 _DEFAULT: ssl.SSLContext | None = None
+_AGENT: dict[Path, ssl.SSLContext] = {}
 _LOCK = threading.Lock()
 
 
@@ -26,3 +35,21 @@ def tls_verify(verify: str | bool | ssl.SSLContext = True) -> str | bool | ssl.S
         if _DEFAULT is None:
             _DEFAULT = httpx.create_ssl_context()
         return _DEFAULT
+
+
+def agent_context(ca_path: Path | str) -> ssl.SSLContext:
+    """A client context trusting the hub CA in ``ca_path`` and the system's CAs, TLS 1.2 at least; one per file."""
+    path = Path(ca_path).resolve()
+    with _LOCK:
+        context = _AGENT.get(path)
+        if context is None:
+            context = ssl.create_default_context(cafile=str(path))
+            context.load_default_certs()
+            context.minimum_version = ssl.TLSVersion.TLSv1_2
+            _AGENT[path] = context
+        return context
+
+
+def server_name_extension(server_name: str | None) -> dict[str, Any]:
+    """The ``extensions`` of an httpx request to a server whose certificate names ``server_name`` (none: the URL's host)."""
+    return {"sni_hostname": server_name} if server_name else {}

@@ -27,9 +27,10 @@ from pathlib import Path
 from device.resources import ResourceSampler
 from edge.artifacts import DEFAULT_BUDGET_BYTES, ArtifactCache
 from edge.deployments import NodeDeployments
-from edge.enrol_proxy import EnrolmentProxy
+from edge.enrol_proxy import EnrolmentProxy, server_context
 from edge.identity import IdentityStore
 from device.connection import parse_mqtt_url, tls_context
+from device.tls import agent_context
 from edge.link import Link
 from edge.node import NodeService
 from edge.relay import DeviceRelay
@@ -80,6 +81,7 @@ class EdgeAgent:
         self.node_id = config.node_id
         self.identity = IdentityStore(config.data_dir)
         tls = tls_context(self.identity.ca_path, self.identity.cert_path, self.identity.key_path)
+        hub_tls = agent_context(self.identity.ca_path)  # the hub's HTTPS: its CA, or a certificate from elsewhere
         # the link that serves the devices keeps its session while the edge restarts (their events wait in the
         # broker); the hub's commands carry a message expiry, so none runs late
         node = Presence(NODE_STATE, config.node_id, {"node_id": config.node_id})
@@ -102,6 +104,7 @@ class EdgeAgent:
                 self.identity.load_signing_key(),
                 config.hub_url,
                 lambda topic, payload, kind: self.relay.enqueue(topic, payload, kind),
+                verify=hub_tls,
                 signing_key_source=self.identity.load_signing_key,  # an older identity pins it later
                 infer=self.split,
                 fl=self.fl,
@@ -116,6 +119,7 @@ class EdgeAgent:
                     signing_key=self.identity.load_signing_key(),
                     pin_signing_key=self.identity.pin_signing_key,
                     budget_bytes=config.artifact_cache_bytes,
+                    verify=hub_tls,
                 )
                 self.proxy = EnrolmentProxy(
                     config.device_listen,
@@ -123,6 +127,9 @@ class EdgeAgent:
                     node_id=config.node_id,
                     device_mqtt_url=device_url,
                     on_enrolled=lambda device_id: self.store.add_device(device_id, LearnedFrom.ENROLMENT),
+                    tls=server_context(self.identity.cert_path, self.identity.key_path),
+                    ca_pem=self.identity.ca_path.read_text(),
+                    verify=hub_tls,
                     artifacts=self.artifacts,
                 )
             prefetch = self.artifacts.prefetch if self.artifacts is not None else None

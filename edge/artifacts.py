@@ -51,6 +51,7 @@ import logging
 import os
 import re
 import socket
+import ssl
 import threading
 import time
 import uuid
@@ -202,7 +203,7 @@ class ArtifactCache:
         signing_key: Ed25519PublicKey | None = None,
         pin_signing_key: Callable[[str], object] | None = None,
         budget_bytes: int = DEFAULT_BUDGET_BYTES,
-        verify: bool | str = True,
+        verify: ssl.SSLContext | bool | str = True,
         timeout_s: float = 30.0,
         attempts: int = 5,
         prefetch_workers: int = 2,

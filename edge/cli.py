@@ -1,13 +1,16 @@
 """``aisynergy edge``: run the edge agent.
 
-``aisynergy edge run --hub URL --node-id ID [--bootstrap-token T] --data-dir DIR`` enrols once (CSR +
-bootstrap token -> certificate, kept in DIR) and then keeps the node's MQTT session up until SIGTERM or
-SIGINT. A restart with a stored certificate needs neither the token nor the hub.
+``aisynergy edge run --hub URL --node-id ID [--bootstrap-token-file F --ca-sha256 H] --data-dir DIR`` enrols
+once (CSR + bootstrap token -> certificate, kept in DIR; the hub CA is fetched and checked against its
+fingerprint ``H`` before the token is sent: :mod:`device.enrol`) and then keeps the node's MQTT session up
+until SIGTERM or SIGINT. A restart with a stored certificate needs neither the token nor the hub.
 
 Devices connect to ``--downstream-mqtt-url`` (default: the hub's broker, over the same connection) and
 enrol through the proxy on ``--device-listen`` (default 127.0.0.1:8090; ``off`` disables), which tells
 them to connect to ``--device-mqtt-url`` (default: the downstream URL). The same listener serves them
-artefacts from the edge's cache in DIR/artifacts, kept within ``--artifact-cache-size`` (default 2GiB).
+artefacts from the edge's cache in DIR/artifacts, kept within ``--artifact-cache-size`` (default 2GiB). It
+speaks HTTPS only, with the node's certificate (named by the node id); a node enrolled before node
+certificates could serve TLS must re-enrol to serve devices.
 
 Exit codes:
     0   stopped cleanly (SIGTERM / SIGINT; ``offline`` published)
@@ -34,7 +37,9 @@ from typing import NoReturn
 
 import click
 
-from device.errors import StoredStateError
+from device.enrol import parse_ca_pin
+from device.errors import ConfigError, StoredStateError
+from device.cli import bootstrap_token_option
 from edge.agent import AgentConfig, EdgeAgent
 from edge.artifacts import parse_size
 from edge.enrol import EnrolmentError, HubUnreachable, request_certificate
@@ -62,7 +67,9 @@ def edge() -> None:
 @edge.command()
 @click.option("--hub", "hub_url", envvar="AISYNERGY_HUB_URL", help="hub base URL, e.g. https://hub:8000")
 @click.option("--node-id", envvar="AISYNERGY_NODE_ID", required=True, help="the id the hub gave this node")
-@click.option("--bootstrap-token", envvar="AISYNERGY_BOOTSTRAP_TOKEN", help="one-time token, first start only")
+@click.option("--bootstrap-token", envvar="AISYNERGY_BOOTSTRAP_TOKEN", help="one-time token, first start only (better: the variable or --bootstrap-token-file: a command line is visible to every user)")
+@click.option("--bootstrap-token-file", type=click.Path(dir_okay=False, path_type=Path), envvar="AISYNERGY_BOOTSTRAP_TOKEN_FILE", help="read the one-time token from this file (first start only: it may be gone later)")
+@click.option("--ca-sha256", envvar="AISYNERGY_CA_SHA256", help="the hub CA's fingerprint (sha256:..., printed with the token), checked before the token is sent; first start only")
 @click.option(
     "--data-dir",
     envvar="AISYNERGY_DATA_DIR",
@@ -98,6 +105,8 @@ def run(
     hub_url: str | None,
     node_id: str,
     bootstrap_token: str | None,
+    bootstrap_token_file: Path | None,
+    ca_sha256: str | None,
     data_dir: Path,
     mqtt_url: str | None,
     heartbeat_interval: float | None,
@@ -119,11 +128,17 @@ def run(
         cache_bytes = parse_size(artifact_cache_size)
     except ValueError as exc:
         raise click.BadParameter(str(exc), param_hint="--artifact-cache-size") from None
+    bootstrap_token = bootstrap_token_option(bootstrap_token, bootstrap_token_file, IdentityStore(data_dir).is_enrolled())
+    if ca_sha256 is not None:
+        try:
+            parse_ca_pin(ca_sha256)
+        except ConfigError as exc:
+            raise click.BadParameter(str(exc), param_hint="--ca-sha256") from None
     store = IdentityStore(data_dir)
     store.secure()
     try:
         store.check_owner(node_id)
-        enrolment = _enrolment(store, node_id, hub_url, bootstrap_token)
+        enrolment = _enrolment(store, node_id, hub_url, bootstrap_token, ca_sha256)
         store.check_complete()
     except IdentityError as exc:
         _fail(EXIT_IDENTITY, str(exc))
@@ -169,7 +184,7 @@ def _agent(config: AgentConfig, store: IdentityStore, explicit_listen: bool) -> 
         _fail(EXIT_IDENTITY, f"cannot load the node certificate and key from {store.identity_dir}: {exc}")
 
 
-def _enrolment(store: IdentityStore, node_id: str, hub_url: str | None, token: str | None) -> Enrolment:
+def _enrolment(store: IdentityStore, node_id: str, hub_url: str | None, token: str | None, ca_sha256: str | None) -> Enrolment:
     if store.is_enrolled():
         enrolment = store.load_enrolment()
         if hub_url and hub_url.rstrip("/") != enrolment.hub_url.rstrip("/"):
@@ -178,7 +193,7 @@ def _enrolment(store: IdentityStore, node_id: str, hub_url: str | None, token: s
         return enrolment
     if not hub_url or not token:
         raise click.UsageError("a first start needs --hub and --bootstrap-token (or their AISYNERGY_* variables)")
-    issued = asyncio.run(request_certificate(hub_url, node_id, store.make_csr(node_id), token))
+    issued = asyncio.run(request_certificate(hub_url, node_id, store.make_csr(node_id), token, ca_sha256=ca_sha256))
     return store.save(issued, hub_url)
 
 

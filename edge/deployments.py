@@ -31,6 +31,7 @@ import asyncio
 import contextlib
 import logging
 import sqlite3
+import ssl
 import threading
 from collections.abc import Callable
 from pathlib import Path
@@ -85,11 +86,13 @@ class NodeDeployments:
         signing_key_source: Callable[[], Ed25519PublicKey | None] | None = None,
         infer: TailRouter | None = None,
         fl: FlRouter | None = None,
+        verify: ssl.SSLContext | bool = True,
     ) -> None:
+        """``verify``: how the hub's HTTPS is checked when the node downloads its artefacts and task inputs."""
         self.node_id = node_id
         self.models = ModelHost(Path(data_dir) / "ota" / "models")
         base_url = f"{hub_url.rstrip('/')}{API_PREFIX}" if hub_url else None
-        self.updater = Updater(data_dir, signing_key, base_url, self._progress, models=self.models, no_firmware=NO_FIRMWARE)
+        self.updater = Updater(data_dir, signing_key, base_url, self._progress, models=self.models, no_firmware=NO_FIRMWARE, verify=verify)
         self.updater.signing_key_source = signing_key_source
         self.commands = Commands()
         for name, handler in model_commands(self.models).items():

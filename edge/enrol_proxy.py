@@ -9,6 +9,12 @@ unreachable hub is 503 ``hub_unreachable``. Errors are RFC 9457 problem document
 With an ``ArtifactCache`` the same server also answers ``GET|HEAD /api/v1/artifacts/{id}/content`` and
 ``.../delta?from=`` from the edge's artefact cache (:mod:`edge.artifacts`), so devices need not reach the hub.
 
+It serves HTTPS only (the bootstrap tokens and the trust it hands out must not travel in clear), with the
+node's own certificate, which the hub CA issues for the node id (devices check that name: ``tls_server_name``),
+TLS 1.2 at least and AEAD suites only; the TLS handshake runs in the handler pool, within the idle timeout.
+``GET /api/v1/ca.crt`` answers the hub CA, as the hub does: a device compares its fingerprint with the one it
+was given before it sends its token (:mod:`device.enrol`).
+
 Runs a stdlib ``ThreadingHTTPServer`` in a thread of its own; ``on_enrolled`` is called from it.
 """
 
@@ -17,6 +23,7 @@ from __future__ import annotations
 import json
 import logging
 import re
+import socket
 import ssl
 import threading
 from collections.abc import Callable
@@ -24,6 +31,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 from urllib.parse import urlsplit
 
 import httpx
@@ -40,6 +48,8 @@ from interfaces.topics import DEVICE_STATE
 log = logging.getLogger("aisynergy.edge.enrol_proxy")
 
 MAX_BODY_BYTES = 64 * 1024
+TLS12_CIPHERS = "ECDHE+AESGCM:ECDHE+CHACHA20"  # what the listener offers over TLS 1.2 (1.3 is preferred)
+CA_PATH = f"{API_PREFIX}/ca.crt"
 MAX_HANDLERS = 64  # requests handled at once (downloads go out with sendfile: a thread is busy briefly)
 IDLE_TIMEOUT_S = 30.0  # a connection silent this long is closed
 HUB_UNREACHABLE = ErrorCode.HUB_UNREACHABLE.value
@@ -50,6 +60,31 @@ _FORWARDED_HEADERS = ("content-type", "accept", "idempotency-key")
 
 class ListenError(Exception):
     """The proxy cannot listen where it was asked to."""
+
+
+def server_context(cert_path: Path, key_path: Path) -> ssl.SSLContext:
+    """The listener's TLS: the node's certificate and key; TLS 1.2 at least, forward-secret AEAD suites only.
+    :class:`ListenError` when the certificate cannot serve TLS (issued before node certificates could)."""
+    from cryptography import x509
+    from cryptography.x509.oid import ExtendedKeyUsageOID
+
+    try:
+        usages = x509.load_pem_x509_certificate(cert_path.read_bytes()).extensions.get_extension_for_class(x509.ExtendedKeyUsage).value
+    except (OSError, ValueError, x509.ExtensionNotFound) as exc:
+        raise ListenError(f"cannot read the node certificate {cert_path}: {exc}") from exc
+    if ExtendedKeyUsageOID.SERVER_AUTH not in usages:
+        raise ListenError(
+            f"the node certificate {cert_path} cannot serve TLS to devices (it was issued before node certificates "
+            "could): re-enrol the node with a new bootstrap token (POST /nodes/{id}/bootstrap-token), or --device-listen off"
+        )
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    context.minimum_version = ssl.TLSVersion.TLSv1_2
+    context.set_ciphers(TLS12_CIPHERS)
+    try:
+        context.load_cert_chain(str(cert_path), str(key_path))
+    except (OSError, ssl.SSLError) as exc:
+        raise ListenError(f"cannot load the node certificate and key: {exc}") from exc
+    return context
 
 
 @dataclass(frozen=True)
@@ -85,11 +120,16 @@ class EnrolmentProxy:
         node_id: str,
         device_mqtt_url: str,
         on_enrolled: Callable[[str], object],
+        tls: ssl.SSLContext,
+        ca_pem: str,
         verify: ssl.SSLContext | str | bool = True,
         timeout_s: float = 15.0,
         artifacts: ArtifactCache | None = None,
     ) -> None:
+        """``tls``: the listener's (:func:`server_context`); ``ca_pem``: the hub CA, answered on ``GET /api/v1/ca.crt``;
+        ``verify``: how the hub is checked when a request is forwarded to it."""
         self.hub_url = hub_url.rstrip("/")
+        self.ca_pem = ca_pem.encode()
         self.node_id = node_id
         self.device_mqtt_url = device_mqtt_url
         self._on_enrolled = on_enrolled
@@ -97,7 +137,7 @@ class EnrolmentProxy:
         self._timeout_s = timeout_s
         self.artifacts = artifacts
         try:
-            self._server = _Server(listen, _Handler)
+            self._server = _Server(listen, _Handler, tls)
         except OSError as exc:
             raise ListenError(f"cannot listen on {listen[0]}:{listen[1]}: {exc}") from exc
         self._server.proxy = self
@@ -111,7 +151,7 @@ class EnrolmentProxy:
     def start(self) -> None:
         self._thread = threading.Thread(target=self._server.serve_forever, args=(0.1,), name="enrol-proxy", daemon=True)
         self._thread.start()
-        log.info("device enrolment proxy on http://%s:%s forwards to %s", *self.address, self.hub_url)
+        log.info("device enrolment proxy on https://%s:%s forwards to %s", *self.address, self.hub_url)
 
     def close(self) -> None:
         if self._thread is not None:
@@ -168,16 +208,29 @@ class _Server(ThreadingHTTPServer):
     daemon_threads = True
     proxy: EnrolmentProxy
 
-    def __init__(self, address: tuple[str, int], handler: type[BaseHTTPRequestHandler]) -> None:
+    def __init__(self, address: tuple[str, int], handler: type[BaseHTTPRequestHandler], tls: ssl.SSLContext) -> None:
         # made first: a failed bind calls server_close() from within the base class's __init__
         self._pool = ThreadPoolExecutor(MAX_HANDLERS, thread_name_prefix="edge-device-http")
+        self._tls = tls
         super().__init__(address, handler)
 
     def process_request(self, request: Any, client_address: Any) -> None:  # type: ignore[override]
         try:
-            self._pool.submit(self.process_request_thread, request, client_address)
+            self._pool.submit(self._handshake_then_handle, request, client_address)
         except RuntimeError:  # shutting down
             self.shutdown_request(request)
+
+    def _handshake_then_handle(self, raw: socket.socket, client_address: Any) -> None:
+        """The TLS handshake, here in the pool rather than in accept(): a client that never finishes it holds one
+        handler for :data:`IDLE_TIMEOUT_S` at most, and the listener keeps accepting."""
+        try:
+            raw.settimeout(IDLE_TIMEOUT_S)
+            request = self._tls.wrap_socket(raw, server_side=True)
+        except OSError as exc:  # ssl.SSLError included: plain HTTP, an unknown CA, no common suite ...
+            log.info("TLS handshake with %s failed: %s", client_address[0], exc)
+            self.shutdown_request(raw)
+            return
+        self.process_request_thread(request, client_address)
 
     def server_close(self) -> None:
         super().server_close()
@@ -229,6 +282,9 @@ class _Handler(BaseHTTPRequestHandler):
     do_PUT = do_PATCH = do_DELETE = _not_allowed
 
     def do_GET(self) -> None:
+        if urlsplit(self.path).path == CA_PATH:  # public, as at the hub: what a device checks its pin against
+            self._send(ProxyAnswer(200, self.server.proxy.ca_pem, "application/x-pem-file"))
+            return
         cache = self.server.proxy.artifacts
         if cache is None or not cache.handles(self.path):
             self._not_allowed()

@@ -43,8 +43,8 @@ class ErrorCode(StrEnum):
     ARTIFACT_IN_USE = "artifact_in_use"  # a deployment, execution or rollback target still needs it (409; reason)
     RANGE_NOT_SATISFIABLE = "range_not_satisfiable"  # a Range outside the content (416)
     INVALID_DOWNLOAD_TOKEN = "invalid_download_token"  # forged, expired or for another artefact (401)
-    TOO_MANY_REQUESTS = "too_many_requests"  # the token holds as many of these at once as it may (429; limit)
     BUSY = "busy"  # the hub does as much of this work at once as it may: retry after Retry-After seconds (503)
+    TOO_MANY_REQUESTS = "too_many_requests"  # the token holds as many of these at once as it may (429; limit)
     PRIVACY_BUDGET_EXCEEDED = "privacy_budget_exceeded"  # a device's privacy budget cannot afford the training task (409; targets)
     INTERNAL = "internal_error"
 

@@ -78,6 +78,19 @@ class NodeRegistered(BaseModel):
     node: NodePublic
     bootstrap_token: str
     bootstrap_expires_at: datetime
+    ca_sha256: str = Field(description="the hub CA's fingerprint (sha256:<hex>): the node checks it before it sends the token (`aisynergy edge run --ca-sha256`)")
+
+
+class BootstrapTokenIssued(BaseModel):
+    """The answer to ``POST /nodes/{id}/bootstrap-token`` and ``POST /devices/{id}/bootstrap-token`` (shown once)."""
+
+    bootstrap_token: str
+    bootstrap_expires_at: datetime
+    ca_sha256: str = Field(description="the hub CA's fingerprint (sha256:<hex>): the agent checks it before it sends the token (`--ca-sha256`)")
+    tls_server_name: str | None = Field(
+        default=None,
+        description="a device: the name in its edge's listener certificate (the edge's node id), for `aisynergy device run --tls-server-name`",
+    )
 
 
 class BootstrapTokenReissue(_In):

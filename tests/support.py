@@ -136,9 +136,11 @@ def start_hub(data_dir: Path, database_url: str, broker_url: str, heartbeat_inte
               offline_after_missed: int = 3, wait_mqtt: bool = True, port: int | None = None) -> Hub:  # fmt: skip
     port = port or free_port()
     data_dir.mkdir(parents=True, exist_ok=True)
+    # plain HTTP on the loopback: what these hubs serve is under test, not TLS (tests/integration/test_https.py
+    # and test_up.py run the hub as it runs by default, over HTTPS)
     args = [*AISYNERGY, "hub", "serve", "--port", str(port), "--data-dir", str(data_dir), "--database-url", database_url,
             "--broker-url", broker_url, "--heartbeat-interval", str(heartbeat_interval),
-            "--offline-after-missed", str(offline_after_missed)]  # fmt: skip
+            "--offline-after-missed", str(offline_after_missed), "--no-tls"]  # fmt: skip
     hub = _serve(Hub(data_dir, port, database_url, start(args, data_dir / "hub.log", env=HUB_ENV), args=args), wait_mqtt)
     for role in ("admin", "operator", "viewer"):
         hub.tokens[role] = create_token(data_dir, database_url, role)

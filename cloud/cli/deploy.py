@@ -9,6 +9,7 @@ A problem document from the hub is printed as one line (``409 illegal_transition
 
 from __future__ import annotations
 
+import ssl
 import time
 from pathlib import Path
 from typing import Any
@@ -23,15 +24,17 @@ EXECUTION_DONE = ("ACTIVE", "FAILED", "ROLLED_BACK", "ROLLBACK_FAILED", "CANCELE
 UNSUCCESSFUL = ("FAILED", "CANCELED", "ROLLED_BACK")
 
 
-def _client(hub_url: str, token: str | None) -> httpx.Client:
-    return httpx.Client(base_url=hub_url, timeout=httpx.Timeout(30.0, read=600.0))
+def _client(hub_url: str, token: str | None, ca_file: Path | None = None) -> httpx.Client:
+    # the hub's HTTPS: its CA when given (the local stack's: .data/pki/ca.crt), else the system's
+    verify: ssl.SSLContext | bool = ssl.create_default_context(cafile=str(ca_file)) if ca_file is not None else True
+    return httpx.Client(base_url=hub_url, timeout=httpx.Timeout(30.0, read=600.0), verify=verify)
 
 
 class _Hub:
-    def __init__(self, hub_url: str, token: str | None) -> None:
+    def __init__(self, hub_url: str, token: str | None, ca_file: Path | None = None) -> None:
         self.url = hub_url
         self.token = token
-        self.client = _client(hub_url, token)
+        self.client = _client(hub_url, token, ca_file)
 
     def headers(self, extra: dict[str, str] | None = None) -> dict[str, str]:
         return {**({"Authorization": f"Bearer {self.token}"} if self.token else {}), **(extra or {})}
@@ -87,15 +90,17 @@ def parse_strategy(text: str) -> dict[str, Any]:
 def hub_options(fn: Any) -> Any:
     """``--hub`` and ``--token`` (``AISYNERGY_HUB_URL``, ``AISYNERGY_TOKEN``) for a group that talks to the hub's REST API."""
     fn = click.option("--token", envvar="AISYNERGY_TOKEN", default=None, help="an integrator token (aisynergy hub token create)")(fn)
-    return click.option("--hub", "hub_url", envvar="AISYNERGY_HUB_URL", default="http://127.0.0.1:8000", show_default=True, help="the hub's base URL")(fn)
+    fn = click.option("--ca-file", type=click.Path(exists=True, dir_okay=False, path_type=Path), envvar="AISYNERGY_CA_FILE", default=None,
+                      help="the CA that signed the hub's certificate (the local stack's: .data/pki/ca.crt); default: the system's")(fn)  # fmt: skip
+    return click.option("--hub", "hub_url", envvar="AISYNERGY_HUB_URL", default="https://127.0.0.1:8000", show_default=True, help="the hub's base URL")(fn)
 
 
 @click.group()
 @hub_options
 @click.pass_context
-def deploy(ctx: click.Context, hub_url: str, token: str | None) -> None:
+def deploy(ctx: click.Context, hub_url: str, token: str | None, ca_file: Path | None) -> None:
     """Artefacts and deployments: upload, roll out, watch, pause, resume, cancel, roll back."""
-    ctx.obj = _Hub(hub_url.rstrip("/"), token)
+    ctx.obj = _Hub(hub_url.rstrip("/"), token, ca_file)
 
 
 @deploy.command()

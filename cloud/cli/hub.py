@@ -12,6 +12,8 @@ from interfaces.auth import Role
 if TYPE_CHECKING:
     from sqlalchemy import Engine
 
+TLS12_CIPHERS = "ECDHE+AESGCM:ECDHE+CHACHA20"  # what the hub's HTTPS offers over TLS 1.2 (1.3 is preferred)
+
 _data_dir = click.option("--data-dir", type=click.Path(path_type=Path), envvar="AISYNERGY_DATA_DIR", default=".data", show_default=True, help="PKI, default SQLite database")
 _db = click.option("--database-url", envvar="AISYNERGY_DATABASE_URL", default=None, help="default: sqlite:///<data-dir>/hub.db; postgresql://... for PostgreSQL")
 
@@ -29,15 +31,23 @@ def hub() -> None:
 @click.option("--public-mqtt-url", envvar="AISYNERGY_PUBLIC_MQTT_URL", default=None, help="what agents are told (default: --broker-url)")
 @click.option("--heartbeat-interval", type=float, envvar="AISYNERGY_HEARTBEAT_INTERVAL_S", default=None, help="seconds between agent heartbeats (default 10)")
 @click.option("--offline-after-missed", type=int, envvar="AISYNERGY_OFFLINE_AFTER_MISSED", default=None, help="missed heartbeats before OFFLINE (default 3)")
+@click.option("--tls/--no-tls", default=True, show_default=True, envvar="AISYNERGY_TLS",
+              help="serve HTTPS; --no-tls only behind a proxy that terminates TLS (tokens must never travel in clear)")
+@click.option("--tls-cert", type=click.Path(exists=True, dir_okay=False, path_type=Path), envvar="AISYNERGY_TLS_CERT",
+              help="the server certificate (PEM chain) to serve; default: one the hub CA issues (DATA_DIR/pki/hub-https.crt)")
+@click.option("--tls-key", type=click.Path(exists=True, dir_okay=False, path_type=Path), envvar="AISYNERGY_TLS_KEY", help="the key of --tls-cert")
+@click.option("--tls-name", "tls_names", multiple=True, metavar="NAME", help="a host name or address agents use for the hub, put in the default certificate; repeatable")
 @_data_dir
 def serve(host: str, port: int, database_url: str | None, broker_url: str, public_mqtt_url: str | None,
-          heartbeat_interval: float | None, offline_after_missed: int | None, data_dir: Path) -> None:  # fmt: skip
+          heartbeat_interval: float | None, offline_after_missed: int | None, tls: bool, tls_cert: Path | None,
+          tls_key: Path | None, tls_names: tuple[str, ...], data_dir: Path) -> None:  # fmt: skip
     """Run the hub (creates and migrates the database on start)."""
     import uvicorn
     from pydantic import ValidationError
 
     from cloud.api.app import create_app
     from cloud.config import Settings
+    from cloud.pki import CertificateAuthority
 
     overrides: dict[str, object] = {"data_dir": data_dir, "broker_url": broker_url}
     for key, value in (("database_url", database_url), ("public_mqtt_url", public_mqtt_url),
@@ -48,7 +58,18 @@ def serve(host: str, port: int, database_url: str | None, broker_url: str, publi
         settings = Settings(**overrides)  # type: ignore[arg-type]
     except ValidationError as exc:
         raise click.UsageError(f"invalid settings: {exc}") from exc
-    uvicorn.run(create_app(settings), host=host, port=port, log_level="info", timeout_graceful_shutdown=5)
+    if (tls_cert is None) != (tls_key is None):
+        raise click.UsageError("--tls-cert and --tls-key go together")
+    https: dict[str, object] = {}
+    if tls:
+        if tls_cert is None:
+            hosts = tuple(dict.fromkeys((*tls_names, *([host] if host not in ("0.0.0.0", "::") else []))))
+            tls_cert, tls_key = CertificateAuthority.load_or_create(settings.pki_dir).ensure_server_identity("hub-https", "aisynergy-hub", hosts)
+        elif tls_names:
+            raise click.UsageError("--tls-name names hosts in the default certificate: not with --tls-cert")
+        # TLS 1.2 at least, AEAD suites with forward secrecy only (TLS 1.3's are all such)
+        https = {"ssl_certfile": str(tls_cert), "ssl_keyfile": str(tls_key), "ssl_ciphers": TLS12_CIPHERS}
+    uvicorn.run(create_app(settings), host=host, port=port, log_level="info", timeout_graceful_shutdown=5, **https)  # type: ignore[arg-type]
 
 
 @hub.command()

@@ -663,10 +663,10 @@ _json_option = click.option("--json", "as_json", is_flag=True, help="print the h
 @click.group()
 @hub_options
 @click.pass_context
-def task(ctx: click.Context, hub_url: str, token: str | None) -> None:
+def task(ctx: click.Context, hub_url: str, token: str | None, ca_file: Path | None) -> None:
     """AI tasks: create, watch, logs, metrics, outputs; start, stop, pause, resume, cancel, retry, delete."""
     if not isinstance(ctx.obj, _Hub):  # a test may hand in its own
-        ctx.obj = _Hub(hub_url.rstrip("/"), token)
+        ctx.obj = _Hub(hub_url.rstrip("/"), token, ca_file)
 
 
 @task.command()

@@ -90,7 +90,8 @@ def enrol(session: Session, ca: CertificateAuthority, owner: type[Any], owner_id
     if utc(token.expires_at) <= datetime.now(UTC):  # type: ignore[operator]
         raise Forbidden("bootstrap token has expired", code=ErrorCode.BOOTSTRAP_TOKEN_EXPIRED)
     try:
-        issued = ca.sign_csr(csr_pem, expected_cn=owner_id, validity=validity)
+        # a node's certificate also serves its devices over TLS (the edge's listener), named by the node id
+        issued = ca.sign_csr(csr_pem, expected_cn=owner_id, validity=validity, server=kind == "node")
     except CsrError as exc:
         raise BadRequest(str(exc), code=ErrorCode.CSR_INVALID, status=422) from exc
     # Consume the token with a guarded UPDATE so that two concurrent enrolments cannot both win.

@@ -13,13 +13,14 @@ from __future__ import annotations
 import logging
 import random
 import re
+import ssl
 import threading
 from collections.abc import Callable
 from pathlib import Path
 
 import httpx
 
-from device.tls import tls_verify
+from device.tls import server_name_extension, tls_verify
 from interfaces.deployments import DOWNLOAD_TOKEN_HEADER
 
 log = logging.getLogger("aisynergy.device.ota")
@@ -46,13 +47,15 @@ class Downloader:
         max_delay_s: float = 30.0,
         timeout_s: float = 30.0,
         transport: httpx.BaseTransport | None = None,
-        verify: str | bool = True,
+        verify: ssl.SSLContext | str | bool = True,
+        server_name: str | None = None,
         canceled: threading.Event | None = None,
     ) -> None:
+        """``server_name``: the name in the server's certificate when it is not the URL's host (see :mod:`device.tls`)."""
         self.base_url = base_url.rstrip("/")
         self.partial_dir = Path(partial_dir)
         self._attempts, self._max_delay_s, self._timeout_s = attempts, max_delay_s, timeout_s
-        self._transport, self._verify = transport, verify
+        self._transport, self._verify, self._server_name = transport, verify, server_name
         self._canceled = canceled or threading.Event()
 
     def url(self, path: str) -> str:
@@ -101,7 +104,7 @@ class Downloader:
         if have:
             headers["Range"] = f"bytes={have}-"
         log.info("GET %s (from byte %s of %s)", url, have, size)
-        with client.stream("GET", url, headers=headers) as response:
+        with client.stream("GET", url, headers=headers, extensions=server_name_extension(self._server_name)) as response:
             status = response.status_code
             if status == 416 and have:
                 part.unlink(missing_ok=True)  # the server has less than we kept: start again

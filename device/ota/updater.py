@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import logging
 import shutil
+import ssl
 import threading
 from collections.abc import Callable
 from pathlib import Path
@@ -85,6 +86,8 @@ class Updater:
         models: ModelHost | None = None,
         downloader: Downloader | None = None,
         no_firmware: str = "this device has no firmware slots or no reboot handler",
+        verify: ssl.SSLContext | bool = True,
+        server_name: str | None = None,
     ) -> None:
         self.root = Path(data_dir) / "ota"
         self.models = models or ModelHost(self.root / "models")
@@ -96,6 +99,7 @@ class Updater:
         self._emit = emit_progress
         self.firmware, self.reboot = firmware, reboot
         self._downloader = downloader
+        self._verify, self._server_name = verify, server_name  # how the downloads check the artefact server
         self._no_firmware = no_firmware
         self.canceled = threading.Event()
 
@@ -341,7 +345,9 @@ class Updater:
         if self._downloader is None:
             from device.ota.download import Downloader
 
-            self._downloader = Downloader(self._base_url or "", self.root / "partial", canceled=self.canceled)
+            self._downloader = Downloader(
+                self._base_url or "", self.root / "partial", verify=self._verify, server_name=self._server_name, canceled=self.canceled
+            )
         return self._downloader
 
     # ---- progress -----------------------------------------------------------------------------------

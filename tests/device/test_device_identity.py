@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 from typing import ClassVar
 
+import pytest
 from click.testing import CliRunner
 
 from device.agent import Device
@@ -60,6 +61,27 @@ def test_cli_first_start_without_token_is_a_usage_error(tmp_path: Path) -> None:
 
     assert result.exit_code == 2
     assert "bootstrap" in result.output
+
+
+@pytest.mark.parametrize(
+    ("content", "extra", "message"),
+    [
+        ("", [], "holds no token"),
+        ("two words\n", [], "holds no token"),
+        ("bst_" + "a" * 40 + "\n", ["--bootstrap-token", "bst_" + "b" * 40], "exclude each other"),
+        ("bst_" + "a" * 40 + "\n", ["--ca-sha256", "sha256:12ab"], "not a CA fingerprint"),
+    ],
+)
+def test_cli_refuses_a_bad_token_file_or_pin_before_it_enrols(tmp_path: Path, content: str, extra: list[str], message: str) -> None:
+    token_file = tmp_path / "token"
+    token_file.write_text(content)
+    args = ["run", "--enrol-url", "https://127.0.0.1:9", "--device-id", "dv-0001", "--data-dir", str(tmp_path / "d"),
+            "--bootstrap-token-file", str(token_file), *extra]  # fmt: skip
+
+    result = CliRunner().invoke(device, args)
+
+    assert result.exit_code == 2 and message in result.output, result.output
+    assert not (tmp_path / "d" / "enrolment.json").exists()
 
 
 def test_cli_refuses_a_device_id_that_is_not_a_topic_level(tmp_path: Path) -> None:

@@ -61,19 +61,21 @@ class ThrowawayCA:
         return self.cert.public_bytes(serialization.Encoding.PEM).decode()
 
     def _leaf(
-        self, cn: str, public_key: object, usage: x509.ObjectIdentifier, hosts: tuple[str, ...] = ()
+        self, cn: str, public_key: object, usage: x509.ObjectIdentifier, hosts: tuple[str, ...] = (), server_name: bool = False
     ) -> x509.Certificate:
+        """``server_name``: also a TLS server's certificate named ``cn``, as the hub issues a node's."""
         now = dt.datetime.now(dt.UTC)
+        usages = [usage, *([ExtendedKeyUsageOID.SERVER_AUTH] if server_name else [])]
         builder = (
             x509.CertificateBuilder().subject_name(_name(cn)).issuer_name(self.cert.subject)
             .public_key(public_key).serial_number(x509.random_serial_number())  # type: ignore[arg-type]
             .not_valid_before(now - dt.timedelta(minutes=5)).not_valid_after(now + dt.timedelta(days=1))
-            .add_extension(x509.ExtendedKeyUsage([usage]), critical=False)
+            .add_extension(x509.ExtendedKeyUsage(usages), critical=False)
         )  # fmt: skip
-        if hosts:
-            builder = builder.add_extension(
-                x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address(h)) for h in hosts]), critical=False
-            )
+        names: list[x509.GeneralName] = [x509.IPAddress(ipaddress.ip_address(h)) for h in hosts]
+        names += [x509.DNSName(cn)] if server_name else []
+        if names:
+            builder = builder.add_extension(x509.SubjectAlternativeName(names), critical=False)
         return builder.sign(self.key, hashes.SHA256())
 
     def issue(
@@ -81,7 +83,7 @@ class ThrowawayCA:
     ) -> CertificateIssued:
         """What the hub answers to a CSR."""
         csr = x509.load_pem_x509_csr(csr_pem.encode())
-        cert = self._leaf(node_id, csr.public_key(), ExtendedKeyUsageOID.CLIENT_AUTH)
+        cert = self._leaf(node_id, csr.public_key(), ExtendedKeyUsageOID.CLIENT_AUTH, server_name=True)
         return CertificateIssued(
             node_id=node_id,
             certificate_pem=cert.public_bytes(serialization.Encoding.PEM).decode(),

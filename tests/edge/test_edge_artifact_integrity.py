@@ -45,7 +45,9 @@ class Device:
     def __init__(self, data_dir: Path, signing: SigningKey, edge: Edge) -> None:
         self.events: list[ExecutionProgress] = []
         base = edge.base + "/api/v1"
-        downloader = Downloader(base, data_dir / "ota" / "partial", attempts=2, max_delay_s=0.05)
+        downloader = Downloader(
+            base, data_dir / "ota" / "partial", attempts=2, max_delay_s=0.05, verify=edge.device_tls, server_name=edge.node_id
+        )
         self.updater = Updater(data_dir, signing.public_pem, base, self.events.append, downloader=downloader)
 
     def deploy(self, order: DeploymentOrder) -> ExecutionProgress:

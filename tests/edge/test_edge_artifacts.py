@@ -9,6 +9,7 @@ import hashlib
 import json
 import os
 import re
+import ssl
 import threading
 import time
 from collections.abc import Iterator
@@ -28,7 +29,7 @@ from cloud.signing import SigningKey
 from edge.agent import AgentConfig, EdgeAgent
 from edge.artifacts import ArtifactCache, parse_size
 from edge.cli import edge as edge_cli
-from edge.enrol_proxy import EnrolmentProxy
+from edge.enrol_proxy import EnrolmentProxy, server_context
 from edge.identity import IdentityStore
 from edge.relay import DeviceRelay
 from edge.store import EdgeStore
@@ -175,16 +176,22 @@ class Edge:
 
     def __init__(self, cache: ArtifactCache, hub_url: str) -> None:
         self.cache = cache
+        ca, node = ThrowawayCA.create(), IdentityStore(cache.root.parent / "listener-identity")
+        node.save(ca.issue(node.make_csr(NODE), NODE), hub_url)  # the listener serves HTTPS with the node's certificate
         self.proxy = EnrolmentProxy(
-            ("127.0.0.1", 0), hub_url=hub_url, node_id=NODE, device_mqtt_url="mqtts://gw:8883", on_enrolled=lambda d: None, artifacts=cache
-        )
+            ("127.0.0.1", 0), hub_url=hub_url, node_id=NODE, device_mqtt_url="mqtts://gw:8883", on_enrolled=lambda d: None,
+            tls=server_context(node.cert_path, node.key_path), ca_pem=ca.pem, artifacts=cache,
+        )  # fmt: skip
         self.proxy.start()
-        self.base = "http://{}:{}".format(*self.proxy.address)
+        self.base = "https://{}:{}".format(*self.proxy.address)
+        self.device_tls = ssl.create_default_context(cadata=ca.pem)  # a device trusts the hub CA ...
+        self.node_id = NODE
 
     def get(self, path: str, token: str | None, method: str = "GET", **headers: str) -> httpx.Response:
         if token is not None:
             headers[DOWNLOAD_TOKEN_HEADER] = token
-        return httpx.request(method, self.base + path, headers=headers, timeout=20)
+        with httpx.Client(verify=self.device_tls, timeout=20) as client:  # ... and checks its edge's node id
+            return client.request(method, self.base + path, headers=headers, extensions={"sni_hostname": NODE})
 
     def content(self, artifact_id: str, token: str | None, **headers: str) -> httpx.Response:
         return self.get(f"/api/v1/artifacts/{artifact_id}/content", token, **headers)
@@ -556,7 +563,7 @@ def test_the_enrolment_answer_s_signing_key_is_stored_with_the_identity(tmp_path
 
 
 def test_other_methods_on_artefact_routes_are_405(edge: Edge) -> None:
-    response = httpx.post(edge.base + "/api/v1/artifacts/art-1/content", content=b"")
+    response = edge.get("/api/v1/artifacts/art-1/content", None, method="POST")
 
     assert (response.status_code, response.json()["code"]) == (405, "method_not_allowed")
 
@@ -622,8 +629,9 @@ def test_the_agent_serves_artefacts_on_its_device_listener(tmp_path: Path, hub: 
     agent.proxy.start()
     try:
         # Execute
-        url = "http://{}:{}/api/v1/artifacts/art-2/content".format(*agent.proxy.address)
-        response = httpx.get(url, headers={DOWNLOAD_TOKEN_HEADER: hub.token("art-2")}, timeout=20)
+        url = "https://{}:{}/api/v1/artifacts/art-2/content".format(*agent.proxy.address)
+        with httpx.Client(verify=ssl.create_default_context(cadata=test_ca.pem), timeout=20) as client:
+            response = client.get(url, headers={DOWNLOAD_TOKEN_HEADER: hub.token("art-2")}, extensions={"sni_hostname": NODE})
     finally:
         agent.proxy.close()
         agent.artifacts.close()

@@ -3,8 +3,10 @@ tells them to use the devices' broker, and passes the hub's refusals through."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import shutil
+import ssl
 import threading
 from collections.abc import Callable, Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -13,11 +15,14 @@ from pathlib import Path
 import httpx
 import pytest
 from cryptography import x509
+from cryptography.hazmat.primitives import serialization
 from cryptography.x509.oid import NameOID
 from paho.mqtt.packettypes import PacketTypes
 from paho.mqtt.properties import Properties
 
-from edge.enrol_proxy import EnrolmentProxy
+from device.enrol import CA_PIN_MISMATCH, request_certificate
+from device.errors import EnrolmentError, EnrolmentUnreachable
+from edge.enrol_proxy import EnrolmentProxy, server_context
 from edge.identity import IdentityStore
 from interfaces.messages import CommandBody, envelope
 from interfaces.nodes import CertificateRequest, DeviceCertificateIssued
@@ -98,15 +103,34 @@ def hub(test_ca: ThrowawayCA) -> Iterator[HubStandIn]:
     stand_in.close()
 
 
-@pytest.fixture
-def proxy(hub: HubStandIn) -> Iterator[tuple[EnrolmentProxy, list[str]]]:
-    enrolled: list[str] = []
+def start_proxy(tmp_path: Path, ca: ThrowawayCA, hub_url: str, on_enrolled: Callable[[str], object]) -> EnrolmentProxy:
+    """The proxy as the edge runs it: HTTPS with the node's certificate (as the hub issues it: named by the node id)."""
+    node = IdentityStore(tmp_path / "node-identity")
+    node.save(ca.issue(node.make_csr(NODE), NODE), hub_url)
     running = EnrolmentProxy(
-        ("127.0.0.1", 0), hub_url=hub.url, node_id=NODE, device_mqtt_url=DEVICES_BROKER, on_enrolled=enrolled.append
-    )
+        ("127.0.0.1", 0), hub_url=hub_url, node_id=NODE, device_mqtt_url=DEVICES_BROKER, on_enrolled=on_enrolled,
+        tls=server_context(node.cert_path, node.key_path), ca_pem=ca.pem,
+    )  # fmt: skip
     running.start()
+    return running
+
+
+@pytest.fixture
+def proxy(tmp_path: Path, test_ca: ThrowawayCA, hub: HubStandIn) -> Iterator[tuple[EnrolmentProxy, list[str]]]:
+    enrolled: list[str] = []
+    running = start_proxy(tmp_path, test_ca, hub.url, enrolled.append)
     yield running, enrolled
     running.close()
+
+
+def base_url(proxy: EnrolmentProxy) -> str:
+    return "https://{}:{}".format(*proxy.address)
+
+
+def as_device(method: str, url: str, ca_pem: str, **kwargs: object) -> httpx.Response:
+    """A request as a device makes it: trusting the hub CA, and checking the node id in its edge's certificate."""
+    with httpx.Client(verify=ssl.create_default_context(cadata=ca_pem), timeout=10) as client:
+        return client.request(method, url, extensions={"sni_hostname": NODE}, **kwargs)  # type: ignore[arg-type]
 
 
 def csr(tmp_path: Path, device_id: str) -> str:
@@ -114,8 +138,8 @@ def csr(tmp_path: Path, device_id: str) -> str:
 
 
 def post(proxy: EnrolmentProxy, device_id: str, content: bytes, **headers: str) -> httpx.Response:
-    url = "http://{}:{}/api/v1/devices/{}/certificate".format(*proxy.address, device_id)
-    return httpx.post(url, content=content, headers={"content-type": "application/json", **headers}, timeout=10)
+    url = f"{base_url(proxy)}/api/v1/devices/{device_id}/certificate"
+    return as_device("POST", url, proxy.ca_pem.decode(), content=content, headers={"content-type": "application/json", **headers})
 
 
 def request_body(tmp_path: Path, device_id: str, token: str = TOKEN) -> bytes:
@@ -195,21 +219,37 @@ def test_what_the_proxy_refuses_itself(
 
 def test_other_paths_and_methods_are_refused(proxy: tuple[EnrolmentProxy, list[str]]) -> None:
     running, _ = proxy
-    base = "http://{}:{}".format(*running.address)
+    base, ca = base_url(running), running.ca_pem.decode()
 
-    assert httpx.get(f"{base}/api/v1/devices/dev-c/certificate").status_code == 405
-    assert httpx.post(f"{base}/api/v1/nodes/dev-c/certificate", content=b"{}").json()["code"] == "not_found"
+    assert as_device("GET", f"{base}/api/v1/devices/dev-c/certificate", ca).status_code == 405
+    assert as_device("POST", f"{base}/api/v1/nodes/dev-c/certificate", ca, content=b"{}").json()["code"] == "not_found"
 
 
-def test_an_unreachable_hub_is_503(tmp_path: Path) -> None:
-    running = EnrolmentProxy(
-        ("127.0.0.1", 0),
-        hub_url=f"http://127.0.0.1:{free_port()}",
-        node_id=NODE,
-        device_mqtt_url=DEVICES_BROKER,
-        on_enrolled=lambda d: None,
-    )
-    running.start()
+def test_the_listener_speaks_tls_only_with_the_node_certificate_and_answers_the_hub_ca(
+    proxy: tuple[EnrolmentProxy, list[str]], test_ca: ThrowawayCA
+) -> None:
+    running, enrolled = proxy
+    host, port = running.address
+
+    # plain HTTP gets no answer: the connection is closed at the failed handshake
+    with pytest.raises(httpx.TransportError):
+        httpx.post(f"http://{host}:{port}/api/v1/devices/dev-c/certificate", content=b"{}", timeout=10)
+    # a client that checks the name finds the node id in the certificate, not the address
+    with pytest.raises(httpx.ConnectError, match="CERTIFICATE_VERIFY_FAILED"):
+        httpx.get(f"https://{host}:{port}/api/v1/ca.crt", verify=ssl.create_default_context(cadata=test_ca.pem), timeout=10)
+    # TLS 1.1 is refused
+    old = ssl.create_default_context(cadata=test_ca.pem)
+    old.minimum_version = old.maximum_version = ssl.TLSVersion.TLSv1_1
+    with pytest.raises(httpx.ConnectError), httpx.Client(verify=old, timeout=10) as client:
+        client.get(f"https://{host}:{port}/api/v1/ca.crt", extensions={"sni_hostname": NODE})
+    ca = as_device("GET", f"https://{host}:{port}/api/v1/ca.crt", test_ca.pem)
+
+    assert (ca.status_code, ca.headers["content-type"], ca.text) == (200, "application/x-pem-file", test_ca.pem)
+    assert enrolled == []
+
+
+def test_an_unreachable_hub_is_503(tmp_path: Path, test_ca: ThrowawayCA) -> None:
+    running = start_proxy(tmp_path, test_ca, f"http://127.0.0.1:{free_port()}", lambda d: None)
     try:
         response = post(running, "dev-c", request_body(tmp_path, "dev-c"))
     finally:
@@ -238,7 +278,8 @@ def test_a_device_enrolled_through_the_running_edge_takes_commands(
     # Execute: enrol through the edge, connect with the certificate it returned
     device_store = IdentityStore(tmp_path / "dev-c")
     content = CertificateRequest(csr_pem=device_store.make_csr("dev-c"), bootstrap_token=TOKEN).model_dump_json()
-    response = httpx.post(f"http://127.0.0.1:{port}/api/v1/devices/dev-c/certificate", content=content, timeout=10)
+    url = f"https://127.0.0.1:{port}/api/v1/devices/dev-c/certificate"
+    response = as_device("POST", url, pki.ca.pem, content=content)
     assert response.status_code == 201, response.text
     issued = DeviceCertificateIssued.model_validate_json(response.content)
     (pki.dir / "dev-c.crt").write_text(issued.certificate_pem)
@@ -259,3 +300,68 @@ def test_a_device_enrolled_through_the_running_edge_takes_commands(
     answer = hub_peer.expect(RELAY_CMD_REPLY.topic(node_id=NODE, device_id="dev-c"))
     assert (answer.properties.CorrelationData, body(answer)["ok"]) == (b"c-9", True)  # type: ignore[union-attr]
     assert stop_edge(edge) == 0
+
+
+# ---- a device's trust: the CA fingerprint it was given, checked before the token leaves it -------------------------
+
+
+def _pin(ca: ThrowawayCA) -> str:
+    return "sha256:" + hashlib.sha256(ca.cert.public_bytes(serialization.Encoding.DER)).hexdigest()
+
+
+def test_a_device_with_the_right_pin_and_name_enrols_through_the_listener(
+    tmp_path: Path, hub: HubStandIn, proxy: tuple[EnrolmentProxy, list[str]], test_ca: ThrowawayCA
+) -> None:
+    running, enrolled = proxy
+    store = IdentityStore(tmp_path / "dev-c")
+
+    issued = request_certificate(
+        base_url(running), "dev-c", store.make_csr("dev-c"), TOKEN, ca_sha256=_pin(test_ca), server_name=NODE, attempts=1
+    )
+
+    assert (issued.device_id, issued.ca_pem, enrolled) == ("dev-c", test_ca.pem, ["dev-c"])
+
+
+def test_a_listener_with_another_ca_gets_neither_the_token_nor_the_csr(
+    tmp_path: Path, hub: HubStandIn, proxy: tuple[EnrolmentProxy, list[str]]
+) -> None:
+    # Prepare: the device was given the fingerprint of another CA (the listener is not its edge's)
+    running, enrolled = proxy
+    store = IdentityStore(tmp_path / "dev-c")
+
+    # Execute
+    with pytest.raises(EnrolmentError) as refused:
+        request_certificate(base_url(running), "dev-c", store.make_csr("dev-c"), TOKEN, ca_sha256=_pin(ThrowawayCA.create()), server_name=NODE)
+
+    # Assert: refused at once, before any certificate request left the device
+    assert refused.value.code == CA_PIN_MISMATCH
+    assert (hub.requests, enrolled) == ([], [])
+
+
+def test_a_listener_whose_certificate_names_another_node_is_not_sent_the_token(
+    tmp_path: Path, hub: HubStandIn, proxy: tuple[EnrolmentProxy, list[str]], test_ca: ThrowawayCA
+) -> None:
+    running, enrolled = proxy
+    store = IdentityStore(tmp_path / "dev-c")
+
+    with pytest.raises(EnrolmentUnreachable, match="CERTIFICATE_VERIFY_FAILED"):
+        request_certificate(
+            base_url(running), "dev-c", store.make_csr("dev-c"), TOKEN, ca_sha256=_pin(test_ca), server_name="nd-other", attempts=1
+        )
+
+    assert (hub.requests, enrolled) == ([], [])
+
+
+def test_an_answer_naming_another_ca_than_the_pinned_one_is_refused(tmp_path: Path, test_ca: ThrowawayCA) -> None:
+    # Prepare: a stand-in hub over plain HTTP whose answer carries its own CA (no CA to fetch over HTTP first)
+    stand_in = HubStandIn(test_ca, {"dev-c": NODE})
+    store = IdentityStore(tmp_path / "dev-c")
+    try:
+        # Execute
+        with pytest.raises(EnrolmentError) as refused:
+            request_certificate(stand_in.url, "dev-c", store.make_csr("dev-c"), TOKEN, ca_sha256=_pin(ThrowawayCA.create()), attempts=1)
+    finally:
+        stand_in.close()
+
+    # Assert
+    assert refused.value.code == CA_PIN_MISMATCH and not store.is_enrolled()

@@ -33,7 +33,12 @@ class DevStack:
 
     @property
     def enrol_url(self) -> str:
-        return f"http://127.0.0.1:{self.enrol_port}"
+        return f"https://127.0.0.1:{self.enrol_port}"  # the edge's listener: HTTPS with the node's certificate
+
+    def enrolment_args(self, issued: dict[str, str]) -> list[str]:
+        """``aisynergy device run``'s first-start options from the hub's bootstrap-token answer."""
+        return ["--enrol-url", self.enrol_url, "--bootstrap-token", issued["bootstrap_token"],
+                "--ca-sha256", issued["ca_sha256"], "--tls-server-name", issued["tls_server_name"]]  # fmt: skip
 
     def start_edge(self, token: str | None = None) -> None:
         args = [*AISYNERGY, "edge", "run", "--hub", self.hub.url, "--node-id", self.node_id, "--data-dir", str(self.data / "edge"),
@@ -48,11 +53,12 @@ class DevStack:
 
         with self.hub.client("operator") as api:
             device_id = api.post("/devices", json={"node_id": self.node_id, "name": name, "model": "test-board"}).json()["id"]
-            token = api.post(f"/devices/{device_id}/bootstrap-token", json={}).json()["bootstrap_token"]
+            issued = api.post(f"/devices/{device_id}/bootstrap-token", json={}).json()
         acl = self.data / "devices-broker" / "acl"  # the broker reloads its access file a moment after the hub writes it
         wait_for(lambda: acl.exists() and device_id in acl.read_text(), 10, what="the devices' broker knows the device")
         time.sleep(0.3)
-        dev = Device(device_id, self.data / name, enrol_url=self.enrol_url, bootstrap_token=token)
+        dev = Device(device_id, self.data / name, enrol_url=self.enrol_url, bootstrap_token=issued["bootstrap_token"],
+                     ca_sha256=issued["ca_sha256"], tls_server_name=issued["tls_server_name"])  # fmt: skip
         for command, handler in (handlers or {}).items():
             dev.command(command)(handler)
         if on_desired is not None:

@@ -28,7 +28,7 @@ class FirmwareDevice:
     def __init__(self, stack: DevStack, name: str) -> None:
         with stack.hub.client("operator") as api:
             self.device_id = api.post("/devices", json={"node_id": stack.node_id, "name": name, "model": "sensor-board"}).json()["id"]
-            token = api.post(f"/devices/{self.device_id}/bootstrap-token", json={}).json()["bootstrap_token"]
+            issued = api.post(f"/devices/{self.device_id}/bootstrap-token", json={}).json()
         self.stack, self.data_dir, self.log = stack, stack.data / name, stack.data / f"{name}.log"
         # as on a real site, the device starts after the brokers' access lists know it: Mosquitto 2.0.11 can
         # cut off a client that connects in the instant before the reload that adds its entry
@@ -36,7 +36,7 @@ class FirmwareDevice:
         wait_for(lambda: acl.exists() and self.device_id in acl.read_text(), 10, what="the devices' broker knows the device")
         time.sleep(0.3)  # the reload follows the file
         self.args = [*AISYNERGY, "device", "run", "--device-id", self.device_id, "--data-dir", str(self.data_dir),
-                     "--enrol-url", stack.enrol_url, "--bootstrap-token", token,
+                     *stack.enrolment_args(issued),
                      "--firmware", str(SAMPLES / "sensor-fw-1.0.0.fw"), "--firmware-manifest", str(SAMPLES / "sensor-fw-1.0.0.manifest.json"),
                      "--firmware-public-key", str(SAMPLES / "sample-signing.pub")]  # fmt: skip
         self.proc: subprocess.Popen[bytes] | None = None

@@ -52,12 +52,12 @@ def test_cloud_train_then_dp_fine_tune_on_the_device_then_infer(stack: DevStack,
 
     # the device, started with its local dataset
     device_id = api(stack, "POST", "/devices", json={"node_id": stack.node_id, "name": "cam-1", "model": "test-board"})["id"]
-    token = api(stack, "POST", f"/devices/{device_id}/bootstrap-token", json={})["bootstrap_token"]
+    issued = api(stack, "POST", f"/devices/{device_id}/bootstrap-token", json={})
     acl = stack.data / "devices-broker" / "acl"
     wait_for(lambda: acl.exists() and device_id in acl.read_text(), 10, what="the devices' broker knows the device")
     time.sleep(0.3)
-    proc = start([*AISYNERGY, "device", "run", "--device-id", device_id, "--data-dir", str(stack.data / "cam-1"), "--enrol-url", stack.enrol_url,
-                  "--bootstrap-token", token, "--dataset", f"camera={tmp_path / 'camera.npz'}"], stack.data / "cam-1.log")  # fmt: skip
+    proc = start([*AISYNERGY, "device", "run", "--device-id", device_id, "--data-dir", str(stack.data / "cam-1"), *stack.enrolment_args(issued),
+                  "--dataset", f"camera={tmp_path / 'camera.npz'}"], stack.data / "cam-1.log")  # fmt: skip
     try:
         wait_for(lambda: stack.device_state(device_id) == "ONLINE", 60, what="the device ONLINE")
 

@@ -35,11 +35,13 @@ class Emitter:
     log: Path
     proc: subprocess.Popen[bytes] | None = None
 
-    def start(self, enrol_url: str | None = None, token: str | None = None) -> None:
+    def start(self, enrol_url: str | None = None, issued: dict[str, str] | None = None) -> None:
+        """``issued``: the hub's bootstrap-token answer, for a first start."""
         args = [sys.executable, "-m", "tests.integration.emitter", "--device-id", self.device_id,
                 "--data-dir", str(self.data_dir), "--record", str(self.record), "--rate", str(RATE)]  # fmt: skip
-        if token:
-            args += ["--enrol-url", str(enrol_url), "--bootstrap-token", token]
+        if issued:
+            args += ["--enrol-url", str(enrol_url), "--bootstrap-token", issued["bootstrap_token"],
+                     "--ca-sha256", issued["ca_sha256"], "--tls-server-name", issued["tls_server_name"]]  # fmt: skip
         self.proc = start(args, self.log)
 
     def emitted(self) -> list[int]:
@@ -106,10 +108,10 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
         for i in range(DEVICES):
             with hub.client("operator") as api:
                 device_id = api.post("/devices", json={"node_id": node_id, "name": f"saf-{i}", "model": "board"}).json()["id"]
-                token = api.post(f"/devices/{device_id}/bootstrap-token", json={}).json()["bootstrap_token"]
+                issued = api.post(f"/devices/{device_id}/bootstrap-token", json={}).json()
             wait_for(lambda: acl.exists() and device_id in acl.read_text(), 10, what="the broker knows the device")
             emitter = Emitter(device_id, data / device_id, data / f"{device_id}.seqs", data / f"{device_id}.log")
-            emitter.start(f"http://127.0.0.1:{enrol_port}", token)
+            emitter.start(f"https://127.0.0.1:{enrol_port}", issued)
             s.emitters.append(emitter)
         wait_for(s.all_online, 60, interval=0.2, what="edge and devices ONLINE")
         yield s

@@ -38,14 +38,14 @@ class DeviceProcess:
     def __init__(self, stack: DevStack, name: str) -> None:
         with stack.hub.client("operator") as api:
             self.device_id = api.post("/devices", json={"node_id": stack.node_id, "name": name, "model": "test-board"}).json()["id"]
-            token = api.post(f"/devices/{self.device_id}/bootstrap-token", json={}).json()["bootstrap_token"]
+            issued = api.post(f"/devices/{self.device_id}/bootstrap-token", json={}).json()
         # as on a real site, the device starts after the devices' broker's access list knows it (see test_firmware_rollout)
         acl = stack.data / "devices-broker" / "acl"
         wait_for(lambda: acl.exists() and self.device_id in acl.read_text(), 10, what="the devices' broker knows the device")
         time.sleep(0.3)
         self.log = stack.data / f"{name}.log"
         self.args = [*AISYNERGY, "device", "run", "--device-id", self.device_id, "--data-dir", str(stack.data / name),
-                     "--enrol-url", stack.enrol_url, "--bootstrap-token", token]  # fmt: skip
+                     *stack.enrolment_args(issued)]  # fmt: skip
         self.proc: subprocess.Popen[bytes] = start(self.args, self.log)
 
     def kill_9(self) -> None:

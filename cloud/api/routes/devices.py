@@ -16,7 +16,7 @@ from cloud.convert import device_event_to_wire, device_status_to_wire, device_to
 from cloud.services import devices as device_service
 from cloud.services import revocation
 from interfaces.nodes import (
-    BootstrapTokenReissue, CertificateRequest, CommandRequest, CommandResult, DeviceCertificateIssued, DeviceCreate,
+    BootstrapTokenIssued, BootstrapTokenReissue, CertificateRequest, CommandRequest, CommandResult, DeviceCertificateIssued, DeviceCreate,
     DeviceEvent, DevicePublic, DeviceStatus, DeviceUpdate, Twin, TwinUpdate,
 )  # fmt: skip
 from interfaces.pagination import Page
@@ -92,7 +92,7 @@ def device_events(device_id: str, session: SessionDep, _: Viewer, limit: Limit =
 
 
 @router.post("/{device_id}/bootstrap-token", status_code=status.HTTP_201_CREATED)
-def reissue_device_bootstrap_token(device_id: str, body: BootstrapTokenReissue, session: SessionDep, caller: Operator, __: IdempotencyKey = None) -> dict[str, str]:
+def reissue_device_bootstrap_token(device_id: str, body: BootstrapTokenReissue, session: SessionDep, ca: CADep, caller: Operator, __: IdempotencyKey = None) -> BootstrapTokenIssued:
     """Issue a one-time bootstrap token with which the device enrols (through its edge).
 
     The operator role suffices for a device that never enrolled; for one that holds (or held) a certificate this
@@ -101,7 +101,8 @@ def reissue_device_bootstrap_token(device_id: str, body: BootstrapTokenReissue, 
     new token revokes nothing: the earlier certificate stays valid until an admin calls
     `POST /devices/{id}/certificates/revoke-superseded`, or it expires."""
     token, expires = device_service.reissue_bootstrap(session, device_id, body.ttl_s, caller)
-    return {"bootstrap_token": token, "bootstrap_expires_at": expires.isoformat()}
+    edge = device_service.get(session, device_id).node_id  # its listener's certificate is the node's, named by its id
+    return BootstrapTokenIssued(bootstrap_token=token, bootstrap_expires_at=expires, ca_sha256=ca.fingerprint, tls_server_name=edge)
 
 
 @router.post("/{device_id}/certificates/revoke-superseded")

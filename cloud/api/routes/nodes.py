@@ -18,6 +18,7 @@ from cloud.services import revocation
 from interfaces.lifecycle import NodeState
 from interfaces.nodes import (
     AdminStateUpdate,
+    BootstrapTokenIssued,
     BootstrapTokenReissue,
     CertificateIssued,
     CertificateRequest,
@@ -41,10 +42,10 @@ router = APIRouter(prefix="/nodes", tags=["nodes"], responses=PROBLEM_RESPONSES)
 
 
 @router.post("", status_code=status.HTTP_201_CREATED)
-def register_node(body: NodeCreate, session: SessionDep, _: Operator, __: IdempotencyKey = None) -> NodeRegistered:
-    """Pre-register an edge node; returns its one-time bootstrap token."""
+def register_node(body: NodeCreate, session: SessionDep, ca: CADep, _: Operator, __: IdempotencyKey = None) -> NodeRegistered:
+    """Pre-register an edge node; returns its one-time bootstrap token and the CA fingerprint it checks first."""
     node, token, expires = node_service.register(session, body)
-    return NodeRegistered(node=node_to_wire(node), bootstrap_token=token, bootstrap_expires_at=expires)
+    return NodeRegistered(node=node_to_wire(node), bootstrap_token=token, bootstrap_expires_at=expires, ca_sha256=ca.fingerprint)
 
 
 @router.get("")
@@ -109,7 +110,7 @@ def node_history(node_id: str, session: SessionDep, _: Viewer, limit: Limit = 10
 
 
 @router.post("/{node_id}/bootstrap-token", status_code=status.HTTP_201_CREATED)
-def reissue_bootstrap_token(node_id: str, body: BootstrapTokenReissue, session: SessionDep, caller: Operator, __: IdempotencyKey = None) -> dict[str, str]:
+def reissue_bootstrap_token(node_id: str, body: BootstrapTokenReissue, session: SessionDep, ca: CADep, caller: Operator, __: IdempotencyKey = None) -> BootstrapTokenIssued:
     """Issue a fresh one-time bootstrap token (to re-enrol a node that lost its identity).
 
     The operator role suffices for a node that never enrolled; for one that holds (or held) a certificate this
@@ -119,7 +120,7 @@ def reissue_bootstrap_token(node_id: str, body: BootstrapTokenReissue, session: 
     working) until an admin calls `POST /nodes/{id}/certificates/revoke-superseded` once the re-enrolled node is
     back online, or until it expires."""
     token, expires = node_service.reissue_bootstrap(session, node_id, body.ttl_s, caller)
-    return {"bootstrap_token": token, "bootstrap_expires_at": expires.isoformat()}
+    return BootstrapTokenIssued(bootstrap_token=token, bootstrap_expires_at=expires, ca_sha256=ca.fingerprint)
 
 
 @router.post("/{node_id}/certificates/revoke-superseded")
