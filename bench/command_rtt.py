@@ -12,7 +12,8 @@ What runs, each in its own process, all on 127.0.0.1:
 * ``--workers`` device-host processes, each running its share of the ``--devices`` devices as real
   :class:`device.agent.Device` instances (the SDK that ``aisynergy device run`` wraps), one MQTT session
   each. Every device is registered with ``POST /api/v1/devices``, gets a one-time token from
-  ``POST /api/v1/devices/{id}/bootstrap-token`` and enrols through the edge's ``--device-listen`` proxy;
+  ``POST /api/v1/devices/{id}/bootstrap-token`` and enrols through the edge's ``--device-listen`` proxy
+  (HTTPS, checked against the CA fingerprint and the server name that answer carries);
 * this orchestrator: registration, the REST load, the raw MQTT baseline, psutil sampling.
 
 Measured:
@@ -182,7 +183,8 @@ def worker_main(spec_path: Path) -> int:
         if stop.is_set() or time.monotonic() > deadline:
             break
         t0 = time.perf_counter()
-        dev = Device(d["id"], d["dir"], enrol_url=spec["enrol_url"], bootstrap_token=d["token"])
+        dev = Device(d["id"], d["dir"], enrol_url=spec["enrol_url"], bootstrap_token=d["token"],
+                     ca_sha256=d["ca_sha256"], tls_server_name=d["tls_server_name"])  # fmt: skip
         try:
             dev.start()  # enrols (CSR -> edge proxy -> hub), then connects in the background
         except Exception as exc:  # noqa: BLE001 - reported to the orchestrator
@@ -451,7 +453,7 @@ class Run:
 
     @property
     def enrol_url(self) -> str:
-        return f"http://127.0.0.1:{self.enrol_port}"
+        return f"https://127.0.0.1:{self.enrol_port}"  # the edge's device listener speaks HTTPS only
 
 
 def code_record() -> dict[str, Any]:
@@ -616,7 +618,8 @@ def start_edge(run: Run, api: Any) -> list[Any]:
     def args(port: int) -> list[str]:
         # a retry finds the identity of the first attempt in --data-dir and needs no token
         a = [*run.cli.get("edge", AISYNERGY), "edge", "run", "--hub", run.hub_url, "--node-id", run.node_id, "--bootstrap-token", reg["bootstrap_token"],
-             "--data-dir", str(run.data_dir / "edge"), "--device-listen", f"127.0.0.1:{port}"]  # fmt: skip
+             "--ca-sha256", reg["ca_sha256"], "--data-dir", str(run.data_dir / "edge"),
+             "--device-listen", f"127.0.0.1:{port}"]  # fmt: skip
         if run.devices_broker_port:
             a += ["--downstream-mqtt-url", f"mqtts://127.0.0.1:{run.devices_broker_port}"]
         return a
@@ -631,12 +634,13 @@ def start_edge(run: Run, api: Any) -> list[Any]:
     return [psutil.Process(edge.popen.pid)]
 
 
-def register_device(api: Any, node_id: str, name: str, model: str = "bench-board") -> tuple[str, str]:
+def register_device(api: Any, node_id: str, name: str, model: str = "bench-board") -> tuple[str, dict[str, str]]:
+    """(device id, the bootstrap-token answer: ``bootstrap_token``, ``ca_sha256``, ``tls_server_name``)."""
     device_id = api_ok(
         api.post("/devices", json={"node_id": node_id, "name": name, "model": model}), f"register {name}"
     )["id"]
-    token = api_ok(api.post(f"/devices/{device_id}/bootstrap-token", json={}), f"token for {name}")["bootstrap_token"]
-    return device_id, token
+    issued = api_ok(api.post(f"/devices/{device_id}/bootstrap-token", json={}), f"token for {name}")
+    return device_id, {key: issued[key] for key in ("bootstrap_token", "ca_sha256", "tls_server_name")}
 
 
 def device_states(api: Any, node_id: str) -> Counter[str]:
@@ -656,7 +660,7 @@ def device_states(api: Any, node_id: str) -> Counter[str]:
     return states
 
 
-def start_devices(run: Run, api: Any, devices: list[tuple[str, str]], script: Path | None = None,
+def start_devices(run: Run, api: Any, devices: list[tuple[str, dict[str, str]]], script: Path | None = None,
                   extra: dict[str, Any] | None = None) -> tuple[list[Any], dict[str, Any]]:  # fmt: skip
     """Device-host workers, started one after another: enrolment is serialised (one certificate request
     at a time reaches the hub; see the caveat on concurrent certificate requests in bench/README.md).
@@ -679,7 +683,8 @@ def start_devices(run: Run, api: Any, devices: list[tuple[str, str]], script: Pa
         spec = {
             "enrol_url": run.enrol_url, "status": str(status_path), "max_lifetime_s": a.max_runtime,
             "log_level": a.device_log_level, "nice": getattr(a, "device_nice", 0),
-            "devices": [{"id": i, "token": t, "dir": str(run.data_dir / "devices" / i)} for i, t in share],
+            "devices": [{"id": i, "dir": str(run.data_dir / "devices" / i), "token": t["bootstrap_token"],
+                         "ca_sha256": t["ca_sha256"], "tls_server_name": t["tls_server_name"]} for i, t in share],
             **(extra or {}),
         }  # fmt: skip
         spec_path.write_text(json.dumps(spec))
@@ -732,14 +737,15 @@ def raw_ready(pair: RawPair, timeout: float) -> None:
     raise RuntimeError("raw baseline: no round trip through the broker (ACL not reloaded?)")
 
 
-def measure_idle_device(run: Run, api: Any, device_id: str, token: str) -> dict[str, Any]:
+def measure_idle_device(run: Run, api: Any, device_id: str, issued: dict[str, str]) -> dict[str, Any]:
     """One ``aisynergy device run`` process, connected and idle with the default heartbeat interval."""
     import psutil
 
     a = run.args
     data = run.data_dir / "idle-device"
     cmd = [*aisynergy_cli(), "device", "run", "--device-id", device_id, "--data-dir", str(data),
-           "--enrol-url", run.enrol_url, "--bootstrap-token", token]  # fmt: skip
+           "--enrol-url", run.enrol_url, "--bootstrap-token", issued["bootstrap_token"],
+           "--ca-sha256", issued["ca_sha256"], "--tls-server-name", issued["tls_server_name"]]  # fmt: skip
     proc = start_proc("idle-device", cmd, run.data_dir / "idle-device.log", run.env)
     run.procs.append(proc)
     t_launch = time.perf_counter()
@@ -779,7 +785,8 @@ def measure_idle_device(run: Run, api: Any, device_id: str, token: str) -> dict[
     per_s = [(b[1] - a_[1]) / (b[0] - a_[0]) * 100 for a_, b in itertools.pairwise(samples) if b[0] > a_[0]]
     rss = [s[2] for s in samples]
     return {
-        "command": " ".join(["aisynergy", *cmd[len(aisynergy_cli()):]]).replace(str(run.data_dir), "$WORK").replace(token, "$BOOTSTRAP_TOKEN"),
+        "command": " ".join(["aisynergy", *cmd[len(aisynergy_cli()):]]).replace(str(run.data_dir), "$WORK")
+                   .replace(issued["bootstrap_token"], "$BOOTSTRAP_TOKEN"),
         "online_after_launch_s": _r(online_after, 2), "settle_s": a.idle_settle, "window_s": _r(t1 - t0, 1),
         "heartbeat_interval_s": enrolment.get("heartbeat_interval_s") or status_before.get("heartbeat_interval_s"),
         "cpu_s": round(c1 - c0, 3), "cpu_pct_of_one_core": _r((c1 - c0) / (t1 - t0) * 100 if t1 > t0 else None, 3),
@@ -818,7 +825,7 @@ def measure(run: Run, handles: dict[str, list[Any]]) -> None:
             "node"
         ]["id"]
         raw_device, _ = register_device(api, raw_node, "bench-raw-responder", "raw")
-        idle_id, idle_token = register_device(api, run.node_id, "bench-idle-device")
+        idle_id, idle_issued = register_device(api, run.node_id, "bench-idle-device")
         t0 = time.perf_counter()
         devices = [register_device(api, run.node_id, f"bench-dev-{i:05d}") for i in range(a.devices)]
         register_wall = time.perf_counter() - t0
@@ -877,7 +884,7 @@ def measure(run: Run, handles: dict[str, list[Any]]) -> None:
 
         if a.idle_seconds > 0:
             log(f"idle device agent: {a.idle_seconds:g} s connected (settle {a.idle_settle:g} s)")
-            r["idle_device"] = measure_idle_device(run, api, idle_id, idle_token)
+            r["idle_device"] = measure_idle_device(run, api, idle_id, idle_issued)
             i = r["idle_device"]
             log(
                 f"idle device: CPU {i['cpu_pct_of_one_core']} % of one core, RSS {i['rss_mib_end']} MiB, USS {i['uss_mib_end']} MiB"

@@ -146,7 +146,8 @@ def worker_main(spec_path: Path) -> int:
         if stop.is_set() or time.monotonic() > deadline:
             break
         t0 = time.perf_counter()
-        dev = Device(d["id"], d["dir"], enrol_url=spec["enrol_url"], bootstrap_token=d["token"])
+        dev = Device(d["id"], d["dir"], enrol_url=spec["enrol_url"], bootstrap_token=d["token"],
+                     ca_sha256=d["ca_sha256"], tls_server_name=d["tls_server_name"])  # fmt: skip
         try:
             dev.start()  # enrols (CSR -> edge proxy -> hub), then connects in the background
         except Exception as exc:  # noqa: BLE001 - reported to the orchestrator

@@ -12,6 +12,8 @@ With an ``ArtifactCache`` the same server also answers ``GET|HEAD /api/v1/artifa
 It serves HTTPS only (the bootstrap tokens and the trust it hands out must not travel in clear), with the
 node's own certificate, which the hub CA issues for the node id (devices check that name: ``tls_server_name``),
 TLS 1.2 at least and AEAD suites only; the TLS handshake runs in the handler pool, within the idle timeout.
+An address whose enrolments were refused :data:`FAILURES_PER_ADDRESS` times within :data:`FAILURE_WINDOW_S`
+waits (429 ``too_many_requests`` with ``Retry-After``; nothing forwarded to the hub): see :class:`FailureLimit`.
 ``GET /api/v1/ca.crt`` answers the hub CA, as the hub does: a device compares its fingerprint with the one it
 was given before it sends its token (:mod:`device.enrol`).
 
@@ -22,13 +24,16 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import re
 import socket
 import ssl
 import threading
+import time
+from collections import OrderedDict, deque
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -48,6 +53,9 @@ from interfaces.topics import DEVICE_STATE
 log = logging.getLogger("aisynergy.edge.enrol_proxy")
 
 MAX_BODY_BYTES = 64 * 1024
+FAILURES_PER_ADDRESS = 10  # refused enrolments from one address within FAILURE_WINDOW_S, then it waits (429)
+FAILURE_WINDOW_S = 60.0
+MAX_ADDRESSES = 10_000  # addresses whose failures are remembered
 TLS12_CIPHERS = "ECDHE+AESGCM:ECDHE+CHACHA20"  # what the listener offers over TLS 1.2 (1.3 is preferred)
 CA_PATH = f"{API_PREFIX}/ca.crt"
 MAX_HANDLERS = 64  # requests handled at once (downloads go out with sendfile: a thread is busy briefly)
@@ -92,6 +100,47 @@ class ProxyAnswer:
     status: int
     body: bytes
     content_type: str
+    retry_after_s: int | None = None  # a Retry-After header (429)
+
+
+class FailureLimit:
+    """Refused enrolments per client address in a sliding window: an address with ``limit`` of them within
+    ``window_s`` waits until the oldest leaves the window (429), and its requests are not forwarded to the hub,
+    so that nobody on the LAN can try tokens or CSRs at the rate of the network. At most ``max_addresses`` are
+    remembered (the one seen longest ago is forgotten first). Thread-safe."""
+
+    def __init__(self, limit: int = FAILURES_PER_ADDRESS, window_s: float = FAILURE_WINDOW_S,
+                 max_addresses: int = MAX_ADDRESSES, clock: Callable[[], float] = time.monotonic) -> None:  # fmt: skip
+        self.limit, self.window_s, self.max_addresses, self._clock = limit, window_s, max_addresses, clock
+        self._failures: OrderedDict[str, deque[float]] = OrderedDict()
+        self._lock = threading.Lock()
+        self.refused = 0  # requests answered 429 (metrics, tests)
+
+    def retry_after(self, address: str) -> int | None:
+        """Seconds ``address`` must wait, or ``None`` when it may try."""
+        with self._lock:
+            failures = self._recent(address)
+            if failures is None or len(failures) < self.limit:
+                return None
+            self.refused += 1
+            return max(1, math.ceil(failures[0] + self.window_s - self._clock()))
+
+    def failed(self, address: str) -> None:
+        with self._lock:
+            failures = self._recent(address)
+            if failures is None:
+                failures = self._failures[address] = deque(maxlen=self.limit)
+                while len(self._failures) > self.max_addresses:
+                    self._failures.popitem(last=False)
+            self._failures.move_to_end(address)
+            failures.append(self._clock())
+
+    def _recent(self, address: str) -> deque[float] | None:
+        failures = self._failures.get(address)
+        if failures is not None:
+            while failures and failures[0] <= self._clock() - self.window_s:
+                failures.popleft()
+        return failures
 
 
 def problem(status: int, code: str, title: str, detail: str | None = None) -> ProxyAnswer:
@@ -125,9 +174,12 @@ class EnrolmentProxy:
         verify: ssl.SSLContext | str | bool = True,
         timeout_s: float = 15.0,
         artifacts: ArtifactCache | None = None,
+        failures: FailureLimit | None = None,
     ) -> None:
         """``tls``: the listener's (:func:`server_context`); ``ca_pem``: the hub CA, answered on ``GET /api/v1/ca.crt``;
-        ``verify``: how the hub is checked when a request is forwarded to it."""
+        ``verify``: how the hub is checked when a request is forwarded to it; ``failures``: the limit on refused
+        enrolments per address (default :class:`FailureLimit`)."""
+        self.failures = failures or FailureLimit()
         self.hub_url = hub_url.rstrip("/")
         self.ca_pem = ca_pem.encode()
         self.node_id = node_id
@@ -247,29 +299,37 @@ class _Handler(BaseHTTPRequestHandler):
         if match is None:
             self._not_allowed()
             return
-        device_id = match.group(1)
+        limit, address = self.server.proxy.failures, self.client_address[0]
+        if (wait := limit.retry_after(address)) is not None:
+            detail = f"{limit.limit} refused enrolments from {address} within {limit.window_s:g} s; try again in {wait} s"
+            log.warning("%s", detail)
+            self._send(replace(problem(429, ErrorCode.TOO_MANY_REQUESTS.value, "Too many refused enrolments", detail), retry_after_s=wait), close=True)
+            return
+        answer, close = self._enrol(match.group(1))
+        if 400 <= answer.status < 500:
+            limit.failed(address)
+        self._send(answer, close=close)
+
+    def _enrol(self, device_id: str) -> tuple[ProxyAnswer, bool]:
+        """The answer to one certificate request, and whether the connection closes after it."""
         try:
             DEVICE_STATE.topic(device_id=device_id)
         except ValueError as exc:
-            self._send(problem(422, ErrorCode.VALIDATION_FAILED.value, "Invalid device id", str(exc)), close=True)
-            return
+            return problem(422, ErrorCode.VALIDATION_FAILED.value, "Invalid device id", str(exc)), True
         length = self.headers.get("content-length")
         if length is None or not length.isdigit():
-            self._send(problem(411, ErrorCode.MALFORMED_REQUEST.value, "Content-Length required"), close=True)
-            return
+            return problem(411, ErrorCode.MALFORMED_REQUEST.value, "Content-Length required"), True
         if int(length) > MAX_BODY_BYTES:
             detail = f"{length} bytes is more than {MAX_BODY_BYTES}"
-            self._send(problem(413, ErrorCode.PAYLOAD_TOO_LARGE.value, "Request body too large", detail), close=True)
-            return
+            return problem(413, ErrorCode.PAYLOAD_TOO_LARGE.value, "Request body too large", detail), True
         body = self.rfile.read(int(length))
         headers = {name.lower(): value for name, value in self.headers.items()}
         try:
-            answer = self.server.proxy.enrol(device_id, body, headers)
+            return self.server.proxy.enrol(device_id, body, headers), False
         except Exception:  # a bug here must still answer the device
             incident = new_id("inc")
             log.exception("enrolment of %s failed (%s)", device_id, incident)
-            answer = problem(500, ErrorCode.INTERNAL.value, "Internal error", incident)
-        self._send(answer)
+            return problem(500, ErrorCode.INTERNAL.value, "Internal error", incident), False
 
     def _not_allowed(self) -> None:
         path = urlsplit(self.path).path
@@ -325,6 +385,8 @@ class _Handler(BaseHTTPRequestHandler):
         self.send_header("Content-Type", answer.content_type)
         self.send_header("Cache-Control", "no-store")  # an enrolment answer is for this device only
         self.send_header("Content-Length", str(len(answer.body)))
+        if answer.retry_after_s is not None:
+            self.send_header("Retry-After", str(answer.retry_after_s))
         if close:
             self.send_header("Connection", "close")
             self.close_connection = True

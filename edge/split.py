@@ -26,7 +26,7 @@ from paho.mqtt.packettypes import PacketTypes
 from paho.mqtt.properties import Properties
 
 from edge.link import Link
-from interfaces.infer import MAX_CORRELATION_BYTES, InferReply, InferRequest
+from interfaces.infer import MAX_CORRELATION_BYTES, MAX_FRAME_BYTES, InferReply, InferRequest
 from interfaces.tasks import SPLIT_HEAD, TaskType, WorkerAction, WorkerOrder
 from interfaces.topics import DEVICE_INFER, DEVICE_INFER_REPLY
 
@@ -102,6 +102,9 @@ class TailRouter:
             request = InferRequest.from_pairs(getattr(props, "UserProperty", None))
         except ValueError as exc:
             await self._refuse(reply_topic, correlation, str(exc))
+            return
+        if len(message.payload or b"") > MAX_FRAME_BYTES:  # type: ignore[arg-type]
+            await self._refuse(reply_topic, correlation, f"a frame of more than {MAX_FRAME_BYTES} bytes")
             return
         if not self.runs_head(ids["device_id"], request.task_id):
             await self._refuse(reply_topic, correlation, f"device {ids['device_id']} runs no head of task {request.task_id}")

@@ -19,6 +19,9 @@ from typing import Annotated, Literal, Self
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 MAX_CORRELATION_BYTES = 64
+MAX_FRAME_BYTES = 8 << 20
+"""The largest payload on ``infer`` and ``infer/reply``: an activation, a raw input or a link probe (at most 1 MiB);
+the only channel above the envelopes' ``MAX_MESSAGE_BYTES``, so the broker's packet limit follows it."""
 MAX_PROPERTY_CHARS = 512
 Text = Annotated[str, Field(max_length=MAX_PROPERTY_CHARS)]
 

@@ -21,14 +21,17 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from cloud.pki import HUB_IDENTITY
+from interfaces.infer import MAX_FRAME_BYTES
 from interfaces.messages import MAX_MESSAGE_BYTES
 from interfaces.topics import HUB_STATE, PREFIX, Tier, acl_pattern
 
 PACKET_HEADROOM_BYTES = 16 * 1024
 """Room in a packet beside its message: fixed header, topic (a few hundred bytes), MQTT 5 properties (response
 topic, correlation data, user properties)."""
-DEFAULT_MAX_PACKET_BYTES = MAX_MESSAGE_BYTES + PACKET_HEADROOM_BYTES
-"""A larger PUBLISH (or any packet) is refused: the broker disconnects its sender."""
+DEFAULT_MAX_PACKET_BYTES = max(MAX_MESSAGE_BYTES, MAX_FRAME_BYTES) + PACKET_HEADROOM_BYTES
+"""A larger PUBLISH (or any packet) is refused: the broker disconnects its sender. The largest message of any
+channel: a split-inference frame (``interfaces.infer.MAX_FRAME_BYTES``); every envelope is bounded far below, by
+``MAX_MESSAGE_BYTES``, at each tier."""
 MAX_QUEUED_MESSAGES = 200_000
 """Per client, QoS 1 messages queued beyond those in flight (the hub's persistent session during a restart)."""
 MAX_QUEUED_BYTES = 256 * 1024 * 1024

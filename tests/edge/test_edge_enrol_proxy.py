@@ -22,7 +22,7 @@ from paho.mqtt.properties import Properties
 
 from device.enrol import CA_PIN_MISMATCH, request_certificate
 from device.errors import EnrolmentError, EnrolmentUnreachable
-from edge.enrol_proxy import EnrolmentProxy, server_context
+from edge.enrol_proxy import EnrolmentProxy, FailureLimit, server_context
 from edge.identity import IdentityStore
 from interfaces.messages import CommandBody, envelope
 from interfaces.nodes import CertificateRequest, DeviceCertificateIssued
@@ -365,3 +365,43 @@ def test_an_answer_naming_another_ca_than_the_pinned_one_is_refused(tmp_path: Pa
 
     # Assert
     assert refused.value.code == CA_PIN_MISMATCH and not store.is_enrolled()
+
+
+def test_an_address_with_too_many_refused_enrolments_waits_and_reaches_the_hub_no_more(
+    tmp_path: Path, test_ca: ThrowawayCA, hub: HubStandIn
+) -> None:
+    # Prepare: a limit of 3 refused enrolments a minute per address
+    node = IdentityStore(tmp_path / "node-identity")
+    node.save(test_ca.issue(node.make_csr(NODE), NODE), hub.url)
+    running = EnrolmentProxy(
+        ("127.0.0.1", 0), hub_url=hub.url, node_id=NODE, device_mqtt_url=DEVICES_BROKER, on_enrolled=lambda d: None,
+        tls=server_context(node.cert_path, node.key_path), ca_pem=test_ca.pem, failures=FailureLimit(limit=3, window_s=60),
+    )  # fmt: skip
+    running.start()
+    try:
+        # Execute: two wrong tokens (the hub refuses), an invalid device id (the edge refuses), then the right token
+        wrong = [post(running, "dev-c", request_body(tmp_path, "dev-c", token=f"bst-wrong-token-0000{i}")) for i in range(2)]
+        wrong.append(post(running, "dev+x", b"{}"))
+        later = post(running, "dev-c", request_body(tmp_path, "dev-c"))
+    finally:
+        running.close()
+
+    # Assert: each refusal counted; then 429 with Retry-After, and the hub saw only the two forwarded attempts
+    assert [r.status_code for r in wrong] == [401, 401, 422]
+    assert (later.status_code, later.json()["code"]) == (429, "too_many_requests")
+    assert 1 <= int(later.headers["retry-after"]) <= 60
+    assert len(hub.requests) == 2
+
+
+def test_the_failure_limit_forgets_what_left_its_window() -> None:
+    now = [0.0]
+    limit = FailureLimit(limit=2, window_s=10, max_addresses=2, clock=lambda: now[0])
+    limit.failed("a")
+    limit.failed("a")
+    assert limit.retry_after("a") == 10 and limit.retry_after("b") is None
+    now[0] = 10.5  # the first failure left the window
+    assert limit.retry_after("a") is None
+    limit.failed("b")
+    limit.failed("c")  # a third address: the one seen longest ago ("a") is forgotten
+    limit.failed("c")
+    assert limit.retry_after("c") == 10 and limit.retry_after("a") is None

@@ -40,6 +40,7 @@ def test_an_older_readable_broker_key_is_made_private(tmp_path: Path) -> None:
 
 def test_the_generated_config_bounds_packets_and_queues_and_allows_only_modern_tls(tmp_path: Path) -> None:
     from cloud.broker.config import BrokerLayout, render_config
+    from interfaces.infer import MAX_FRAME_BYTES
     from interfaces.messages import MAX_MESSAGE_BYTES
 
     # Execute
@@ -47,8 +48,10 @@ def test_the_generated_config_bounds_packets_and_queues_and_allows_only_modern_t
     lines = render_config(layout, "127.0.0.1", 8883, user="mosquitto").splitlines()
     settings = {line.split(" ", 1)[0]: line.split(" ", 1)[1] for line in lines if line and not line.startswith("#")}
 
-    # Assert: a packet holds one message of the wire's limit and its topic and properties, no more
-    assert MAX_MESSAGE_BYTES < int(settings["max_packet_size"]) <= MAX_MESSAGE_BYTES + 64 * 1024
+    # Assert: a packet holds the largest message of any channel (a split-inference frame) and its topic and
+    # properties, no more
+    largest = max(MAX_MESSAGE_BYTES, MAX_FRAME_BYTES)
+    assert largest < int(settings["max_packet_size"]) <= largest + 64 * 1024
     # a client's queue is bounded in messages and in bytes
     assert int(settings["max_queued_messages"]) > 0
     assert 0 < int(settings["max_queued_bytes"]) <= 1024 * 1024 * 1024
