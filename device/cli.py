@@ -111,6 +111,7 @@ def run(
         raise click.UsageError("--firmware, --firmware-manifest and --firmware-public-key go together")
     local = [_dataset_option(text) for text in datasets]
     bootstrap_token = bootstrap_token_option(bootstrap_token, bootstrap_token_file, IdentityStore(data_dir).is_enrolled())
+    ca_sha256 = ca_sha256 or None  # an empty variable (a compose file's default) gives none
     firmware_boot = _boot_firmware(data_dir / FIRMWARE_DIR, *factory)  # type: ignore[arg-type]
     with _exits():
         # a first start enrols, then starts afresh (booting the slots again finds them booted): the agent's process

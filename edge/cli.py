@@ -129,6 +129,7 @@ def run(
     except ValueError as exc:
         raise click.BadParameter(str(exc), param_hint="--artifact-cache-size") from None
     bootstrap_token = bootstrap_token_option(bootstrap_token, bootstrap_token_file, IdentityStore(data_dir).is_enrolled())
+    ca_sha256 = ca_sha256 or None  # an empty variable (a compose file's default) gives none
     if ca_sha256 is not None:
         try:
             parse_ca_pin(ca_sha256)

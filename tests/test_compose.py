@@ -36,6 +36,10 @@ def test_compose_services_and_commands_are_valid(monkeypatch) -> None:
         command.make_context(name, rest)  # raises click.UsageError on an unknown option
     assert services["hub"]["environment"]["AISYNERGY_DATABASE_URL"].startswith("postgresql://")
     assert "mqtts://broker:8883" in services["hub"]["command"]
+    # HTTPS (the default of hub serve) under the name the edge uses, published on the loopback unless asked
+    assert "--no-tls" not in services["hub"]["command"] and "hub" in services["hub"]["command"]
+    assert services["hub"]["ports"] == ["${HUB_BIND:-127.0.0.1}:8000:8000"]
+    assert "https://hub:8000" in services["edge"]["command"] and "AISYNERGY_CA_SHA256" in services["edge"]["environment"]
 
 
 def test_the_broker_never_mounts_the_hubs_pki() -> None:
