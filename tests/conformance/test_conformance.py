@@ -4,6 +4,7 @@ spec, where exactly the matching clause must fail."""
 
 from __future__ import annotations
 
+import ssl
 import subprocess
 import sys
 import xml.etree.ElementTree as ET
@@ -30,9 +31,10 @@ class Running:
     tokens: dict[str, str]
 
 
-def _healthy(url: str) -> bool:
+def _healthy(url: str, ca: Path | None = None) -> bool:
+    verify = ssl.create_default_context(cafile=str(ca)) if ca is not None else True
     try:
-        return httpx.get(url + "/healthz", timeout=1).json().get("mqtt", {}).get("connected", False)  # type: ignore[no-any-return]
+        return httpx.get(url + "/healthz", timeout=1, verify=verify).json().get("mqtt", {}).get("connected", False)  # type: ignore[no-any-return]
     except (httpx.HTTPError, ValueError):
         return False
 
@@ -72,10 +74,10 @@ def our_stack(tmp_path: Path) -> Iterator[Running]:
     proc = start([*AISYNERGY, "up", "--data-dir", str(data), "--hub-port", str(hub_port), "--broker-port", str(broker_port),
                   "--enrol-port", str(free_port()), "--devices", "1", "--no-table"], tmp_path / "up.log", env=FAST_LIVENESS)  # fmt: skip
     try:
-        hub_url = f"http://127.0.0.1:{hub_port}"
+        hub_url = f"https://127.0.0.1:{hub_port}"  # as aisynergy up serves it: HTTPS, a certificate from the hub CA
         wait_for(lambda: "devices " in (tmp_path / "up.log").read_text() or proc.poll() is not None, 120, interval=0.5, what="aisynergy up")
         assert proc.poll() is None, (tmp_path / "up.log").read_text()[-3000:]
-        assert _healthy(hub_url)
+        assert _healthy(hub_url, data / "pki" / "ca.crt")
         db = f"sqlite:///{data / 'hub.db'}"
         tokens = {"admin": (data / "admin.token").read_text().strip(), **{r: create_token(data, db, r) for r in ("operator", "viewer")}}
         yield Running(hub_url, f"mqtts://127.0.0.1:{broker_port}", data / "pki" / "ca.crt", tokens)

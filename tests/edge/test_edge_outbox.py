@@ -203,7 +203,7 @@ def test_a_device_state_goes_ahead_of_the_events_queued_meanwhile_and_only_its_n
     states = [_state(ConnectionState.ONLINE, "1"), _state(ConnectionState.OFFLINE, "1"), _state(ConnectionState.ONLINE, "2")]
     for state in states:
         device.publish(DEVICE_STATE.topic(device_id=DEVICE), state, retain=True)
-    wait_until(lambda: outbox_rows(node_dir) == len(EVENTS), what=f"{len(EVENTS)} events in the outbox")
+    wait_until(lambda: outbox_rows(node_dir) == len(EVENTS), timeout=30, what=f"{len(EVENTS)} events in the outbox")
     up.start()
 
     # Assert: the newest state arrives first, alone; then every event in order

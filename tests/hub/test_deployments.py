@@ -196,7 +196,7 @@ def test_cli_create_watch_and_errors(fleet: Fleet, monkeypatch: pytest.MonkeyPat
     from cloud.cli import deploy as cli
 
     # Prepare: the CLI talks to the in-process hub through the TestClient
-    monkeypatch.setattr(cli, "_client", lambda hub_url, token: fleet.hub.client)
+    monkeypatch.setattr(cli, "_client", lambda hub_url, token, ca_file=None: fleet.hub.client)
     devices = fleet.devices(2)
     runner = CliRunner()
     token = fleet.hub.tokens[Role.OPERATOR]
