@@ -38,6 +38,27 @@ class CsrError(ValueError):
     """The CSR cannot be signed: unparseable, bad signature, wrong subject or weak key."""
 
 
+class CsrKeyMismatch(CsrError):
+    """A renewal's CSR holds another public key than the certificate it renews."""
+
+
+class CertificateError(ValueError):
+    """A certificate presented for renewal is unreadable (``readable`` False), or not one this CA issued to the name."""
+
+    def __init__(self, message: str, readable: bool = True) -> None:
+        super().__init__(message)
+        self.readable = readable
+
+
+@dataclass(frozen=True)
+class Presented:
+    """A certificate this CA issued, as presented for renewal."""
+
+    serial: str
+    not_after: dt.datetime
+    public_key_der: bytes
+
+
 @dataclass(frozen=True)
 class Issued:
     certificate_pem: str
@@ -75,6 +96,10 @@ def write_public(path: Path, data: bytes) -> None:
 
 def _key_pem(key: ec.EllipticCurvePrivateKey) -> bytes:
     return key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption())
+
+
+def _public_der(public_key: object) -> bytes:
+    return public_key.public_bytes(serialization.Encoding.DER, serialization.PublicFormat.SubjectPublicKeyInfo)  # type: ignore[attr-defined,no-any-return]
 
 
 def _host_names(hosts: list[str]) -> list[x509.GeneralName]:
@@ -223,9 +248,27 @@ class CertificateAuthority:
         ).sign(self._key, hashes.SHA256())
 
     # ---- node identities ----------------------------------------------------------------------------
-    def sign_csr(self, csr_pem: str, expected_cn: str, validity: dt.timedelta = LEAF_VALIDITY, server: bool = False) -> Issued:
+    def check_issued(self, certificate_pem: str, expected_cn: str) -> Presented:
+        """A certificate this CA signed for exactly ``CN=<expected_cn>`` (expired or not: the caller judges when);
+        :class:`CertificateError` otherwise."""
+        try:
+            cert = x509.load_pem_x509_certificate(certificate_pem.encode())
+        except ValueError as exc:
+            raise CertificateError("not a PEM X.509 certificate", readable=False) from exc
+        try:
+            cert.verify_directly_issued_by(self.cert)
+        except (ValueError, TypeError, InvalidSignature) as exc:
+            raise CertificateError("the certificate was not issued by this hub's CA") from exc
+        cns = cert.subject.get_attributes_for_oid(NameOID.COMMON_NAME)
+        if len(cns) != 1 or cns[0].value != expected_cn or len(cert.subject) != 1:
+            raise CertificateError(f"the certificate is not issued to CN={expected_cn}")
+        return Presented(format(cert.serial_number, "x"), cert.not_valid_after_utc, _public_der(cert.public_key()))
+
+    def sign_csr(self, csr_pem: str, expected_cn: str, validity: dt.timedelta = LEAF_VALIDITY, server: bool = False,
+                 same_key_as: bytes | None = None) -> Issued:  # fmt: skip
         """Sign an agent's CSR. The subject must be exactly ``CN=<expected_cn>``; RSA < 2048 refused. ``server``:
-        the certificate may also serve TLS under that name (a node's: see :meth:`_client_cert`)."""
+        the certificate may also serve TLS under that name (a node's: see :meth:`_client_cert`). ``same_key_as``:
+        the DER public key the CSR must hold (a renewal keeps its key: :class:`CsrKeyMismatch` otherwise)."""
         try:
             csr = x509.load_pem_x509_csr(csr_pem.encode())
         except (ValueError, TypeError) as exc:
@@ -239,6 +282,8 @@ class CertificateAuthority:
         if len(cns) != 1 or cns[0].value != expected_cn or len(csr.subject) != 1:
             raise CsrError(f"the CSR's subject must be exactly CN={expected_cn}")
         public_key = csr.public_key()
+        if same_key_as is not None and _public_der(public_key) != same_key_as:
+            raise CsrKeyMismatch("the CSR's public key is not the certificate's: a renewal keeps its key")
         if isinstance(public_key, rsa.RSAPublicKey):
             if public_key.key_size < 2048:
                 raise CsrError("RSA keys shorter than 2048 bits are refused")

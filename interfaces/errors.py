@@ -25,6 +25,11 @@ class ErrorCode(StrEnum):
     BOOTSTRAP_TOKEN_USED = "bootstrap_token_used"
     CSR_INVALID = "csr_invalid"  # unparseable CSR, bad signature, wrong subject, weak key
     NODE_DELETED = "node_deleted"
+    CERTIFICATE_INVALID = "certificate_invalid"  # a renewal's certificate is not a PEM certificate (422)
+    CERTIFICATE_UNKNOWN = "certificate_unknown"  # not issued by the hub CA to this id, or not recorded for it (403)
+    CERTIFICATE_REVOKED = "certificate_revoked"  # a renewal's certificate was revoked (403)
+    CERTIFICATE_EXPIRED_BEYOND_GRACE = "certificate_expired_beyond_grace"  # expired longer ago than the grace: re-enrol (403)
+    CSR_KEY_MISMATCH = "csr_key_mismatch"  # a renewal's CSR holds another key than its certificate (403)
     PAYLOAD_TOO_LARGE = "payload_too_large"
     UNSUPPORTED_MEDIA_TYPE = "unsupported_media_type"
     METHOD_NOT_ALLOWED = "method_not_allowed"

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from datetime import datetime
+from datetime import datetime, timedelta
 from enum import StrEnum
 from typing import Annotated, Any, Literal
 
@@ -100,6 +100,21 @@ class BootstrapTokenReissue(_In):
 class CertificateRequest(_In):
     csr_pem: str = Field(min_length=64, max_length=16384, description="PEM PKCS#10 CSR; subject CN = node id")
     bootstrap_token: str = Field(min_length=16, max_length=256)
+
+
+# Certificate renewal (DESIGN §6): an agent renews from the identity it holds when less than RENEW_BEFORE of its
+# certificate is left, and the hub still renews one that expired less than RENEWAL_GRACE ago (an agent that was
+# offline for a while); beyond it the identity re-enrols with a new bootstrap token.
+RENEW_BEFORE = timedelta(days=60)
+RENEWAL_GRACE = timedelta(days=30)
+
+
+class CertificateRenewal(_In):
+    """``POST /nodes/{id}/certificate/renewal`` and ``POST /devices/{id}/certificate/renewal``: proof of possession,
+    no token. The CSR must be signed by the key of the certificate it renews."""
+
+    certificate_pem: str = Field(min_length=64, max_length=16384, description="the PEM certificate the hub issued to this id")
+    csr_pem: str = Field(min_length=64, max_length=16384, description="PEM PKCS#10 CSR; subject CN = the id, the certificate's public key")
 
 
 class CertificateIssued(BaseModel):

@@ -19,7 +19,7 @@ from cloud.pki import CertificateAuthority
 from cloud.tables import Certificate, Device, DeviceEventRow
 from interfaces.ids import is_id, new_id
 from interfaces.lifecycle import NodeState
-from interfaces.nodes import CertificateRequest, DeviceCreate, DeviceUpdate, TwinUpdate
+from interfaces.nodes import CertificateRenewal, CertificateRequest, DeviceCreate, DeviceUpdate, TwinUpdate
 
 log = logging.getLogger("aisynergy.hub.devices")
 
@@ -97,6 +97,11 @@ def revoke_superseded(session: Session, device_id: str, actor: TokenIdentity) ->
 def enrol(session: Session, ca: CertificateAuthority, device_id: str, body: CertificateRequest, validity: timedelta) -> tuple[Device, Certificate, str]:
     """Devices enrol like nodes (their edge forwards the request); deleting a node deletes its devices."""
     return enrolment.enrol(session, ca, Device, device_id, body.csr_pem, body.bootstrap_token, validity)  # type: ignore[no-any-return]
+
+
+def renew(session: Session, ca: CertificateAuthority, device_id: str, body: CertificateRenewal, validity: timedelta) -> tuple[Device, Certificate, str]:
+    """A new certificate for the holder of the device's key (:func:`cloud.services.enrolment.renew`)."""
+    return enrolment.renew(session, ca, Device, device_id, body, validity)  # type: ignore[no-any-return]
 
 
 def events(session: Session, device_id: str, limit: int, cursor: str | None) -> tuple[list[DeviceEventRow], str | None]:

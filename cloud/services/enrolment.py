@@ -1,4 +1,4 @@
-"""Identities for nodes and devices alike: one-time bootstrap tokens and CSR signing."""
+"""Identities for nodes and devices alike: one-time bootstrap tokens, CSR signing and renewal."""
 
 from __future__ import annotations
 
@@ -12,12 +12,13 @@ from sqlmodel import Session
 from cloud.auth import hash_secret, new_secret
 from cloud.convert import utc
 from cloud.errors import BadRequest, Conflict, Forbidden, NotFound
-from cloud.pki import CertificateAuthority, CsrError
+from cloud.pki import CertificateAuthority, CertificateError, CsrError, CsrKeyMismatch
 from cloud.services import audit
 from cloud.tables import BootstrapToken, Certificate, Device
 from interfaces.errors import ErrorCode
 from interfaces.ids import is_id
 from interfaces.lifecycle import NodeState
+from interfaces.nodes import RENEWAL_GRACE, CertificateRenewal
 
 log = logging.getLogger("aisynergy.hub.enrolment")
 BOOTSTRAP_PREFIX = "bst_"
@@ -118,4 +119,59 @@ def enrol(session: Session, ca: CertificateAuthority, owner: type[Any], owner_id
     session.add(row)
     session.commit()
     log.info("issued certificate %s to %s %s (%d earlier ones still valid)", issued.serial, kind, owner_id, len(still_valid))
+    return row, cert, issued.certificate_pem
+
+
+def renew(session: Session, ca: CertificateAuthority, owner: type[Any], owner_id: str, body: CertificateRenewal,
+          validity: timedelta) -> tuple[Any, Certificate, str]:  # fmt: skip
+    """Sign a new certificate for the holder of ``owner_id``'s key: proof of possession, no token.
+
+    The presented certificate must be one this CA issued to ``owner_id``, recorded for it and not revoked, and not
+    expired longer than RENEWAL_GRACE ago; the CSR must hold its public key (only the key's holder renews). The old
+    certificate stays valid until it expires. Recorded as ``certificate_renewed`` on the node.
+    """
+    kind = owner.__name__.lower()
+    if not is_id(owner_id):
+        raise NotFound(f"{kind} {owner_id} does not exist")
+    try:
+        presented = ca.check_issued(body.certificate_pem, owner_id)
+    except CertificateError as exc:
+        if not exc.readable:
+            raise BadRequest(str(exc), code=ErrorCode.CERTIFICATE_INVALID, status=422) from exc
+        raise Forbidden(str(exc), code=ErrorCode.CERTIFICATE_UNKNOWN) from exc
+    recorded = session.get(Certificate, presented.serial)
+    if recorded is None or recorded.identity != owner_id:
+        raise Forbidden(f"certificate {presented.serial} is not recorded for {kind} {owner_id}", code=ErrorCode.CERTIFICATE_UNKNOWN)
+    if recorded.revoked_at is not None:
+        raise Forbidden(f"certificate {presented.serial} was revoked", code=ErrorCode.CERTIFICATE_REVOKED)
+    at = datetime.now(UTC)
+    if presented.not_after + RENEWAL_GRACE <= at:
+        raise Forbidden(
+            f"certificate {presented.serial} expired on {presented.not_after:%Y-%m-%d}, more than {RENEWAL_GRACE.days} days ago: "
+            "re-enrol with a new bootstrap token",
+            code=ErrorCode.CERTIFICATE_EXPIRED_BEYOND_GRACE,
+        )
+    row = session.get(owner, owner_id)
+    if row is None:
+        raise NotFound(f"{kind} {owner_id} does not exist")
+    if row.state == NodeState.DELETED:
+        raise Conflict(f"{kind} {owner_id} was deleted", code=ErrorCode.NODE_DELETED)
+    try:
+        issued = ca.sign_csr(body.csr_pem, expected_cn=owner_id, validity=validity, server=kind == "node", same_key_as=presented.public_key_der)
+    except CsrKeyMismatch as exc:
+        raise Forbidden(str(exc), code=ErrorCode.CSR_KEY_MISMATCH) from exc
+    except CsrError as exc:
+        raise BadRequest(str(exc), code=ErrorCode.CSR_INVALID, status=422) from exc
+    ids = {"device_id": owner_id} if owner is Device else {}
+    audit.record(session, row.node_id if owner is Device else owner_id, "certificate_renewed", None,
+                 f"{kind} {owner_id} renewed its certificate {presented.serial}; it stays valid until it expires",
+                 serial=issued.serial, renewed=presented.serial, **ids)  # fmt: skip
+    cert = Certificate(serial=issued.serial, identity=owner_id, issued_at=at, not_after=issued.not_after)
+    session.add(cert)
+    row.certificate_serial = issued.serial
+    row.certificate_not_after = issued.not_after
+    row.updated_at = at
+    session.add(row)
+    session.commit()
+    log.info("renewed certificate %s of %s %s as %s", presented.serial, kind, owner_id, issued.serial)
     return row, cert, issued.certificate_pem

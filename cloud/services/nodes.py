@@ -22,7 +22,7 @@ from interfaces.auth import Role
 from interfaces.errors import ErrorCode
 from interfaces.ids import is_id, new_id
 from interfaces.lifecycle import AdminState, IllegalTransition, NodeState, check_transition
-from interfaces.nodes import CertificateRequest, NodeCreate, NodeUpdate, TwinUpdate
+from interfaces.nodes import CertificateRenewal, CertificateRequest, NodeCreate, NodeUpdate, TwinUpdate
 
 log = logging.getLogger("aisynergy.hub.nodes")
 
@@ -151,6 +151,11 @@ def revoke_recorded(session: Session, node_id: str, identity: str, current: str 
 def enrol(session: Session, ca: CertificateAuthority, node_id: str, body: CertificateRequest, validity: timedelta) -> tuple[Node, Certificate, str]:
     """Check the one-time bootstrap token, sign the CSR, revoke any certificate it supersedes."""
     return enrolment.enrol(session, ca, Node, node_id, body.csr_pem, body.bootstrap_token, validity)  # type: ignore[no-any-return]
+
+
+def renew(session: Session, ca: CertificateAuthority, node_id: str, body: CertificateRenewal, validity: timedelta) -> tuple[Node, Certificate, str]:
+    """A new certificate for the holder of the node's key (:func:`cloud.services.enrolment.renew`)."""
+    return enrolment.renew(session, ca, Node, node_id, body, validity)  # type: ignore[no-any-return]
 
 
 def delete(session: Session, node_id: str) -> Node:

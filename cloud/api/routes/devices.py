@@ -12,11 +12,14 @@ from cloud.api.deps import (
     DEFAULT_PAGE, Admin, CADep, Cursor, IdempotencyKey, Limit, Operator, Selector, SessionDep, SettingsDep, Viewer, poke_desired, read_one,
 )  # fmt: skip
 from cloud.api.problems import PROBLEM_RESPONSES
+from cloud.config import Settings
+from cloud.pki import CertificateAuthority
+from cloud.tables import Certificate, Device
 from cloud.convert import device_event_to_wire, device_status_to_wire, device_to_wire, twin_to_wire
 from cloud.services import devices as device_service
 from cloud.services import revocation
 from interfaces.nodes import (
-    BootstrapTokenIssued, BootstrapTokenReissue, CertificateRequest, CommandRequest, CommandResult, DeviceCertificateIssued, DeviceCreate,
+    BootstrapTokenIssued, BootstrapTokenReissue, CertificateRenewal, CertificateRequest, CommandRequest, CommandResult, DeviceCertificateIssued, DeviceCreate,
     DeviceEvent, DevicePublic, DeviceStatus, DeviceUpdate, Twin, TwinUpdate,
 )  # fmt: skip
 from interfaces.pagination import Page
@@ -120,6 +123,22 @@ def enrol_device(device_id: str, body: CertificateRequest, request: Request, ses
     """Sign the device's CSR (CN = device id) in exchange for its bootstrap token; its edge forwards this."""
     device, cert, pem = device_service.enrol(session, ca, device_id, body, timedelta(days=settings.certificate_validity_days))
     revocation.publish(session, ca)
+    return _issued(device, cert, pem, request, ca, settings)
+
+
+@router.post("/{device_id}/certificate/renewal", openapi_extra={"security": []})
+def renew_device_certificate(device_id: str, body: CertificateRenewal, request: Request, session: SessionDep, ca: CADep, settings: SettingsDep, __: IdempotencyKey = None) -> DeviceCertificateIssued:
+    """Sign a new certificate for the holder of the device's key, as for a node (its edge forwards this).
+
+    The certificate must be one the hub issued to this device and did not revoke, at most 30 days expired
+    (`certificate_expired_beyond_grace` otherwise: re-enrol with a new bootstrap token); the CSR must hold its key
+    (`csr_key_mismatch`). The old certificate stays valid until it expires. Recorded as a `certificate_renewed`
+    event on the device's node (source `hub`, `data.device_id`)."""
+    device, cert, pem = device_service.renew(session, ca, device_id, body, timedelta(days=settings.certificate_validity_days))
+    return _issued(device, cert, pem, request, ca, settings)
+
+
+def _issued(device: Device, cert: Certificate, pem: str, request: Request, ca: CertificateAuthority, settings: Settings) -> DeviceCertificateIssued:
     return DeviceCertificateIssued(
         device_id=device.id, node_id=device.node_id, certificate_pem=pem, ca_pem=ca.ca_pem, serial=cert.serial,
         not_after=cert.not_after, mqtt_url=settings.public_mqtt_url or settings.broker_url,

@@ -9,6 +9,9 @@ from fastapi.concurrency import run_in_threadpool
 
 from cloud.api.deps import DEFAULT_PAGE, Admin, CADep, Cursor, IdempotencyKey, Limit, Operator, Selector, SessionDep, SettingsDep, Viewer
 from cloud.api.problems import PROBLEM_RESPONSES
+from cloud.config import Settings
+from cloud.pki import CertificateAuthority
+from cloud.tables import Certificate, Node
 from cloud.api import commands
 from cloud.api.deps import poke_desired, read_one
 from cloud.convert import device_to_wire, node_event_to_wire, node_status_to_wire, node_to_wire, transition_to_wire, twin_to_wire
@@ -21,6 +24,7 @@ from interfaces.nodes import (
     BootstrapTokenIssued,
     BootstrapTokenReissue,
     CertificateIssued,
+    CertificateRenewal,
     CertificateRequest,
     CommandRequest,
     CommandResult,
@@ -139,6 +143,22 @@ def enrol_node(node_id: str, body: CertificateRequest, request: Request, session
     validity = timedelta(days=settings.certificate_validity_days)
     node, cert, pem = node_service.enrol(session, ca, node_id, body, validity)
     revocation.publish(session, ca)
+    return _issued(node, cert, pem, request, ca, settings)
+
+
+@router.post("/{node_id}/certificate/renewal", openapi_extra={"security": []})
+def renew_node_certificate(node_id: str, body: CertificateRenewal, request: Request, session: SessionDep, ca: CADep, settings: SettingsDep, __: IdempotencyKey = None) -> CertificateIssued:
+    """Sign a new certificate for the holder of the node's key: its certificate (at most 30 days expired) and a CSR of the same key.
+
+    No token: the CSR's signature proves the key. The certificate must be one the hub issued to this node and did
+    not revoke; one expired longer than the grace window is refused (`certificate_expired_beyond_grace`: re-enrol
+    with a new bootstrap token). The old certificate stays valid until it expires. Recorded as a
+    `certificate_renewed` event on the node (source `hub`)."""
+    node, cert, pem = node_service.renew(session, ca, node_id, body, timedelta(days=settings.certificate_validity_days))
+    return _issued(node, cert, pem, request, ca, settings)
+
+
+def _issued(node: Node, cert: Certificate, pem: str, request: Request, ca: CertificateAuthority, settings: Settings) -> CertificateIssued:
     return CertificateIssued(
         node_id=node.id, certificate_pem=pem, ca_pem=ca.ca_pem, serial=cert.serial, not_after=cert.not_after,
         mqtt_url=settings.public_mqtt_url or settings.broker_url, heartbeat_interval_s=settings.heartbeat_interval_s, offline_timeout_s=settings.offline_timeout_s,
