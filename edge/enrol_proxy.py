@@ -1,7 +1,8 @@
 """The device enrolment proxy: devices enrol through their edge, which may be all they can reach.
 
 ``POST /api/v1/devices/{device_id}/certificate`` (a ``CertificateRequest``, at most 64 KiB) is forwarded
-to the hub's route of the same path. The hub's answer must be a ``DeviceCertificateIssued`` for this
+to the hub's route of the same path, and so is ``POST /api/v1/devices/{device_id}/certificate/renewal`` (a
+``CertificateRenewal``: a device renews through the edge it enrolled with, DESIGN §6). The hub's answer must be a ``DeviceCertificateIssued`` for this
 node (403 ``forbidden`` otherwise); the device then joins the edge's registry and ``mqtt_url`` becomes
 the broker the edge's devices use. The hub's refusals pass through unchanged (status and body); an
 unreachable hub is 503 ``hub_unreachable``. Errors are RFC 9457 problem documents (DESIGN §4).
@@ -62,7 +63,7 @@ MAX_HANDLERS = 64  # requests handled at once (downloads go out with sendfile: a
 IDLE_TIMEOUT_S = 30.0  # a connection silent this long is closed
 HUB_UNREACHABLE = ErrorCode.HUB_UNREACHABLE.value
 INVALID_RESPONSE = ErrorCode.INVALID_RESPONSE.value
-_PATH = re.compile(rf"^{re.escape(API_PREFIX)}/devices/([^/]+)/certificate$")
+_PATH = re.compile(rf"^{re.escape(API_PREFIX)}/devices/([^/]+)/(certificate(?:/renewal)?)$")
 _FORWARDED_HEADERS = ("content-type", "accept", "idempotency-key")
 
 
@@ -211,9 +212,10 @@ class EnrolmentProxy:
             self._thread.join(5)
         self._server.server_close()
 
-    def enrol(self, device_id: str, body: bytes, headers: dict[str, str]) -> ProxyAnswer:
-        """Forward one certificate request to the hub and check, record and rewrite its answer."""
-        url = f"{self.hub_url}{API_PREFIX}/devices/{device_id}/certificate"
+    def enrol(self, device_id: str, body: bytes, headers: dict[str, str], route: str = "certificate") -> ProxyAnswer:
+        """Forward one certificate request (``route`` ``certificate``) or renewal (``certificate/renewal``) to the
+        hub and check, record and rewrite its answer."""
+        url = f"{self.hub_url}{API_PREFIX}/devices/{device_id}/{route}"
         forwarded = {name: headers[name] for name in _FORWARDED_HEADERS if name in headers}
         log.info("forwarding the certificate request of device %s to %s", device_id, url)
         try:
@@ -305,13 +307,13 @@ class _Handler(BaseHTTPRequestHandler):
             log.warning("%s", detail)
             self._send(replace(problem(429, ErrorCode.TOO_MANY_REQUESTS.value, "Too many refused enrolments", detail), retry_after_s=wait), close=True)
             return
-        answer, close = self._enrol(match.group(1))
+        answer, close = self._enrol(match.group(1), match.group(2))
         if 400 <= answer.status < 500:
             limit.failed(address)
         self._send(answer, close=close)
 
-    def _enrol(self, device_id: str) -> tuple[ProxyAnswer, bool]:
-        """The answer to one certificate request, and whether the connection closes after it."""
+    def _enrol(self, device_id: str, route: str) -> tuple[ProxyAnswer, bool]:
+        """The answer to one certificate request or renewal, and whether the connection closes after it."""
         try:
             DEVICE_STATE.topic(device_id=device_id)
         except ValueError as exc:
@@ -325,7 +327,7 @@ class _Handler(BaseHTTPRequestHandler):
         body = self.rfile.read(int(length))
         headers = {name.lower(): value for name, value in self.headers.items()}
         try:
-            return self.server.proxy.enrol(device_id, body, headers), False
+            return self.server.proxy.enrol(device_id, body, headers, route), False
         except Exception:  # a bug here must still answer the device
             incident = new_id("inc")
             log.exception("enrolment of %s failed (%s)", device_id, incident)

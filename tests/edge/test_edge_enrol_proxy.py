@@ -25,7 +25,7 @@ from device.errors import EnrolmentError, EnrolmentUnreachable
 from edge.enrol_proxy import EnrolmentProxy, FailureLimit, server_context
 from edge.identity import IdentityStore
 from interfaces.messages import CommandBody, envelope
-from interfaces.nodes import CertificateRequest, DeviceCertificateIssued
+from interfaces.nodes import CertificateRenewal, CertificateRequest, DeviceCertificateIssued
 from interfaces.topics import DEVICE_CMD, NODE_STATE, RELAY_CMD, RELAY_CMD_REPLY, Tier, own_subtree
 from tests.edge.support import (
     Mosquitto,
@@ -62,7 +62,11 @@ class HubStandIn:
             def do_POST(self) -> None:
                 raw = self.rfile.read(int(self.headers["content-length"]))
                 stand_in.requests.append((self.path, {k.lower(): v for k, v in self.headers.items()}, raw))
-                status, document = stand_in.answer(self.path.split("/")[-2], raw)
+                parts = self.path.split("/")  # /api/v1/devices/{id}/certificate[/renewal]
+                if parts[-1] == "renewal":
+                    status, document = stand_in.renew(parts[-3], raw)
+                else:
+                    status, document = stand_in.answer(parts[-2], raw)
                 payload = json.dumps(document).encode()
                 self.send_response(status)
                 self.send_header("Content-Type", "application/json" if status < 300 else "application/problem+json")
@@ -90,6 +94,12 @@ class HubStandIn:
             return 201, {"device_id": device_id}
         issued = self.ca.issue_device(request.csr_pem, device_id, self.owners[device_id], HUB_BROKER)
         return 201, issued.model_dump(mode="json")
+
+    def renew(self, device_id: str, raw: bytes) -> tuple[int, dict]:
+        request = CertificateRenewal.model_validate_json(raw)
+        if "BEGIN CERTIFICATE" not in request.certificate_pem:
+            return 403, {"type": "urn:aisynergy:error:certificate_unknown", "title": "Unknown", "status": 403, "code": "certificate_unknown"}
+        return 200, self.ca.issue_device(request.csr_pem, device_id, self.owners[device_id], HUB_BROKER).model_dump(mode="json")
 
     def close(self) -> None:
         self.server.shutdown()
@@ -137,8 +147,8 @@ def csr(tmp_path: Path, device_id: str) -> str:
     return IdentityStore(tmp_path / device_id).make_csr(device_id)
 
 
-def post(proxy: EnrolmentProxy, device_id: str, content: bytes, **headers: str) -> httpx.Response:
-    url = f"{base_url(proxy)}/api/v1/devices/{device_id}/certificate"
+def post(proxy: EnrolmentProxy, device_id: str, content: bytes, route: str = "certificate", **headers: str) -> httpx.Response:
+    url = f"{base_url(proxy)}/api/v1/devices/{device_id}/{route}"
     return as_device("POST", url, proxy.ca_pem.decode(), content=content, headers={"content-type": "application/json", **headers})
 
 
@@ -194,6 +204,55 @@ def test_the_hubs_refusal_passes_through_unchanged(
     assert response.headers["content-type"] == "application/problem+json"
     assert response.json()["code"] == "bootstrap_token_invalid"
     assert enrolled == []
+
+
+def _renewal(tmp_path: Path, device_id: str, certificate_pem: str) -> bytes:
+    return CertificateRenewal(certificate_pem=certificate_pem, csr_pem=csr(tmp_path, device_id)).model_dump_json().encode()
+
+
+def test_a_renewal_is_forwarded_and_answered_with_the_devices_broker(
+    tmp_path: Path, hub: HubStandIn, proxy: tuple[EnrolmentProxy, list[str]], test_ca: ThrowawayCA
+) -> None:
+    # Prepare: a device holding a certificate
+    running, _ = proxy
+    held = test_ca.issue_device(csr(tmp_path, "dev-c"), "dev-c", NODE, HUB_BROKER).certificate_pem
+    content = _renewal(tmp_path, "dev-c", held)
+
+    # Execute
+    response = post(running, "dev-c", content, route="certificate/renewal")
+
+    # Assert: the hub's path, the body unchanged; the answer checked and rewritten as an enrolment's
+    assert response.status_code == 200, response.text
+    issued = DeviceCertificateIssued.model_validate_json(response.content)
+    assert (issued.device_id, issued.node_id, issued.mqtt_url) == ("dev-c", NODE, DEVICES_BROKER)
+    assert [(path, forwarded) for path, _, forwarded in hub.requests] == [("/api/v1/devices/dev-c/certificate/renewal", content)]
+
+
+def test_a_renewal_for_another_nodes_device_or_refused_by_the_hub_counts_as_a_failure(
+    tmp_path: Path, hub: HubStandIn, test_ca: ThrowawayCA
+) -> None:
+    # Prepare: a limit of 2 refusals a minute
+    node = IdentityStore(tmp_path / "node-identity")
+    node.save(test_ca.issue(node.make_csr(NODE), NODE), hub.url)
+    running = EnrolmentProxy(
+        ("127.0.0.1", 0), hub_url=hub.url, node_id=NODE, device_mqtt_url=DEVICES_BROKER, on_enrolled=lambda d: None,
+        tls=server_context(node.cert_path, node.key_path), ca_pem=test_ca.pem, failures=FailureLimit(limit=2, window_s=60),
+    )  # fmt: skip
+    running.start()
+    held = test_ca.issue_device(csr(tmp_path, "dev-x"), "dev-x", "nd-other", HUB_BROKER).certificate_pem
+    try:
+        # Execute
+        other = post(running, "dev-x", _renewal(tmp_path, "dev-x", held), route="certificate/renewal")
+        refused = post(running, "dev-c", _renewal(tmp_path, "dev-c", "x" * 64), route="certificate/renewal")
+        later = post(running, "dev-c", _renewal(tmp_path, "dev-c", held), route="certificate/renewal")
+    finally:
+        running.close()
+
+    # Assert
+    assert (other.status_code, other.json()["code"]) == (403, "forbidden")
+    assert (refused.status_code, refused.json()["code"]) == (403, "certificate_unknown")
+    assert (later.status_code, later.json()["code"]) == (429, "too_many_requests")
+    assert len(hub.requests) == 2
 
 
 @pytest.mark.parametrize(
