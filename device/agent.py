@@ -79,6 +79,7 @@ from device.desired import DesiredStore
 from device.errors import ConfigError, IdentityError, NotRunning, OutboxFull, StoredStateError
 from device.fl import FlChannel
 from device.heartbeat import AGENT_VERSION, Heartbeats
+from device import renewal
 from device.identity import Enrolment, IdentityStore
 from device.local_data import LocalDatasets
 from device.outbox import DEFAULT_MAX_EVENTS, DEFAULT_WINDOW, OUTBOX_FILE, Outbox
@@ -204,6 +205,10 @@ class Device:
     name in the enrolment server's certificate when it is not the URL's host: the node id of an edge); the
     hub's bootstrap-token answer gives all three. ``mqtt_url`` and ``heartbeat_interval_s`` override what
     enrolment returned. Raises :class:`~device.errors.ConfigError` for a bad device id, URL, pin or interval.
+
+    The certificate is renewed from the stored identity at start and every ``renewal_check_s`` (12 hours) once less
+    than 60 days of it are left (:mod:`device.renewal`); a start with a certificate expired beyond the renewal
+    grace window raises :class:`~device.errors.IdentityError` (re-enrol with a new bootstrap token).
     """
 
     def __init__(
@@ -225,6 +230,7 @@ class Device:
         firmware_boot: BootResult | None = None,
         ca_sha256: str | None = None,
         tls_server_name: str | None = None,
+        renewal_check_s: float = renewal.RENEWAL_CHECK_S,
     ) -> None:
         try:
             DEVICE_STATE.topic(device_id=device_id)
@@ -245,6 +251,9 @@ class Device:
 
             parse_ca_pin(ca_sha256)
         self._mqtt_url, self._heartbeat_interval_s = mqtt_url, heartbeat_interval_s
+        self._renewal_check_s = renewal_check_s
+        self._renewal_tried = False  # at this start (enrol() and start() renew once between them)
+        self._tls: ssl.SSLContext | None = None
         try:  # the session core (device.session): the same plan as the edge's links, run on paho's own thread
             self._plan = SessionPlan(
                 device_id,
@@ -342,7 +351,8 @@ class Device:
 
     # ---- lifecycle ----------------------------------------------------------------------------------
     def enrol(self) -> bool:
-        """Enrol now if no identity is stored (:meth:`start` does it otherwise); ``True`` when it enrolled.
+        """Enrol now if no identity is stored, or renew a certificate that is due (:meth:`start` does both
+        otherwise); ``True`` when it enrolled or renewed.
 
         ``aisynergy device run`` enrols this way and then starts itself again, so that the running agent does not
         keep the enrolment's libraries (the HTTP client, the CSR code) in its memory. Raises what :meth:`start` does.
@@ -351,7 +361,8 @@ class Device:
             self.identity.secure()
             self.identity.check_owner(self.device_id)
             if self.identity.is_enrolled():
-                return False
+                held = self.identity.load_enrolment().serial
+                return self._enrolment().serial != held
             self._enrolment()
             return True
 
@@ -374,7 +385,7 @@ class Device:
             if interval < MIN_HEARTBEAT_S:
                 raise ConfigError(f"heartbeat interval {interval} s is below {MIN_HEARTBEAT_S} s")
             try:
-                tls = tls_context(self.identity.ca_path, self.identity.cert_path, self.identity.key_path)
+                tls = self._tls = tls_context(self.identity.ca_path, self.identity.cert_path, self.identity.key_path)
             except OSError as exc:  # ssl.SSLError included: the key does not match the certificate
                 raise IdentityError(f"cannot load the device certificate and key: {exc}") from exc
             self._desired = DesiredStore(self.data_dir / "desired.json")
@@ -401,6 +412,7 @@ class Device:
                 self._desired_worker.submit(lambda: self.tasks.apply(self._desired.record.tasks))  # what ran before
             self._sender = threading.Thread(target=self._send_events, name="aisynergy-events", daemon=True)
             self._sender.start()
+            threading.Thread(target=self._renew_periodically, name="aisynergy-renewal", daemon=True).start()
             log.info("connecting to mqtts://%s:%s as %s", self._host, self._port, self.device_id)
             plan = self._plan
             self._client.connect_async(
@@ -569,6 +581,11 @@ class Device:
                     "enrolled with %s, not %s; keeping the stored identity", enrolment.enrol_url, self._enrol_url
                 )
             log.info("using the stored identity of %s (serial %s)", self.device_id, enrolment.serial)
+            self.identity.check_complete()
+            renewal.check_renewable(self.identity, enrolment)
+            if not self._renewal_tried and renewal.due(enrolment):
+                self._renewal_tried = True
+                enrolment = self._renew(enrolment, renewal.START_ATTEMPTS) or enrolment
         else:
             if not self._enrol_url or not self._bootstrap_token:
                 raise ConfigError("a first start needs enrol_url and bootstrap_token")
@@ -581,6 +598,27 @@ class Device:
             enrolment = self.identity.save(issued, self._enrol_url, tls_server_name=self._tls_server_name)
         self.identity.check_complete()
         return enrolment
+
+    def _renew(self, enrolment: Enrolment, attempts: int) -> Enrolment | None:
+        """Renew the certificate (:mod:`device.renewal`); the MQTT session presents it from its next connection."""
+        from device.enrol import DEVICE  # httpx and cryptography: loaded only when a renewal is due
+
+        renewed = renewal.renew(self.identity, DEVICE, enrolment, attempts=attempts)
+        if renewed is not None and self._tls is not None:
+            try:
+                self._tls.load_cert_chain(str(self.identity.cert_path), str(self.identity.key_path))
+            except OSError as exc:
+                log.error("cannot load the renewed certificate: %s", exc)
+            self._enrolled = renewed
+        return renewed
+
+    def _renew_periodically(self) -> None:
+        """Every ``renewal_check_s``: renew when less than RENEW_BEFORE is left; after a failure, again sooner."""
+        wait = self._renewal_check_s
+        while not self._stopping.wait(wait):
+            enrolment, wait = self._enrolled, self._renewal_check_s
+            if enrolment is not None and renewal.due(enrolment) and self._renew(enrolment, attempts=3) is None:
+                wait = min(renewal.RENEWAL_RETRY_S, self._renewal_check_s)
 
     def _server_context(self) -> ssl.SSLContext:
         """How downloads from the enrolment server are checked: the stored hub CA (and the system's CAs)."""

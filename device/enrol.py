@@ -20,6 +20,11 @@ when it is not the URL's host: an edge's listener presents its node certificate,
 (as ``tls-server-name`` in a kubeconfig). Without a pin the first answer's CA is trusted as it comes, and
 over plain HTTP the token travels in clear: both are logged as warnings.
 
+Renewal (DESIGN §6, :mod:`device.renewal`) is the same exchange from the identity the agent holds: its
+certificate and a CSR of the same key, posted to ``.../certificate/renewal`` at the URL it enrolled with, over
+a connection verified against the stored CA alone (and the name it stored), whose answer must name that CA
+(:class:`Renewing`). No token travels: the CSR's signature proves the key.
+
 What a tier differs in is an :class:`EnrolmentTier`; the request, the retry decisions and the reading of
 answers are one :class:`Enrolling`, which does no I/O. Two faces drive it, each only the loop (wait, send,
 judge): :func:`enrol` with a blocking ``httpx.Client`` for the device, whose SDK is synchronous and never
@@ -49,7 +54,7 @@ from device.errors import ConfigError, EnrolmentError, EnrolmentUnreachable
 from device.tls import server_name_extension, tls_verify
 from interfaces import API_PREFIX
 from interfaces.errors import PROBLEM_MEDIA_TYPE, ErrorCode
-from interfaces.nodes import CertificateIssued, CertificateRequest, DeviceCertificateIssued
+from interfaces.nodes import CertificateIssued, CertificateRenewal, CertificateRequest, DeviceCertificateIssued
 from interfaces.reconnect import reconnect_delay
 
 log = logging.getLogger("aisynergy.device")
@@ -99,6 +104,9 @@ class EnrolmentTier(Generic[C]):
 
     def certificate_url(self, base_url: str, owner_id: str) -> str:
         return f"{base_url.rstrip('/')}{API_PREFIX}/{self.collection}/{owner_id}/certificate"
+
+    def renewal_url(self, base_url: str, owner_id: str) -> str:
+        return f"{self.certificate_url(base_url, owner_id)}/renewal"
 
 
 DEVICE = EnrolmentTier(
@@ -154,24 +162,27 @@ class Enrolling(Generic[C]):
         ca_sha256: str | None = None,
         server_name: str | None = None,
     ) -> None:
-        self.tier = tier
-        self.owner_id = owner_id
-        self.url = tier.certificate_url(base_url, owner_id)
-        self.ca_url = f"{base_url.rstrip('/')}{CA_PATH}"
+        self._start(tier, base_url, owner_id, tier.certificate_url(base_url, owner_id), attempts, max_delay_s)
         self.body = CertificateRequest(csr_pem=csr_pem, bootstrap_token=bootstrap_token).model_dump(mode="json")
-        self.attempts = attempts
-        self.max_delay_s = max_delay_s
         self.verify = verify
         self.pin = parse_ca_pin(ca_sha256) if ca_sha256 is not None else None
         self.server_name = server_name
-        self.https = urlsplit(base_url).scheme == "https"
-        self.trusted_ca: str | None = None  # the endpoint's CA, once its fingerprint matched the pin
-        self.attempt = 0
-        self.last = "no attempt made"
         if self.pin is None:
             log.warning("no CA fingerprint given: the CA in the enrolment answer is trusted as it comes")
         if not self.https:
             log.warning("enrolling over plain HTTP: the bootstrap token travels in clear (use https://)")
+
+    def _start(self, tier: EnrolmentTier[C], base_url: str, owner_id: str, url: str, attempts: int, max_delay_s: float) -> None:
+        self.tier = tier
+        self.owner_id = owner_id
+        self.url = url
+        self.ca_url = f"{base_url.rstrip('/')}{CA_PATH}"
+        self.attempts = attempts
+        self.max_delay_s = max_delay_s
+        self.https = urlsplit(base_url).scheme == "https"
+        self.trusted_ca: str | None = None  # the endpoint's CA, once its fingerprint matched the pin
+        self.attempt = 0
+        self.last = "no attempt made"
 
     def delays(self) -> Iterator[float]:
         """Seconds to wait before each attempt: none before the first, jittered back-off before the others."""
@@ -222,7 +233,8 @@ class Enrolling(Generic[C]):
     def request(self, client: httpx.Client | httpx.AsyncClient) -> httpx.Request:
         """The POST of this attempt (built by ``client``, so that its timeout applies)."""
         log.info(
-            "requesting a certificate for %s from %s (attempt %s of %s)",
+            "requesting %s for %s from %s (attempt %s of %s)",
+            self.what,
             self.owner_id,
             self.url,
             self.attempt,
@@ -244,6 +256,8 @@ class Enrolling(Generic[C]):
             raise refusal
         self.last = str(refusal)
         return None
+
+    what = "a certificate"  # in the log line of each attempt
 
     def unreachable(self) -> EnrolmentUnreachable:
         """What to raise when every attempt failed."""
@@ -267,6 +281,23 @@ class Enrolling(Generic[C]):
         if issued.signing_key_pem is None:
             log.warning("%s", self.tier.without_signing_key)
         return issued
+
+
+class Renewing(Enrolling[C]):
+    """A renewal from the identity held: ``certificate_pem`` and a CSR of its key, to ``.../certificate/renewal`` at
+    ``base_url`` (where the agent enrolled), trusting ``ca_pem`` (the stored CA) alone, and ``server_name``; the
+    answer must name that CA. Both faces drive it as they drive an enrolment."""
+
+    what = "the renewal of its certificate"
+
+    def __init__(self, tier: EnrolmentTier[C], base_url: str, owner_id: str, csr_pem: str, certificate_pem: str, ca_pem: str, *,
+                 attempts: int = 3, max_delay_s: float = 30.0, server_name: str | None = None) -> None:  # fmt: skip
+        self._start(tier, base_url, owner_id, tier.renewal_url(base_url, owner_id), attempts, max_delay_s)
+        self.body = CertificateRenewal(certificate_pem=certificate_pem, csr_pem=csr_pem).model_dump(mode="json")
+        self.verify = True
+        self.pin = ca_fingerprint(ca_pem)
+        self.trusted_ca = ca_pem
+        self.server_name = server_name
 
 
 def enrol(enrolling: Enrolling[C], transport: httpx.BaseTransport | None = None) -> C:

@@ -208,23 +208,8 @@ class AgentIdentityStore(Generic[R]):
         ``url`` is the enrolment endpoint that answered (the hub for a node; normally its edge for a device);
         ``extra``: fields of the tier's record that the answer does not hold.
         """
-        from cryptography import x509
-        from cryptography.exceptions import InvalidSignature
-
-        try:
-            cert = x509.load_pem_x509_certificate(issued.certificate_pem.encode())
-            ca = x509.load_pem_x509_certificate(issued.ca_pem.encode())
-        except ValueError as exc:
-            raise IdentityError(f"the enrolment answer holds an unreadable certificate: {exc}") from exc
         enrolment = self.record.from_issued(issued, url, fingerprint(issued.certificate_pem), **extra)
-        if _common_names(cert) != [enrolment.owner_id]:
-            raise IdentityError(f"the issued certificate is not for CN={enrolment.owner_id}")
-        if _public_der(cert.public_key()) != _public_der(self.load_or_create_key().public_key()):
-            raise IdentityError(f"the issued certificate does not match the {self.record.tier} key")
-        try:
-            cert.verify_directly_issued_by(ca)
-        except (ValueError, TypeError, InvalidSignature) as exc:
-            raise IdentityError(f"the issued certificate is not signed by the returned CA: {exc}") from exc
+        self._check_issued(issued, enrolment.owner_id)
         if issued.signing_key_pem is not None:
             _signing_key(issued.signing_key_pem, "the enrolment answer's signing key")
         write_atomic(self.ca_path, issued.ca_pem.encode())
@@ -233,6 +218,40 @@ class AgentIdentityStore(Generic[R]):
         write_atomic(self.cert_path, issued.certificate_pem.encode())
         write_atomic(self.enrolment_path, enrolment.model_dump_json(indent=2).encode(), mode=0o600)
         return enrolment
+
+    def renewed(self, issued: CertificateIssued | DeviceCertificateIssued, enrolment: R) -> R:
+        """Check a renewal's certificate as an enrolment's, then store it: the certificate file, then
+        ``enrolment.json`` with its serial, not_after and fingerprint (each written atomically, the record last, so a
+        restart finds either the old pair or the new one; the old certificate stays valid until it expires). The CA,
+        the signing key and the URLs are kept as they are."""
+        self._check_issued(issued, enrolment.owner_id)
+        if fingerprint(issued.ca_pem) != fingerprint(self.ca_path.read_text()):
+            raise IdentityError("the renewed certificate names another CA than the stored one")
+        renewed = enrolment.model_copy(
+            update={"serial": issued.serial, "not_after": issued.not_after, "certificate_sha256": fingerprint(issued.certificate_pem)}
+        )
+        write_atomic(self.cert_path, issued.certificate_pem.encode())
+        write_atomic(self.enrolment_path, renewed.model_dump_json(indent=2).encode(), mode=0o600)
+        return renewed
+
+    def _check_issued(self, issued: CertificateIssued | DeviceCertificateIssued, owner_id: str) -> None:
+        """:class:`IdentityError` unless the answer's certificate is for ``owner_id``, of our key, signed by its CA."""
+        from cryptography import x509
+        from cryptography.exceptions import InvalidSignature
+
+        try:
+            cert = x509.load_pem_x509_certificate(issued.certificate_pem.encode())
+            ca = x509.load_pem_x509_certificate(issued.ca_pem.encode())
+        except ValueError as exc:
+            raise IdentityError(f"the enrolment answer holds an unreadable certificate: {exc}") from exc
+        if _common_names(cert) != [owner_id]:
+            raise IdentityError(f"the issued certificate is not for CN={owner_id}")
+        if _public_der(cert.public_key()) != _public_der(self.load_or_create_key().public_key()):
+            raise IdentityError(f"the issued certificate does not match the {self.record.tier} key")
+        try:
+            cert.verify_directly_issued_by(ca)
+        except (ValueError, TypeError, InvalidSignature) as exc:
+            raise IdentityError(f"the issued certificate is not signed by the returned CA: {exc}") from exc
 
     def load_enrolment(self) -> R:
         try:

@@ -21,14 +21,17 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import ssl
 from dataclasses import dataclass
 from pathlib import Path
 
+from device import renewal
 from device.resources import ResourceSampler
 from edge.artifacts import DEFAULT_BUDGET_BYTES, ArtifactCache
 from edge.deployments import NodeDeployments
+from edge.enrol import NODE
 from edge.enrol_proxy import EnrolmentProxy, server_context
-from edge.identity import IdentityStore
+from edge.identity import IdentityError, IdentityStore
 from device.connection import parse_mqtt_url, tls_context
 from device.tls import agent_context
 from edge.link import Link
@@ -63,6 +66,7 @@ class AgentConfig:
     hub_url: str | None = None  # where the enrolment proxy forwards to and the node downloads its own artefacts
     downstream_session_expiry_s: int = 3600  # the devices' broker queues their messages this long while the edge is away
     artifact_cache_bytes: int = DEFAULT_BUDGET_BYTES  # the artefact cache served on device_listen keeps within this
+    renewal_check_s: float = renewal.RENEWAL_CHECK_S  # how often the node looks at how long its certificate has left
 
 
 class EdgeAgent:
@@ -80,7 +84,8 @@ class EdgeAgent:
         self.config = config
         self.node_id = config.node_id
         self.identity = IdentityStore(config.data_dir)
-        tls = tls_context(self.identity.ca_path, self.identity.cert_path, self.identity.key_path)
+        tls = self._tls = tls_context(self.identity.ca_path, self.identity.cert_path, self.identity.key_path)
+        self._server_tls: ssl.SSLContext | None = None  # the device listener's, the same certificate
         hub_tls = agent_context(self.identity.ca_path)  # the hub's HTTPS: its CA, or a certificate from elsewhere
         # the link that serves the devices keeps its session while the edge restarts (their events wait in the
         # broker); the hub's commands carry a message expiry, so none runs late
@@ -121,13 +126,14 @@ class EdgeAgent:
                     budget_bytes=config.artifact_cache_bytes,
                     verify=hub_tls,
                 )
+                self._server_tls = server_context(self.identity.cert_path, self.identity.key_path)
                 self.proxy = EnrolmentProxy(
                     config.device_listen,
                     hub_url=config.hub_url or "",
                     node_id=config.node_id,
                     device_mqtt_url=device_url,
                     on_enrolled=lambda device_id: self.store.add_device(device_id, LearnedFrom.ENROLMENT),
-                    tls=server_context(self.identity.cert_path, self.identity.key_path),
+                    tls=self._server_tls,
                     ca_pem=self.identity.ca_path.read_text(),
                     verify=hub_tls,
                     artifacts=self.artifacts,
@@ -140,6 +146,34 @@ class EdgeAgent:
             self.store.close()
             raise
         self._stop = asyncio.Event()
+
+    async def _renew_periodically(self) -> None:
+        """Every ``renewal_check_s`` until stopped: renew the node certificate at the hub when less than RENEW_BEFORE
+        is left (:mod:`device.renewal`); both links and the device listener present it from their next connection."""
+        wait = self.config.renewal_check_s
+        while True:
+            try:
+                await asyncio.wait_for(self._stop.wait(), wait)
+                return
+            except TimeoutError:
+                wait = self.config.renewal_check_s
+            try:
+                enrolment = self.identity.load_enrolment()
+            except IdentityError as exc:
+                log.error("cannot renew the node certificate: %s", exc)
+                continue
+            if not renewal.due(enrolment):
+                continue
+            if await renewal.renew_async(self.identity, NODE, enrolment) is None:
+                wait = min(renewal.RENEWAL_RETRY_S, wait)
+                continue
+            chain = (str(self.identity.cert_path), str(self.identity.key_path))
+            try:
+                for context in (self._tls, self._server_tls):
+                    if context is not None:
+                        context.load_cert_chain(*chain)
+            except OSError as exc:  # ssl.SSLError included
+                log.error("cannot load the renewed node certificate: %s", exc)
 
     def _plan(self, session_expiry_s: int, presence: Presence | None) -> SessionPlan:
         c = self.config
@@ -171,6 +205,8 @@ class EdgeAgent:
             async with asyncio.TaskGroup() as group:
                 for link in self.links:
                     group.create_task(link.run(self._stop))
+                if self.identity.is_enrolled():
+                    group.create_task(self._renew_periodically())
         finally:
             worker.cancel()
             await asyncio.gather(worker, return_exceptions=True)

@@ -3,7 +3,10 @@
 ``aisynergy edge run --hub URL --node-id ID [--bootstrap-token-file F --ca-sha256 H] --data-dir DIR`` enrols
 once (CSR + bootstrap token -> certificate, kept in DIR; the hub CA is fetched and checked against its
 fingerprint ``H`` before the token is sent: :mod:`device.enrol`) and then keeps the node's MQTT session up
-until SIGTERM or SIGINT. A restart with a stored certificate needs neither the token nor the hub.
+until SIGTERM or SIGINT. A restart with a stored certificate needs neither the token nor the hub. The
+certificate is renewed at the hub from the stored identity, at start and every 12 hours, once less than 60 days
+of it are left (:mod:`device.renewal`); one expired beyond the renewal grace window (30 days) cannot be: the
+agent exits 4, and the node re-enrols with a new bootstrap token (remove DIR/enrolment.json).
 
 Devices connect to ``--downstream-mqtt-url`` (default: the hub's broker, over the same connection) and
 enrol through the proxy on ``--device-listen`` (default 127.0.0.1:8090; ``off`` disables), which tells
@@ -17,7 +20,7 @@ Exit codes:
     1   unexpected error
     2   usage: a missing or invalid option (no bootstrap token for a first start, bad node id or URL)
     3   enrolment refused by the hub (bootstrap token invalid, expired or used; node deleted; ...)
-    4   the stored identity belongs to another node id, or is incomplete
+    4   the stored identity belongs to another node id, or is incomplete, or expired beyond the renewal grace
     5   the hub could not be reached for enrolment
     6   the device enrolment proxy cannot listen on an explicit --device-listen address
     7   the local store (DIR/edge.db, DIR/node-event-seq) cannot be opened
@@ -39,10 +42,11 @@ import click
 
 from device.enrol import parse_ca_pin
 from device.errors import ConfigError, StoredStateError
+from device.renewal import START_ATTEMPTS, check_renewable, due, renew_async
 from device.cli import bootstrap_token_option
 from edge.agent import AgentConfig, EdgeAgent
 from edge.artifacts import parse_size
-from edge.enrol import EnrolmentError, HubUnreachable, request_certificate
+from edge.enrol import NODE, EnrolmentError, HubUnreachable, request_certificate
 from edge.enrol_proxy import ListenError, parse_listen
 from edge.identity import Enrolment, IdentityError, IdentityStore
 from interfaces.topics import NODE_STATE
@@ -191,6 +195,10 @@ def _enrolment(store: IdentityStore, node_id: str, hub_url: str | None, token: s
         if hub_url and hub_url.rstrip("/") != enrolment.hub_url.rstrip("/"):
             log.warning("enrolled with %s, not %s; keeping the stored identity", enrolment.hub_url, hub_url)
         log.info("using the stored identity of %s (serial %s)", node_id, enrolment.serial)
+        store.check_complete()
+        check_renewable(store, enrolment)
+        if due(enrolment):
+            enrolment = asyncio.run(renew_async(store, NODE, enrolment, attempts=START_ATTEMPTS)) or enrolment
         return enrolment
     if not hub_url or not token:
         raise click.UsageError("a first start needs --hub and --bootstrap-token (or their AISYNERGY_* variables)")

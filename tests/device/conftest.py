@@ -51,6 +51,9 @@ def _name(cn: str) -> x509.Name:
     return x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, cn)])
 
 
+LEAF_VALIDITY = dt.timedelta(days=365)  # as the hub issues: no agent renews at start (RENEW_BEFORE)
+
+
 @dataclass
 class ThrowawayCA:
     """Stands in for the hub CA: signs the broker's, the edge's and the devices' certificates."""
@@ -75,13 +78,15 @@ class ThrowawayCA:
     def pem(self) -> str:
         return self.cert.public_bytes(serialization.Encoding.PEM).decode()
 
-    def leaf(self, cn: str, public_key: object, server: bool = False) -> x509.Certificate:
-        now = dt.datetime.now(dt.UTC)
+    def leaf(self, cn: str, public_key: object, server: bool = False, validity: dt.timedelta = LEAF_VALIDITY,
+             now: dt.datetime | None = None) -> x509.Certificate:  # fmt: skip
+        """``now``: when it is issued (in the past, for one that has expired)."""
+        now = now or dt.datetime.now(dt.UTC)
         usage = ExtendedKeyUsageOID.SERVER_AUTH if server else ExtendedKeyUsageOID.CLIENT_AUTH
         builder = (
             x509.CertificateBuilder().subject_name(_name(cn)).issuer_name(self.cert.subject)
             .public_key(public_key).serial_number(x509.random_serial_number())  # type: ignore[arg-type]
-            .not_valid_before(now - dt.timedelta(minutes=5)).not_valid_after(now + dt.timedelta(days=1))
+            .not_valid_before(now - dt.timedelta(minutes=5)).not_valid_after(now + validity)
             .add_extension(x509.ExtendedKeyUsage([usage]), critical=False)
         )  # fmt: skip
         if server:

@@ -38,6 +38,9 @@ def _name(cn: str) -> x509.Name:
     return x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, cn)])
 
 
+LEAF_VALIDITY = dt.timedelta(days=365)  # as the hub issues: no agent renews at start (RENEW_BEFORE)
+
+
 @dataclass
 class ThrowawayCA:
     key: ec.EllipticCurvePrivateKey
@@ -61,15 +64,17 @@ class ThrowawayCA:
         return self.cert.public_bytes(serialization.Encoding.PEM).decode()
 
     def _leaf(
-        self, cn: str, public_key: object, usage: x509.ObjectIdentifier, hosts: tuple[str, ...] = (), server_name: bool = False
+        self, cn: str, public_key: object, usage: x509.ObjectIdentifier, hosts: tuple[str, ...] = (), server_name: bool = False,
+        validity: dt.timedelta = LEAF_VALIDITY, now: dt.datetime | None = None,
     ) -> x509.Certificate:
-        """``server_name``: also a TLS server's certificate named ``cn``, as the hub issues a node's."""
-        now = dt.datetime.now(dt.UTC)
+        """``server_name``: also a TLS server's certificate named ``cn``, as the hub issues a node's; ``now``: when
+        it is issued (in the past, for one that has expired)."""
+        now = now or dt.datetime.now(dt.UTC)
         usages = [usage, *([ExtendedKeyUsageOID.SERVER_AUTH] if server_name else [])]
         builder = (
             x509.CertificateBuilder().subject_name(_name(cn)).issuer_name(self.cert.subject)
             .public_key(public_key).serial_number(x509.random_serial_number())  # type: ignore[arg-type]
-            .not_valid_before(now - dt.timedelta(minutes=5)).not_valid_after(now + dt.timedelta(days=1))
+            .not_valid_before(now - dt.timedelta(minutes=5)).not_valid_after(now + validity)
             .add_extension(x509.ExtendedKeyUsage(usages), critical=False)
         )  # fmt: skip
         names: list[x509.GeneralName] = [x509.IPAddress(ipaddress.ip_address(h)) for h in hosts]
