@@ -12,7 +12,7 @@ from sqlmodel import Session
 from cloud.auth import hash_secret, new_secret
 from cloud.convert import utc
 from cloud.errors import BadRequest, Conflict, Forbidden, NotFound
-from cloud.pki import CertificateAuthority, CertificateError, CsrError, CsrKeyMismatch
+from cloud.pki import CertificateAuthority, CertificateError, CsrError, CsrKeyMismatch, Issued
 from cloud.services import audit
 from cloud.tables import BootstrapToken, Certificate, Device
 from interfaces.errors import ErrorCode
@@ -66,6 +66,18 @@ def valid_serials(session: Session, identity: str) -> list[str]:
     return list(session.execute(select(Certificate.serial).where(Certificate.identity == identity, Certificate.revoked_at.is_(None))).scalars())  # type: ignore[union-attr]
 
 
+def _record(session: Session, row: Any, issued: Issued, at: datetime) -> Certificate:
+    """Record the issued certificate for ``row`` (a Node or Device) and commit."""
+    cert = Certificate(serial=issued.serial, identity=row.id, issued_at=at, not_after=issued.not_after)
+    session.add(cert)
+    row.certificate_serial = issued.serial
+    row.certificate_not_after = issued.not_after
+    row.updated_at = at
+    session.add(row)
+    session.commit()
+    return cert
+
+
 def enrol(session: Session, ca: CertificateAuthority, owner: type[Any], owner_id: str, csr_pem: str, token_secret: str,
           validity: timedelta) -> tuple[Any, Certificate, str]:  # fmt: skip
     """Check the one-time token and sign the CSR (CN = ``owner_id``).
@@ -111,13 +123,7 @@ def enrol(session: Session, ca: CertificateAuthority, owner: type[Any], owner_id
         audit.record(session, row.node_id if owner is Device else owner_id, "certificate_issued", None,
                      f"{kind} {owner_id} enrolled again; its earlier certificates stay valid until an admin revokes them",
                      serial=issued.serial, still_valid=still_valid, **ids)  # fmt: skip
-    cert = Certificate(serial=issued.serial, identity=owner_id, issued_at=at, not_after=issued.not_after)
-    session.add(cert)
-    row.certificate_serial = issued.serial
-    row.certificate_not_after = issued.not_after
-    row.updated_at = at
-    session.add(row)
-    session.commit()
+    cert = _record(session, row, issued, at)
     log.info("issued certificate %s to %s %s (%d earlier ones still valid)", issued.serial, kind, owner_id, len(still_valid))
     return row, cert, issued.certificate_pem
 
@@ -166,12 +172,6 @@ def renew(session: Session, ca: CertificateAuthority, owner: type[Any], owner_id
     audit.record(session, row.node_id if owner is Device else owner_id, "certificate_renewed", None,
                  f"{kind} {owner_id} renewed its certificate {presented.serial}; it stays valid until it expires",
                  serial=issued.serial, renewed=presented.serial, **ids)  # fmt: skip
-    cert = Certificate(serial=issued.serial, identity=owner_id, issued_at=at, not_after=issued.not_after)
-    session.add(cert)
-    row.certificate_serial = issued.serial
-    row.certificate_not_after = issued.not_after
-    row.updated_at = at
-    session.add(row)
-    session.commit()
+    cert = _record(session, row, issued, at)
     log.info("renewed certificate %s of %s %s as %s", presented.serial, kind, owner_id, issued.serial)
     return row, cert, issued.certificate_pem

@@ -113,13 +113,14 @@ def hub(test_ca: ThrowawayCA) -> Iterator[HubStandIn]:
     stand_in.close()
 
 
-def start_proxy(tmp_path: Path, ca: ThrowawayCA, hub_url: str, on_enrolled: Callable[[str], object]) -> EnrolmentProxy:
+def start_proxy(tmp_path: Path, ca: ThrowawayCA, hub_url: str, on_enrolled: Callable[[str], object] = lambda d: None,
+                failures: FailureLimit | None = None) -> EnrolmentProxy:  # fmt: skip
     """The proxy as the edge runs it: HTTPS with the node's certificate (as the hub issues it: named by the node id)."""
     node = IdentityStore(tmp_path / "node-identity")
     node.save(ca.issue(node.make_csr(NODE), NODE), hub_url)
     running = EnrolmentProxy(
         ("127.0.0.1", 0), hub_url=hub_url, node_id=NODE, device_mqtt_url=DEVICES_BROKER, on_enrolled=on_enrolled,
-        tls=server_context(node.cert_path, node.key_path), ca_pem=ca.pem,
+        tls=server_context(node.cert_path, node.key_path), ca_pem=ca.pem, failures=failures,
     )  # fmt: skip
     running.start()
     return running
@@ -232,13 +233,7 @@ def test_a_renewal_for_another_nodes_device_or_refused_by_the_hub_counts_as_a_fa
     tmp_path: Path, hub: HubStandIn, test_ca: ThrowawayCA
 ) -> None:
     # Prepare: a limit of 2 refusals a minute
-    node = IdentityStore(tmp_path / "node-identity")
-    node.save(test_ca.issue(node.make_csr(NODE), NODE), hub.url)
-    running = EnrolmentProxy(
-        ("127.0.0.1", 0), hub_url=hub.url, node_id=NODE, device_mqtt_url=DEVICES_BROKER, on_enrolled=lambda d: None,
-        tls=server_context(node.cert_path, node.key_path), ca_pem=test_ca.pem, failures=FailureLimit(limit=2, window_s=60),
-    )  # fmt: skip
-    running.start()
+    running = start_proxy(tmp_path, test_ca, hub.url, failures=FailureLimit(limit=2, window_s=60))
     held = test_ca.issue_device(csr(tmp_path, "dev-x"), "dev-x", "nd-other", HUB_BROKER).certificate_pem
     try:
         # Execute
@@ -430,13 +425,7 @@ def test_an_address_with_too_many_refused_enrolments_waits_and_reaches_the_hub_n
     tmp_path: Path, test_ca: ThrowawayCA, hub: HubStandIn
 ) -> None:
     # Prepare: a limit of 3 refused enrolments a minute per address
-    node = IdentityStore(tmp_path / "node-identity")
-    node.save(test_ca.issue(node.make_csr(NODE), NODE), hub.url)
-    running = EnrolmentProxy(
-        ("127.0.0.1", 0), hub_url=hub.url, node_id=NODE, device_mqtt_url=DEVICES_BROKER, on_enrolled=lambda d: None,
-        tls=server_context(node.cert_path, node.key_path), ca_pem=test_ca.pem, failures=FailureLimit(limit=3, window_s=60),
-    )  # fmt: skip
-    running.start()
+    running = start_proxy(tmp_path, test_ca, hub.url, failures=FailureLimit(limit=3, window_s=60))
     try:
         # Execute: two wrong tokens (the hub refuses), an invalid device id (the edge refuses), then the right token
         wrong = [post(running, "dev-c", request_body(tmp_path, "dev-c", token=f"bst-wrong-token-0000{i}")) for i in range(2)]
