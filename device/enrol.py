@@ -51,7 +51,7 @@ import httpx
 from pydantic import ValidationError
 
 from device.errors import ConfigError, EnrolmentError, EnrolmentUnreachable
-from device.tls import server_name_extension, tls_verify
+from device.tls import hub_ca_context, server_name_extension, tls_verify
 from interfaces import API_PREFIX
 from interfaces.errors import PROBLEM_MEDIA_TYPE, ErrorCode
 from interfaces.nodes import CertificateIssued, CertificateRenewal, CertificateRequest, DeviceCertificateIssued
@@ -80,14 +80,6 @@ def ca_fingerprint(ca_pem: str) -> str:
     """SHA-256 of a PEM certificate's DER encoding, in lower-case hex (what a pin names)."""
     return hashlib.sha256(ssl.PEM_cert_to_DER_cert(ca_pem.strip())).hexdigest()
 
-
-def pinned_context(ca_pem: str) -> ssl.SSLContext:
-    """A client context that trusts ``ca_pem`` (the pinned hub CA) and the system's CAs (a hub may serve a
-    certificate its operator got elsewhere), TLS 1.2 at least: what :func:`device.tls.agent_context` trusts later."""
-    context = ssl.create_default_context(cadata=ca_pem)
-    context.load_default_certs()
-    context.minimum_version = ssl.TLSVersion.TLSv1_2
-    return context
 
 C = TypeVar("C", CertificateIssued, DeviceCertificateIssued)  # the model of the issued certificate
 
@@ -228,7 +220,7 @@ class Enrolling(Generic[C]):
     def trust(self) -> ssl.SSLContext | str | bool:
         """What the certificate request's connection verifies the server with: the pinned CA alone once it
         is known, else ``verify``."""
-        return pinned_context(self.trusted_ca) if self.trusted_ca is not None else tls_verify(self.verify)
+        return hub_ca_context(cadata=self.trusted_ca) if self.trusted_ca is not None else tls_verify(self.verify)
 
     def request(self, client: httpx.Client | httpx.AsyncClient) -> httpx.Request:
         """The POST of this attempt (built by ``client``, so that its timeout applies)."""

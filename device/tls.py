@@ -37,16 +37,22 @@ def tls_verify(verify: str | bool | ssl.SSLContext = True) -> str | bool | ssl.S
         return _DEFAULT
 
 
+def hub_ca_context(*, cafile: Path | None = None, cadata: str | None = None) -> ssl.SSLContext:
+    """A client context trusting the hub CA (a file, or PEM text) and the system's CAs (a hub may serve a
+    certificate its operator got elsewhere), TLS 1.2 at least."""
+    context = ssl.create_default_context(cafile=None if cafile is None else str(cafile), cadata=cadata)
+    context.load_default_certs()
+    context.minimum_version = ssl.TLSVersion.TLSv1_2
+    return context
+
+
 def agent_context(ca_path: Path | str) -> ssl.SSLContext:
-    """A client context trusting the hub CA in ``ca_path`` and the system's CAs, TLS 1.2 at least; one per file."""
+    """:func:`hub_ca_context` for the hub CA in ``ca_path``; one per file and process."""
     path = Path(ca_path).resolve()
     with _LOCK:
         context = _AGENT.get(path)
         if context is None:
-            context = ssl.create_default_context(cafile=str(path))
-            context.load_default_certs()
-            context.minimum_version = ssl.TLSVersion.TLSv1_2
-            _AGENT[path] = context
+            context = _AGENT[path] = hub_ca_context(cafile=path)
         return context
 
 
