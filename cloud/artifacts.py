@@ -252,8 +252,11 @@ def artifact_manifest(row: Artifact) -> ArtifactManifest:
     )  # fmt: skip
 
 
-def signed_manifest(row: Artifact) -> SignedManifest:
-    return SignedManifest(manifest=artifact_manifest(row), signature=row.signature, key_id=row.key_id)
+def signed_manifest(row: Artifact, signing: SigningKey | None = None) -> SignedManifest:
+    """The stored manifest and signature; with ``signing``, the key transitions that lead to its key (a target
+    that pins a key the hub has rotated away from follows them)."""
+    transitions = signing.transitions_to(row.key_id) if signing is not None else []
+    return SignedManifest(manifest=artifact_manifest(row), signature=row.signature, key_id=row.key_id, key_transitions=transitions)
 
 
 def artifact_to_wire(row: Artifact) -> ArtifactPublic:
@@ -352,7 +355,7 @@ def task_input(session: Session, artifact_id: str, target_id: str, signing: Sign
     if artifact is None:
         raise LookupError(f"the {what} artefact {artifact_id} is gone")
     token = signing.issue_download_token(artifact.id, artifact.sha256, target_id, ttl_s=TASK_TOKEN_TTL_S)
-    return InputRef(artifact_id=artifact.id, signed_manifest=signed_manifest(artifact), path=f"/artifacts/{artifact.id}/content", token=token)
+    return InputRef(artifact_id=artifact.id, signed_manifest=signed_manifest(artifact, signing), path=f"/artifacts/{artifact.id}/content", token=token)
 
 
 def onnx_model_artifact(session: Session, name: str, version: str, purpose: str) -> Artifact:

@@ -49,6 +49,7 @@ from interfaces.messages import (
     EventBody,
     HeartbeatBody,
     ReportedBody,
+    HubStateBody,
     StateBody,
     envelope,
     rejection_event,
@@ -77,8 +78,8 @@ RECEIVE_MAXIMUM = 65535  # the MQTT 5 maximum
 Ack = tuple[int, int, int]  # (connection generation, packet id, QoS)
 
 
-def _hub_state(state: ConnectionState, reason: str | None = None) -> str:
-    return envelope(HUB_SRC, StateBody(state=state, reason=reason)).model_dump_json()
+def _hub_state(state: ConnectionState, reason: str | None = None, signing_key_id: str | None = None) -> str:
+    return envelope(HUB_SRC, HubStateBody(state=state, reason=reason, signing_key_id=signing_key_id)).model_dump_json()
 
 
 @dataclass
@@ -181,6 +182,7 @@ class IncomingQueue(asyncio.Queue):  # type: ignore[type-arg]
         self.bytes -= self.cost(item)
         return item
 DRAIN_BATCH = 256  # queued messages dispatched between two passes of the event loop
+SIGNING_KEY_CHECK_S = 1.0  # how often the connection looks for a rotated signing key (a stat)
 OPERATION_TIMEOUT_S = 120.0  # a SUBSCRIBE's or a QoS 1 publish's answer, once connected (aiomqtt's default: 10 s)
 
 
@@ -193,6 +195,8 @@ class MqttBridge:
         self.identity = identity
         self.ingest = ingest
         self.desired = desired
+        self.signing_key_id: Callable[[], str] | None = None
+        """The hub's current signing key id, announced in its retained state; set by the app."""
         self.max_backoff_s = max_backoff_s
         self.session_expiry_s = session_expiry_s
         self.connected = asyncio.Event()
@@ -251,18 +255,20 @@ class MqttBridge:
                     # what the broker kept for the persistent session arrives right after CONNACK, ahead of any
                     # SUBACK: consume it now, or the subscription waits behind all of it (seconds after an outage)
                     consumer = asyncio.create_task(self._consume(client))
-                    publisher = None
+                    publisher = announcer = None
                     try:
                         # one SUBSCRIBE for every route: one round trip to the broker, not one per topic
                         await client.subscribe([(topic.shared_filter() if shared else topic.filter(), topic.qos)
                                                 for topic, _model, _handler, shared in self._routes])  # fmt: skip
                         # subscribed: edges may now deliver what they stored (Sparkplug's primary-host STATE)
-                        await client.publish(HUB_STATE.topic(), _hub_state(ConnectionState.ONLINE), qos=HUB_STATE.qos, retain=True)
+                        announced = self._signing_key_id()
+                        await client.publish(HUB_STATE.topic(), _hub_state(ConnectionState.ONLINE, signing_key_id=announced), qos=HUB_STATE.qos, retain=True)
                         log.info("connected to broker %s:%d as %s", self.host, self.port, self.identity)
                         self.connected.set()
                         self.counters["connects"] += 1
                         attempt = 0
                         publisher = asyncio.create_task(self._publish_desired(client)) if self.desired else None
+                        announcer = asyncio.create_task(self._announce_signing_key(client, announced))
                         await consumer
                     except asyncio.CancelledError:
                         # a clean stop: say so before leaving, as the will would for a crash
@@ -274,6 +280,8 @@ class MqttBridge:
                         consumer.cancel()
                         if publisher is not None:
                             publisher.cancel()
+                        if announcer is not None:
+                            announcer.cancel()
             except asyncio.CancelledError:
                 raise
             except IncomingOverflow as exc:
@@ -291,6 +299,24 @@ class MqttBridge:
                 self.connected.clear()
             attempt += 1
             await asyncio.sleep(reconnect_delay(attempt, self.max_backoff_s))
+
+    def _signing_key_id(self) -> str | None:
+        try:
+            return self.signing_key_id() if self.signing_key_id is not None else None
+        except Exception:  # noqa: BLE001 - the announcement is a hint: the hub's state still goes out
+            log.exception("cannot read the signing key's id")
+            return None
+
+    async def _announce_signing_key(self, client: aiomqtt.Client, announced: str | None) -> None:
+        """After ``aisynergy hub rotate signing-key``, say so in the retained hub state within a second: edges
+        learn the hand-over before a device shows them a token the new key signed."""
+        while True:
+            await asyncio.sleep(SIGNING_KEY_CHECK_S)
+            now = await asyncio.to_thread(self._signing_key_id)
+            if now != announced:
+                await client.publish(HUB_STATE.topic(), _hub_state(ConnectionState.ONLINE, signing_key_id=now), qos=HUB_STATE.qos, retain=True)
+                log.info("announced the signing key %s", now)
+                announced = now
 
     async def _consume(self, client: aiomqtt.Client) -> None:
         generation = self._generation

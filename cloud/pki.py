@@ -112,6 +112,17 @@ def _host_names(hosts: list[str]) -> list[x509.GeneralName]:
     return names
 
 
+def key_matches_certificate(cert_path: Path, key_path: Path) -> bool:
+    """Whether the private key in ``key_path`` is the one ``cert_path`` certifies (False when either is missing,
+    unreadable or half written): a server must never be handed a mismatched pair."""
+    try:
+        cert = x509.load_pem_x509_certificate(cert_path.read_bytes())
+        key = serialization.load_pem_private_key(key_path.read_bytes(), password=None)
+    except (OSError, ValueError, TypeError):
+        return False
+    return _public_der(cert.public_key()) == _public_der(key.public_key())
+
+
 def new_private_key() -> ec.EllipticCurvePrivateKey:
     return ec.generate_private_key(ec.SECP256R1())
 
@@ -226,6 +237,26 @@ class CertificateAuthority:
         _write_private(key_path, _key_pem(key))
         write_public(crt, cert.public_bytes(serialization.Encoding.PEM))
         return crt, key_path
+
+    def rotate_server_identity(self, name: str, common_name: str, extra_hosts: tuple[str, ...] = ()) -> x509.Certificate:
+        """A new key and certificate for ``<name>``, for the host names of the one there and ``extra_hosts``
+        (``aisynergy hub rotate broker-certificate``). Agents check the server by this CA, so none needs telling;
+        the broker takes it at its next reload (its runner copies it when the key and certificate match)."""
+        crt, key_path = self.directory / f"{name}.crt", self.directory / f"{name}.key"
+        hosts = {"localhost", "127.0.0.1", "::1", *extra_hosts}
+        if crt.exists():
+            san = x509.load_pem_x509_certificate(crt.read_bytes()).extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+            hosts |= {str(v) for v in san.get_values_for_type(x509.DNSName)} | {str(v) for v in san.get_values_for_type(x509.IPAddress)}
+        key = new_private_key()
+        cert = (
+            self._builder(common_name, key.public_key(), LEAF_VALIDITY)
+            .add_extension(x509.SubjectAlternativeName(_host_names(sorted(hosts))), critical=False)
+            .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH]), critical=False)
+            .sign(self._key, hashes.SHA256())
+        )
+        _write_private(key_path, _key_pem(key))
+        write_public(crt, cert.public_bytes(serialization.Encoding.PEM))
+        return cert
 
     def ensure_client_identity(self, common_name: str) -> tuple[Path, Path]:
         crt, key_path = self.directory / f"{common_name}.crt", self.directory / f"{common_name}.key"

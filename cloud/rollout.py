@@ -215,7 +215,7 @@ class RolloutController:
             except Exception:  # noqa: BLE001 - a delta is an optimisation; the full artefact always works
                 log.exception("no delta from %s to artefact %s", base_sha256, artifact.id)
         return DeploymentOrder(
-            execution_id=e.id, deployment_id=e.deployment_id, action=action, artifact_id=artifact.id, signed_manifest=signed_manifest(artifact),
+            execution_id=e.id, deployment_id=e.deployment_id, action=action, artifact_id=artifact.id, signed_manifest=signed_manifest(artifact, self.signing),
             path=f"/artifacts/{artifact.id}/content", delta=delta, allow_downgrade=allow_downgrade,
             token=self.signing.issue_download_token(artifact.id, artifact.sha256, e.target_id, ttl_s=timeout_s + TOKEN_GRACE_S, base_sha256=base_sha256 or None),
         )  # fmt: skip

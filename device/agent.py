@@ -653,6 +653,7 @@ class Device:
             verify=self._server_context(),
             server_name=enrolment.tls_server_name,
         )
+        updater.pin_signing_keys = self.identity.pin_signing_key  # the hub rotated its key: keep the one it leads to
         if self.firmware_boot is not None:
             updater.report_boot(self.firmware_boot)
         updater.restore()

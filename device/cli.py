@@ -46,7 +46,7 @@ from device.files import read_secret
 from device.identity import IdentityStore
 from device.local_data import DatasetError
 from device.ota.firmware import BootResult, FirmwareError, FirmwareSlots
-from device.ota.verify import VerificationError, load_public_key, verify_manifest
+from device.ota.verify import TrustedKeys, VerificationError, verify_manifest
 from interfaces.deployments import SignedManifest
 
 log = logging.getLogger("aisynergy.device")
@@ -182,7 +182,7 @@ def _boot_firmware(root: Path, image: Path | None, manifest: Path | None, public
             if slots.active() is None:
                 try:
                     signed = SignedManifest.model_validate_json(manifest.read_bytes())
-                    verify_manifest(load_public_key(public_key.read_bytes()), signed)
+                    verify_manifest(TrustedKeys.from_pem(public_key.read_bytes()), signed)
                     slots.provision(image, signed)
                 except (ValueError, VerificationError) as exc:  # pydantic's ValidationError included
                     _fail(EXIT_FIRMWARE_REJECTED, f"factory firmware {image} rejected: {str(exc).splitlines()[0]}")

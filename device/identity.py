@@ -39,6 +39,8 @@ if TYPE_CHECKING:
     from cryptography.hazmat.primitives.asymmetric import ec
     from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 
+    from device.ota.verify import TrustedKeys
+
     from interfaces.nodes import CertificateIssued, DeviceCertificateIssued
 
 log = logging.getLogger("aisynergy.device")
@@ -109,13 +111,17 @@ def _common_names(cert: x509.Certificate) -> list[str]:
     return [str(a.value) for a in cert.subject.get_attributes_for_oid(NameOID.COMMON_NAME)]
 
 
-def _signing_key(pem: str | bytes, what: str) -> Ed25519PublicKey:
-    from device.ota.verify import load_public_key
+def _trusted_keys(pem: str | bytes, what: str) -> TrustedKeys:
+    from device.ota.verify import TrustedKeys
 
     try:
-        return load_public_key(pem)
+        return TrustedKeys.from_pem(pem)
     except (ValueError, TypeError) as exc:  # VerificationError included
         raise IdentityError(f"{what} is not a PEM Ed25519 public key: {exc}") from exc
+
+
+def _signing_key(pem: str | bytes, what: str) -> Ed25519PublicKey:
+    return _trusted_keys(pem, what).current
 
 
 class AgentIdentityStore(Generic[R]):
@@ -271,13 +277,19 @@ class AgentIdentityStore(Generic[R]):
             raise IdentityError(f"cannot read {self.signing_key_path}: {exc}") from exc
 
     def load_signing_key(self) -> Ed25519PublicKey | None:
-        """The pinned signing key, checked; ``None`` for an identity enrolled before the hub sent one."""
+        """The newest pinned signing key, checked; ``None`` for an identity enrolled before the hub sent one."""
         pem = self.signing_key_pem()
         return None if pem is None else _signing_key(pem, str(self.signing_key_path))
 
+    def load_trusted_keys(self) -> TrustedKeys | None:
+        """Every pinned signing key (newest first: after a rotation of the hub's key, the old ones too)."""
+        pem = self.signing_key_pem()
+        return None if pem is None else _trusted_keys(pem, str(self.signing_key_path))
+
     def pin_signing_key(self, pem: str) -> None:
-        """Keep ``pem`` as the hub's signing key (an older identity fetched it after enrolment)."""
-        _signing_key(pem, "the hub's signing key")
+        """Keep ``pem`` (one key, or a bundle newest first) as the hub's signing keys: an older identity fetched
+        it after enrolment, or the hub rotated its key and a target followed the transition."""
+        _trusted_keys(pem, "the hub's signing key")
         self.identity_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
         write_atomic(self.signing_key_path, pem.encode())
 

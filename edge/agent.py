@@ -106,11 +106,12 @@ class EdgeAgent:
             self.deployments = NodeDeployments(
                 config.node_id,
                 Path(config.data_dir),
-                self.identity.load_signing_key(),
+                self.identity.load_trusted_keys(),
                 config.hub_url,
                 lambda topic, payload, kind: self.relay.enqueue(topic, payload, kind),
                 verify=hub_tls,
-                signing_key_source=self.identity.load_signing_key,  # an older identity pins it later
+                signing_key_source=self.identity.load_trusted_keys,  # an older identity pins it later
+                pin_signing_keys=self.identity.pin_signing_key,  # after a rotation of the hub's key
                 infer=self.split,
                 fl=self.fl,
             )
@@ -121,8 +122,9 @@ class EdgeAgent:
                 self.artifacts = ArtifactCache(
                     Path(config.data_dir) / ARTIFACTS_DIR,
                     hub_url=config.hub_url or "",
-                    signing_key=self.identity.load_signing_key(),
+                    signing_key=self.identity.load_trusted_keys(),
                     pin_signing_key=self.identity.pin_signing_key,
+                    signing_key_source=self.identity.load_trusted_keys,
                     budget_bytes=config.artifact_cache_bytes,
                     verify=hub_tls,
                 )
@@ -140,6 +142,8 @@ class EdgeAgent:
                 )
             prefetch = self.artifacts.prefetch if self.artifacts is not None else None
             self.relay = DeviceRelay(config.node_id, self.store, self.up, self.down, prefetch=prefetch, on_task_orders=self.split.learn_orders)
+            if self.artifacts is not None:
+                self.relay.on_hub_signing_key = self.artifacts.hub_signing_key  # a rotation: catch up before devices ask
         except BaseException:
             if self.artifacts is not None:
                 self.artifacts.close()

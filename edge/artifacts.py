@@ -45,6 +45,7 @@ device still refuses such bytes (SHA-256 + Ed25519), so nothing wrong is install
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
@@ -67,10 +68,10 @@ import httpx
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 
 from device.files import write_atomic
-from device.ota.verify import VerificationError, key_id, load_public_key, sha256_file, verify_download_token
+from device.ota.verify import TrustedKeys, UnknownSigner, VerificationError, load_public_key, sha256_file, verify_download_token
 from device.tls import tls_verify
 from interfaces import API_PREFIX
-from interfaces.deployments import DELTA_MEDIA_TYPE, DOWNLOAD_TOKEN_HEADER, SHA256_RE, DeploymentOrder
+from interfaces.deployments import DELTA_MEDIA_TYPE, DOWNLOAD_TOKEN_HEADER, SHA256_RE, DeploymentOrder, DownloadGrant, KeyTransitions, SignedKeyTransition
 from interfaces.errors import ERROR_TYPE_PREFIX, PROBLEM_MEDIA_TYPE, ErrorCode
 from interfaces.ranges import RangeNotSatisfiable, parse_byte_range
 
@@ -81,6 +82,7 @@ CHUNK = 64 * 1024
 HASH_CHUNK = 1024 * 1024
 ROUTE = re.compile(rf"^{re.escape(API_PREFIX)}/artifacts/([^/]+)/(content|delta)$")
 SIGNING_KEY_PATH = f"{API_PREFIX}/signing-key.pub"
+KEY_TRANSITIONS_PATH = f"{API_PREFIX}/signing-key/transitions"
 CONTENT_MEDIA_TYPE = "application/octet-stream"
 PART_SUFFIX = ".part"
 KEY_RETRY_S = 5.0  # after a failed fetch of the signing key, ask the hub again at most this often
@@ -200,8 +202,9 @@ class ArtifactCache:
         root: Path,
         *,
         hub_url: str,
-        signing_key: Ed25519PublicKey | None = None,
+        signing_key: TrustedKeys | Ed25519PublicKey | None = None,
         pin_signing_key: Callable[[str], object] | None = None,
+        signing_key_source: Callable[[], TrustedKeys | None] | None = None,
         budget_bytes: int = DEFAULT_BUDGET_BYTES,
         verify: ssl.SSLContext | bool | str = True,
         timeout_s: float = 30.0,
@@ -218,10 +221,13 @@ class ArtifactCache:
         self.hits = 0
         self.integrity_checks = 0  # full SHA-256 reads of cached blobs
         self.corrupt_dropped = 0  # cached blobs that failed their check and were dropped
-        self._key = signing_key
+        self._key = None if signing_key is None else TrustedKeys.of(signing_key)
         self._pin_key = pin_signing_key
+        self._key_source = signing_key_source  # the pinned keys, which the node's updater may have extended
         self._key_lock = threading.Lock()
         self._key_failed_at = -KEY_RETRY_S
+        self._caught_up_at = -KEY_RETRY_S
+        self._announced: str | None = None  # the key id the hub's retained state names
         self._verify = verify
         self._timeout = httpx.Timeout(timeout_s, connect=min(timeout_s, 10.0))
         self._attempts = attempts
@@ -247,8 +253,8 @@ class ArtifactCache:
         self._executor.shutdown(wait=False, cancel_futures=True)
 
     # ---- the hub's signing key ----------------------------------------------------------------------
-    def ensure_signing_key(self) -> Ed25519PublicKey | None:
-        """The pinned key; without one, fetch ``GET /signing-key.pub`` from the hub once and pin it."""
+    def ensure_signing_key(self) -> TrustedKeys | None:
+        """The pinned keys; without one, fetch ``GET /signing-key.pub`` from the hub once and pin it."""
         with self._key_lock:
             if self._key is not None:
                 return self._key
@@ -259,19 +265,94 @@ class ArtifactCache:
                 with self._client() as client:
                     response = client.get(url)
                 response.raise_for_status()
-                key = load_public_key(response.content)
+                key = TrustedKeys([load_public_key(response.content)])
             except (httpx.HTTPError, VerificationError, ValueError) as exc:
                 self._key_failed_at = time.monotonic()
                 log.warning("no pinned signing key and cannot fetch it from %s: %s", url, exc)
                 return None
-            if self._pin_key is not None:
-                try:
-                    self._pin_key(response.text)
-                except Exception as exc:  # noqa: BLE001 - kept in memory; fetched again after a restart
-                    log.error("cannot store the hub's signing key: %s", exc)
+            self._pin(key)
             self._key = key
-            log.warning("the stored identity has no signing key: pinned key %s fetched from %s", key_id(key), url)
+            log.warning("the stored identity has no signing key: pinned key %s fetched from %s", key.ids()[0], url)
             return key
+
+    def follow(self, transitions: list[SignedKeyTransition]) -> TrustedKeys | None:
+        """Trust the keys ``transitions`` lead to from a pinned key (a device order's manifest after the hub
+        rotated its key); :class:`VerificationError` for a forged hand-over."""
+        keys = self.ensure_signing_key()
+        if keys is None or not transitions:
+            return keys
+        with self._key_lock:
+            keys = self._key or keys
+            ahead = keys.following(transitions)
+            if ahead is not keys:
+                self._key = ahead
+                self._pin(ahead)
+                log.warning("the hub's signing key is %s now (a transition signed by a pinned key leads to it): pinned", ahead.ids()[0])
+            return ahead
+
+    def hub_signing_key(self, announced: str) -> None:
+        """The hub announced the key it signs with (its retained state); not one pinned here: fetch the hand-over
+        in the background, so the new key is trusted before a device shows a token it signed."""
+        self._announced = announced
+        keys = self._key
+        if keys is not None and keys.get(announced) is None and not self._closed:
+            with contextlib.suppress(RuntimeError):  # shut down meanwhile
+                self._executor.submit(self._catch_up, keys)
+
+    def _catch_up(self, keys: TrustedKeys) -> TrustedKeys | None:
+        """More keys than ``keys``, from the pinned file or, when the hub announced a key not pinned here, from
+        its transitions; ``None`` when there are none. A token signed by an unknown key makes no request to the
+        hub unless the hub said it signs with a key the edge lacks (and then at most every ``KEY_RETRY_S``)."""
+        if self._key_source is not None:
+            try:
+                pinned = self._key_source()
+            except (OSError, ValueError) as exc:
+                log.error("cannot read the pinned signing keys: %s", exc)
+                pinned = None
+            if pinned is not None and set(pinned.ids()) - set(keys.ids()):
+                with self._key_lock:
+                    self._key = pinned.merged(keys)
+                return self._key
+        with self._key_lock:
+            announced, current = self._announced, self._key or keys
+            if announced is None or current.get(announced) is not None:
+                return current if current is not keys else None
+            if time.monotonic() - self._caught_up_at < KEY_RETRY_S:
+                return None
+            self._caught_up_at = time.monotonic()
+        url = self.hub_url + KEY_TRANSITIONS_PATH
+        try:
+            with self._client() as client:
+                response = client.get(url)
+            response.raise_for_status()
+            transitions = KeyTransitions.model_validate_json(response.content).transitions
+            ahead = self.follow(transitions)
+        except (httpx.HTTPError, ValueError) as exc:  # VerificationError and pydantic's ValidationError included
+            log.warning("cannot fetch the hub's key transitions from %s: %s", url, exc)
+            return None
+        return ahead if ahead is not None and ahead is not keys else None
+
+    def verify_token(self, token: str, artifact_id: str) -> DownloadGrant:
+        """The grant of a device's token, checked offline with the pinned keys; a token signed by a key the hub
+        rotated to since makes the edge follow the hub's transitions first. :class:`VerificationError` else;
+        ``LookupError`` when no key is pinned and the hub is unreachable."""
+        keys = self.ensure_signing_key()
+        if keys is None:
+            raise LookupError("no signing key is pinned")
+        try:
+            return verify_download_token(keys, token, artifact_id)
+        except UnknownSigner:
+            ahead = self._catch_up(keys)
+            if ahead is None:
+                raise
+            return verify_download_token(ahead, token, artifact_id)
+
+    def _pin(self, keys: TrustedKeys) -> None:
+        if self._pin_key is not None:
+            try:
+                self._pin_key(keys.to_pem())
+            except Exception as exc:  # noqa: BLE001 - kept in memory; fetched again after a restart
+                log.error("cannot store the hub's signing key: %s", exc)
 
     # ---- queries ------------------------------------------------------------------------------------
     def blob_path(self, sha256: str) -> Path:
@@ -300,12 +381,11 @@ class ArtifactCache:
             return problem(405, ErrorCode.METHOD_NOT_ALLOWED, "Method not allowed", method)
         artifact_id, route = match.groups()
         lower = {name.lower(): value for name, value in headers.items()}
-        key = self.ensure_signing_key()
-        if key is None:
-            return problem(503, ErrorCode.HUB_UNREACHABLE, "The hub's signing key is not pinned and the hub cannot be reached")
         token = lower.get(DOWNLOAD_TOKEN_HEADER.lower(), "")
         try:
-            grant = verify_download_token(key, token, artifact_id)
+            grant = self.verify_token(token, artifact_id)
+        except LookupError:
+            return problem(503, ErrorCode.HUB_UNREACHABLE, "The hub's signing key is not pinned and the hub cannot be reached")
         except VerificationError as exc:
             log.info("refused a download of %s: %s", artifact_id, exc)
             return problem(401, ErrorCode.INVALID_DOWNLOAD_TOKEN, "Invalid download token", str(exc))
@@ -687,11 +767,11 @@ class ArtifactCache:
             return None
 
     def _prefetch(self, order: DeploymentOrder) -> None:
-        key = self.ensure_signing_key()
-        if key is None:
-            return
         try:
-            grant = verify_download_token(key, order.token, order.artifact_id)
+            self.follow(order.signed_manifest.key_transitions)  # the device's manifest may lead to a new hub key
+            grant = self.verify_token(order.token, order.artifact_id)
+        except LookupError:
+            return
         except VerificationError as exc:
             log.warning("not prefetching %s for execution %s: %s", order.artifact_id, order.execution_id, exc)
             return

@@ -58,6 +58,8 @@ from interfaces.topics import NODE_EVENTS, NODE_REPORTED, Topic
 if TYPE_CHECKING:
     from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 
+    from device.ota.verify import TrustedKeys
+
     from edge.fl import FlRouter
     from edge.split import TailRouter
 
@@ -83,24 +85,27 @@ class NodeDeployments:
         signing_key: Ed25519PublicKey | None,
         hub_url: str | None,
         send_up: SendUp,
-        signing_key_source: Callable[[], Ed25519PublicKey | None] | None = None,
+        signing_key_source: Callable[[], TrustedKeys | Ed25519PublicKey | None] | None = None,
         infer: TailRouter | None = None,
         fl: FlRouter | None = None,
         verify: ssl.SSLContext | bool = True,
+        pin_signing_keys: Callable[[str], None] | None = None,
     ) -> None:
-        """``verify``: how the hub's HTTPS is checked when the node downloads its artefacts and task inputs."""
+        """``verify``: how the hub's HTTPS is checked when the node downloads its artefacts and task inputs;
+        ``pin_signing_keys`` stores the hub's keys when a manifest led to a new one (a rotation)."""
         self.node_id = node_id
         self.models = ModelHost(Path(data_dir) / "ota" / "models")
         base_url = f"{hub_url.rstrip('/')}{API_PREFIX}" if hub_url else None
         self.updater = Updater(data_dir, signing_key, base_url, self._progress, models=self.models, no_firmware=NO_FIRMWARE, verify=verify)
         self.updater.signing_key_source = signing_key_source
+        self.updater.pin_signing_keys = pin_signing_keys
         self.commands = Commands()
         for name, handler in model_commands(self.models).items():
             self.commands.register_builtin(name, handler)
         self._sequence = EventSequence(Path(data_dir) / SEQUENCE_FILE)
         self._send_up = send_up
         self._event_lock = threading.Lock()  # held from taking a seq to storing the event: seqs leave in order
-        fetch_inputs = InputFetcher(Path(data_dir) / "tasks" / "inputs", self.updater.signing_key, self.updater.downloader)
+        fetch_inputs = InputFetcher(Path(data_dir) / "tasks" / "inputs", self.updater.signing_key, self.updater.downloader, self.updater.verify_manifest)
         self.tasks = WorkerHost(Path(data_dir) / "tasks", self.models, self.emit, fetch_inputs, infer=infer, fl=fl)
         self._version = -1  # the newest desired version seen
         self._tasks_version = -1  # the newest task orders seen

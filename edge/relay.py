@@ -58,7 +58,7 @@ from interfaces.messages import (
     Envelope,
     EventBody,
     EventsAckBody,
-    StateBody,
+    HubStateBody,
     envelope,
 )
 from interfaces.topics import (
@@ -165,6 +165,9 @@ class DeviceRelay:
         self._outbox_ready = asyncio.Event()
         self._loop: asyncio.AbstractEventLoop | None = None  # the pump's, once a session has started
         self._hub_online = asyncio.Event()
+        self.on_hub_signing_key: Callable[[str], None] | None = None
+        """Told the key id the hub announces in its retained state (the artefact cache catches up after a
+        rotation); called on the relay's loop, so it must not block."""
         self._pending: dict[bytes, _Pending] = {}
         self._commands: set[asyncio.Task[None]] = set()
         self._background: set[asyncio.Task[None]] = set()
@@ -613,9 +616,12 @@ class DeviceRelay:
         """The hub says whether it is subscribed; a broker acknowledgement only means delivered to the hub
         while it is (a broker that restarted keeps no promise for the hub's session before it is back)."""
         try:
-            online = Envelope[StateBody].model_validate_json(_bytes(message.payload)).body.state is ConnectionState.ONLINE
+            body = Envelope[HubStateBody].model_validate_json(_bytes(message.payload)).body
         except ValidationError:
-            online = False
+            body = None
+        online = body is not None and body.state is ConnectionState.ONLINE
+        if online and body is not None and body.signing_key_id is not None and self.on_hub_signing_key is not None:
+            self.on_hub_signing_key(body.signing_key_id)
         if online and not self._hub_online.is_set():
             log.info("the hub is online: delivering the %s stored messages", self._store.outbox_size())
             self._hub_online.set()

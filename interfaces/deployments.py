@@ -45,6 +45,10 @@ INSTALLED_KEY = "installed"
 DOWNLOAD_TOKEN_HEADER = "X-Download-Token"
 DOWNLOAD_TOKEN_DOMAIN = b"aisynergy-download-token-v1\n"
 MANIFEST_DOMAIN = b"aisynergy-manifest-v1\n"
+KEY_TRANSITION_DOMAIN = b"aisynergy-key-transition-v1\n"
+MAX_KEY_TRANSITIONS = 8
+"""How many signing-key rotations the hub keeps (and a manifest carries): a target that pins a key older than
+the oldest kept re-enrols."""
 DELTA_MEDIA_TYPE = "application/vnd.aisynergy.bsdiff4"
 
 
@@ -97,10 +101,46 @@ class ArtifactManifest(WireModel):
     created_at: Timestamp
 
 
+KeyId = Annotated[str, Field(min_length=16, max_length=16, pattern=r"^[0-9a-f]{16}$", description="first 16 hex chars of the SHA-256 of the raw Ed25519 public key")]
+
+
+class KeyTransition(WireModel):
+    """The hub's statement that its signing key ``old_key_id`` hands over to ``new_public_key_pem``, signed by
+    the old key (``key_transition_signing_bytes``): a target that pins the old key trusts the new one after
+    checking this signature, with no other channel (``aisynergy hub rotate signing-key``)."""
+
+    old_key_id: KeyId
+    new_key_id: KeyId
+    new_public_key_pem: str = Field(min_length=1, max_length=512, pattern=r"^-----BEGIN PUBLIC KEY-----\n[A-Za-z0-9+/=\n]+-----END PUBLIC KEY-----\n$")
+    issued_at: Timestamp
+
+
+class SignedKeyTransition(WireModel):
+    transition: KeyTransition
+    signature: str = Field(min_length=1, max_length=256, description="base64 Ed25519 signature of key_transition_signing_bytes(transition) by the old key")
+
+
+class KeyTransitions(WireModel):
+    """``GET /signing-key/transitions``: every hand-over the hub keeps, oldest first (the last names its current
+    key): how a target whose pinned key signed none of what it is shown catches up."""
+
+    current_key_id: KeyId
+    transitions: list[SignedKeyTransition] = Field(default_factory=list, max_length=MAX_KEY_TRANSITIONS)
+
+
+def key_transition_signing_bytes(transition: KeyTransition) -> bytes:
+    doc = transition.model_dump(mode="json")
+    return KEY_TRANSITION_DOMAIN + json.dumps(doc, sort_keys=True, separators=(",", ":"), ensure_ascii=True).encode()
+
+
 class SignedManifest(WireModel):
     manifest: ArtifactManifest
     signature: str = Field(min_length=1, max_length=256, description="base64 Ed25519 signature of manifest_signing_bytes(manifest)")
     key_id: str = Field(min_length=1, max_length=64, description="first 16 hex chars of the SHA-256 of the raw public key")
+    key_transitions: list[SignedKeyTransition] = Field(
+        default_factory=list, max_length=MAX_KEY_TRANSITIONS,
+        description="the hub's key rotations up to key_id, oldest first: how a target that pins an older key comes to trust key_id",
+    )  # fmt: skip
 
 
 def manifest_signing_bytes(manifest: ArtifactManifest) -> bytes:

@@ -45,6 +45,15 @@ class StateBody(_Body):
     reason: str | None = Field(default=None, max_length=256, description="why offline: will, shutdown, ...")
 
 
+class HubStateBody(StateBody):
+    """Retained on the hub's ``state``: a :class:`StateBody` and the key the hub signs with."""
+
+    signing_key_id: str | None = Field(
+        default=None, min_length=16, max_length=16, pattern=r"^[0-9a-f]{16}$",
+        description="the key the hub signs artefacts and download tokens with now (after a rotation, edges fetch the hand-over)",
+    )  # fmt: skip
+
+
 class Health(StrEnum):
     OK = "ok"
     DEGRADED = "degraded"

@@ -126,7 +126,10 @@ class CertificateIssued(BaseModel):
     mqtt_url: str = Field(description="where the agent connects, e.g. mqtts://broker:8883")
     heartbeat_interval_s: float = Field(gt=0)
     offline_timeout_s: float | None = Field(default=None, gt=0, description="silence after which the hub marks the agent OFFLINE (at most MAX_OFFLINE_TIMEOUT_S)")
-    signing_key_pem: str | None = Field(default=None, description="the hub's Ed25519 artefact-signing public key, to pin")
+    signing_key_pem: str | None = Field(
+        default=None, max_length=16384,
+        description="the hub's Ed25519 artefact-signing public keys to pin, as PEM blocks: its current key first, then those it retired (newest first)",
+    )  # fmt: skip
 
 
 class NodeStatus(BaseModel):
@@ -212,7 +215,10 @@ class DeviceCertificateIssued(BaseModel):
     mqtt_url: str
     heartbeat_interval_s: float = Field(gt=0)
     offline_timeout_s: float | None = Field(default=None, gt=0, description="silence after which the hub marks the agent OFFLINE (at most MAX_OFFLINE_TIMEOUT_S)")
-    signing_key_pem: str | None = Field(default=None, description="the hub's Ed25519 artefact-signing public key, to pin")
+    signing_key_pem: str | None = Field(
+        default=None, max_length=16384,
+        description="the hub's Ed25519 artefact-signing public keys to pin, as PEM blocks: its current key first, then those it retired (newest first)",
+    )  # fmt: skip
 
 
 class DeviceStatus(BaseModel):

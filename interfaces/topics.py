@@ -25,6 +25,7 @@ from interfaces.messages import (
     FlUpdateBody,
     HeartbeatBody,
     ReportedBody,
+    HubStateBody,
     StateBody,
 )
 
@@ -200,7 +201,7 @@ RELAY_EVENTS = _relay(Channel.EVENTS, EventBody, True, 1, False, "a device's eve
 
 HUB_STATE = Topic(
     f"{PREFIX}/hub/state",
-    Envelope[StateBody],  # type: ignore[valid-type]
+    Envelope[HubStateBody],  # type: ignore[valid-type]
     Direction.HUB_TO_EDGE,
     1,
     True,

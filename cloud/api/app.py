@@ -127,6 +127,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         tasks.append(asyncio.create_task(_every_or_woken(settings.scheduler_interval_s, wake, _scheduler_tick, engine, settings, holder, scheduler), name="scheduler"))
         if settings.enable_mqtt:
             bridge = MqttBridge(settings.broker_url, settings.pki_dir, settings.mqtt_client_id, ingest, DesiredPublisher(engine))
+            bridge.signing_key_id = lambda: app.state.signing.key_id
             app.state.bridge = bridge
             tasks.append(asyncio.create_task(bridge.run(), name="mqtt"))
         log.info("hub ready: database %s, broker %s", engine.url.render_as_string(hide_password=True), settings.broker_url)

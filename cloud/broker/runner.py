@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 
 from cloud.broker.config import TLS_FILES, BrokerLayout, read_devices, read_revoked, render_acl, render_config
-from cloud.pki import CertificateAuthority
+from cloud.pki import CertificateAuthority, key_matches_certificate
 
 log = logging.getLogger("aisynergy.broker")
 
@@ -226,13 +226,23 @@ def _wait_for_share(layout: BrokerLayout, signals: _Signals, poll_s: float) -> b
     return True
 
 
+def _pair_complete(pki_dir: Path) -> bool:
+    """The broker's key and certificate match: not half way through a rotation (which writes the key, then the
+    certificate); until they do, nothing is copied and the broker keeps the pair it has."""
+    if key_matches_certificate(pki_dir / "broker.crt", pki_dir / "broker.key"):
+        return True
+    log.info("the broker's key and certificate do not match yet (a rotation under way?): waiting")
+    return False
+
+
 def run(layout: BrokerLayout, host: str, port: int, extra_hosts: tuple[str, ...] = (), poll_s: float = 0.5) -> int:
     """Run mosquitto in the foreground until it exits or we are signalled; returns its exit code.
 
     When the hub revokes an identity or signs the CRL again (``revoked.txt`` / ``crl.pem`` change), or the
     devices an edge serves change, copy the new files into the broker's own directory, rewrite the ACL and send
-    SIGHUP: mosquitto reloads the ACL (open connections of a revoked identity are denied everything) and the
-    CRL (new connections with a revoked certificate fail the TLS handshake).
+    SIGHUP: mosquitto reloads the ACL (open connections of a revoked identity are denied everything), the
+    CRL (new connections with a revoked certificate fail the TLS handshake) and its certificate (after
+    ``aisynergy hub rotate broker-certificate``: new connections get the new one, open ones stay up).
     """
     binary = ensure_mosquitto()
     signals = _Signals()
@@ -251,7 +261,7 @@ def run(layout: BrokerLayout, host: str, port: int, extra_hosts: tuple[str, ...]
     while proc.poll() is None:
         time.sleep(poll_s)
         now = _stamp(layout.pki_dir, watched)
-        if now != seen and not signals.stopping:
+        if now != seen and not signals.stopping and _pair_complete(layout.pki_dir):
             seen = now
             copied = _copy_changed(layout.pki_dir, layout.tls_dir, TLS_FILES, account)
             write_acl(layout, account)
@@ -273,7 +283,7 @@ def share(pki_dir: Path, dest: Path, broker_hosts: tuple[str, ...] = (), poll_s:
     seen: tuple[int, ...] | None = None
     while not signals.stopping:
         now = _stamp(pki_dir, SHARED_FILES)
-        if now != seen:
+        if now != seen and _pair_complete(pki_dir):
             seen = now
             if copied := _copy_changed(pki_dir, dest, SHARED_FILES, None):
                 log.info("shared with the broker: %s", ", ".join(copied))

@@ -145,6 +145,47 @@ def token_revoke(token_id: str, database_url: str | None, data_dir: Path) -> Non
     click.echo(f"revoked {token_id}")
 
 
+@hub.group()
+def rotate() -> None:
+    """Replace a hub key while the fleet keeps working (a running hub and broker take the new one)."""
+
+
+@rotate.command("signing-key")
+@_data_dir
+def rotate_signing_key(data_dir: Path) -> None:
+    """A new artefact-signing key. The old key signs the hand-over; manifests signed from now on carry it, so
+    targets that pin the old key trust the new one on their next order. The old public key is kept: artefacts
+    signed before stay verifiable, targets enrolled later pin it too, and download tokens it signed stay valid
+    until they expire. A running hub signs with the new key from its next signature."""
+    from cloud.config import Settings
+    from cloud.signing import KeyringError, rotate
+    from interfaces.deployments import MAX_KEY_TRANSITIONS
+
+    settings = Settings(data_dir=data_dir)
+    try:
+        done = rotate(settings.pki_dir)
+    except (KeyringError, OSError) as exc:
+        raise click.ClickException(str(exc)) from exc
+    click.echo(f"signing key {done.old_key_id} -> {done.new_key_id}")
+    if done.dropped:
+        click.echo(f"forgotten (older than the {MAX_KEY_TRANSITIONS} rotations kept; targets that still pin them re-enrol): {', '.join(done.dropped)}")
+
+
+@rotate.command("broker-certificate")
+@click.option("--hostname", "hostnames", multiple=True, metavar="NAME", help="a name or address agents use for the broker, added to those of the current certificate; repeatable")
+@_data_dir
+def rotate_broker_certificate(hostnames: tuple[str, ...], data_dir: Path) -> None:
+    """A new key and certificate for the broker, from the hub CA, for the names of the current one. Agents
+    check the broker by the CA, so none needs telling; a running broker (``aisynergy broker run``, or its
+    ``share``) serves it to new connections within a second, open ones stay up."""
+    from cloud.config import Settings
+    from cloud.pki import CertificateAuthority
+
+    settings = Settings(data_dir=data_dir)
+    cert = CertificateAuthority.load_or_create(settings.pki_dir).rotate_server_identity("broker", "aisynergy-broker", hostnames)
+    click.echo(f"broker certificate serial {cert.serial_number:x}, valid until {cert.not_valid_after_utc.isoformat()}")
+
+
 def _engine(data_dir: Path, database_url: str | None) -> Engine:
     from cloud.config import Settings
     from cloud.db import make_engine, upgrade

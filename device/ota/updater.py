@@ -37,6 +37,7 @@ from interfaces.deployments import (
     ExecutionState,
     InstalledArtifact,
     OrderAction,
+    SignedManifest,
     compare_versions,
 )  # fmt: skip
 
@@ -45,6 +46,7 @@ if TYPE_CHECKING:
 
     from device.ota.download import Downloader
     from device.ota.firmware import BootResult, FirmwareSlots
+    from device.ota.verify import TrustedKeys
 
 log = logging.getLogger("aisynergy.device.ota")
 
@@ -92,9 +94,12 @@ class Updater:
         self.root = Path(data_dir) / "ota"
         self.models = models or ModelHost(self.root / "models")
         self.store = OtaStore(self.root / "state.json")
-        self._signing_key = signing_key  # loaded at the first order: cryptography stays out of an idle agent
-        self.signing_key_source: Callable[[], Ed25519PublicKey | None] | None = None
+        self._signing_key: TrustedKeys | Ed25519PublicKey | str | bytes | None = signing_key  # loaded at the first order: cryptography stays out of an idle agent
+        self._keys_lock = threading.Lock()
+        self.signing_key_source: Callable[[], TrustedKeys | Ed25519PublicKey | None] | None = None
         """Asked for the key when none was given (an identity that pins it later); set by the owner."""
+        self.pin_signing_keys: Callable[[str], None] | None = None
+        """Stores the trusted keys (a PEM bundle) after a manifest led to the hub's new key; set by the owner."""
         self._base_url = artifact_base_url
         self._emit = emit_progress
         self.firmware, self.reboot = firmware, reboot
@@ -137,16 +142,39 @@ class Updater:
         installed = result.installed if result.installed is not None else self.installed().get(ArtifactKind.FIRMWARE.value)
         self._finish(action, ExecutionProgress(execution_id=result.execution_id, state=state, detail=result.detail[:2048], installed=installed))
 
-    def signing_key(self) -> Ed25519PublicKey | None:
-        """The pinned hub key (loaded on first use; ``None``: none is pinned). Raises ``ValueError`` for a
+    def signing_key(self) -> TrustedKeys | None:
+        """The pinned hub keys (loaded on first use; ``None``: none is pinned). Raises ``ValueError`` for a
         key that does not load (:class:`~device.ota.verify.VerificationError` included)."""
-        from device.ota.verify import load_public_key
+        from device.ota.verify import TrustedKeys
 
-        if self._signing_key is None and self.signing_key_source is not None:
-            self._signing_key = self.signing_key_source()  # pinned since this updater started (an older edge)
-        if isinstance(self._signing_key, str | bytes):
-            self._signing_key = load_public_key(self._signing_key)
-        return self._signing_key
+        with self._keys_lock:
+            if self._signing_key is None and self.signing_key_source is not None:
+                self._signing_key = self.signing_key_source()  # pinned since this updater started (an older edge)
+            if isinstance(self._signing_key, str | bytes):
+                self._signing_key = TrustedKeys.from_pem(self._signing_key)
+            elif self._signing_key is not None and not isinstance(self._signing_key, TrustedKeys):
+                self._signing_key = TrustedKeys.of(self._signing_key)
+            return self._signing_key
+
+    def verify_manifest(self, signed: SignedManifest) -> None:
+        """``signed`` is the hub's (:func:`device.ota.verify.verify_manifest`), else ``ValueError``; when its key
+        transitions led to a key not pinned yet, that key is pinned too (in memory and by ``pin_signing_keys``)."""
+        from device.ota.verify import verify_manifest
+
+        keys = self.signing_key()
+        if keys is None:
+            raise ValueError("no hub signing key is pinned on this target (enrolled before signing keys; re-enrol)")
+        trusted = verify_manifest(keys, signed)
+        if trusted is keys:
+            return
+        with self._keys_lock:
+            self._signing_key = trusted
+        log.warning("the hub's signing key is %s now (a transition signed by a pinned key leads to it): pinned", signed.key_id)
+        if self.pin_signing_keys is not None:
+            try:
+                self.pin_signing_keys(trusted.to_pem())
+            except Exception as exc:  # noqa: BLE001 - trusted in memory; the next manifest leads to it again
+                log.error("cannot store the hub's new signing key: %s", exc)
 
     def downloader(self) -> Downloader:
         """The downloader over the artefact source (also what task workers fetch their inputs with)."""
@@ -216,16 +244,13 @@ class Updater:
 
     def _check_order(self, order: DeploymentOrder) -> None:
         """Signature, kind and downgrade: REJECTED before anything is downloaded."""
-        from device.ota.verify import VerificationError, verify_manifest
-
         signed = order.signed_manifest
         m = signed.manifest
         try:
-            key = self.signing_key()
-            if key is None:
+            if self.signing_key() is None:
                 raise _Refused(S.REJECTED, "no hub signing key is pinned on this device (enrolled before signing keys; re-enrol)")
-            verify_manifest(key, signed)
-        except (VerificationError, ValueError) as exc:
+            self.verify_manifest(signed)
+        except ValueError as exc:  # VerificationError included
             raise _Refused(S.REJECTED, str(exc)) from exc
         if m.format not in FORMATS[m.kind]:
             raise _Refused(S.REJECTED, f"incompatible: a {m.kind.value} cannot have format {m.format.value}")

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from device.tasks.worker import Rejected
-from interfaces.deployments import ArtifactFormat, ArtifactKind
+from interfaces.deployments import ArtifactFormat, ArtifactKind, SignedManifest
 from interfaces.tasks import InputRef
 
 if TYPE_CHECKING:
@@ -28,6 +28,7 @@ if TYPE_CHECKING:
 
     from device.ota.download import Downloader
     from device.ota.updater import Updater
+    from device.ota.verify import TrustedKeys
 
 log = logging.getLogger("aisynergy.device.tasks")
 
@@ -45,9 +46,11 @@ class InputFetcher:
     ``downloader`` answers the downloader over the artefact source. Both are asked at each fetch.
     """
 
-    def __init__(self, root: Path, signing_key: Callable[[], Ed25519PublicKey | None], downloader: Callable[[], Downloader]) -> None:
+    def __init__(self, root: Path, signing_key: Callable[[], TrustedKeys | Ed25519PublicKey | None], downloader: Callable[[], Downloader],
+                 check: Callable[[SignedManifest], None] | None = None) -> None:  # fmt: skip
         self.root = Path(root)
         self._signing_key, self._downloader = signing_key, downloader
+        self._check = check  # the updater's check, which also pins a key the hub rotated to
         self._locks: dict[str, threading.Lock] = {}
         self._locks_lock = threading.Lock()
 
@@ -55,9 +58,15 @@ class InputFetcher:
     def through(cls, root: Path, updater: Callable[[], Updater | None]) -> InputFetcher:
         """A fetcher using the key and downloader of the updater ``updater()`` returns (made at start)."""
 
-        def key() -> Ed25519PublicKey | None:
+        def key() -> TrustedKeys | None:
             u = updater()
             return u.signing_key() if u is not None else None
+
+        def check(signed: SignedManifest) -> None:
+            u = updater()
+            if u is None:
+                raise ValueError("the agent has not started; no signing key yet")
+            u.verify_manifest(signed)
 
         def downloader() -> Downloader:
             u = updater()
@@ -65,7 +74,7 @@ class InputFetcher:
                 raise RuntimeError("the agent has not started; no artefact source yet")
             return u.downloader()
 
-        return cls(root, key, downloader)
+        return cls(root, key, downloader, check)
 
     def __call__(self, ref: InputRef) -> Path:
         """The verified local file of ``ref``: :class:`Rejected` when it is not what the hub signed,
@@ -78,7 +87,10 @@ class InputFetcher:
             key = self._signing_key()
             if key is None:
                 raise Rejected("no hub signing key is pinned on this target (enrolled before signing keys; re-enrol)")
-            verify_manifest(key, signed)
+            if self._check is not None:
+                self._check(signed)
+            else:
+                verify_manifest(key, signed)
         except (VerificationError, ValueError) as exc:
             raise Rejected(f"inputs {ref.artifact_id}: {exc}") from exc
         if m.format not in FORMATS.get(m.kind, ()):

@@ -25,7 +25,8 @@ import httpx
 import pytest
 from click.testing import CliRunner
 
-from cloud.signing import SigningKey
+from cloud.signing import SigningKey, rotate
+from device.ota.verify import TrustedKeys
 from edge.agent import AgentConfig, EdgeAgent
 from edge.artifacts import ArtifactCache, parse_size
 from edge.cli import edge as edge_cli
@@ -41,10 +42,12 @@ from interfaces.deployments import (
     ArtifactManifest,
     DeltaOffer,
     DeploymentOrder,
+    KeyTransitions,
 )
 from interfaces.messages import DesiredBody, envelope
 from interfaces.ranges import RangeNotSatisfiable, parse_byte_range
 from tests.edge.support import ThrowawayCA, enrol_node, free_port
+from tests.support import wait_for
 
 NODE = "nd-edge7"
 DEVICE = "dev-a"
@@ -77,6 +80,10 @@ class HubArtefacts:
                     hub.requests.append((self.path, {k.lower(): v for k, v in self.headers.items()}))
                 if split.path == "/api/v1/signing-key.pub":
                     self.reply(200, hub.signing.public_pem.encode(), "application/x-pem-file")
+                    return
+                if split.path == "/api/v1/signing-key/transitions":
+                    chain = KeyTransitions(current_key_id=hub.signing.key_id, transitions=list(hub.signing.transitions))
+                    self.reply(200, chain.model_dump_json().encode(), "application/json")
                     return
                 match = re.match(r"^/api/v1/artifacts/([^/]+)/(content|delta)$", split.path)
                 if match is None:
@@ -649,3 +656,73 @@ def test_a_bad_cache_size_is_a_usage_error(tmp_path: Path) -> None:
 
     assert result.exit_code == 2
     assert "--artifact-cache-size" in result.output
+
+
+# ---- a rotation of the hub's signing key -----------------------------------------------------------------
+
+
+def test_once_the_hub_announces_a_rotated_key_the_edge_serves_tokens_it_signed_and_pins_it(tmp_path: Path, hub: HubArtefacts, signing: SigningKey) -> None:
+    # Prepare: an edge that pins the first key; the hub rotates (its key object follows the files)
+    first = signing.key_id
+    pinned: list[str] = []
+    running = Edge(ArtifactCache(tmp_path / "edge" / "artifacts", hub_url=hub.url, signing_key=signing.public_key, pin_signing_key=pinned.append), hub.url)
+    try:
+        old_token = hub.token("art-2")  # signed by the first key, before the rotation
+        rotate(tmp_path / "hub-pki")
+        token = hub.token("art-1")  # signed by the new key
+        assert signing.key_id != first
+
+        # Execute + Assert: before the hub says so, the edge does not know the key and asks nobody
+        refused = running.content("art-1", token)
+        assert refused.status_code == 401 and hub.requests == []
+
+        # Execute: the hub's retained state names its new key
+        running.cache.hub_signing_key(signing.key_id)
+        wait_for(lambda: bool(pinned), 10, what="the edge pinning the new key")
+        served = running.content("art-1", token)
+
+        # Assert: it followed the hand-over once, pinned both keys, and serves the token
+        assert served.status_code == 200, served.text
+        assert served.content == hub.blobs["art-1"]
+        assert TrustedKeys.from_pem(pinned[-1]).ids() == [signing.key_id, first]
+        assert [path for path, _ in hub.requests].count("/api/v1/signing-key/transitions") == 1
+        # a token the old key signed (issued before the rotation, still unexpired) is still served
+        assert running.content("art-2", old_token).status_code == 200
+    finally:
+        running.close()
+
+
+def test_a_forged_token_makes_no_request_to_the_hub_when_the_announced_key_is_pinned(tmp_path: Path, hub: HubArtefacts, signing: SigningKey, edge: Edge) -> None:
+    # Prepare: the hub announced the key the edge pins
+    edge.cache.hub_signing_key(signing.key_id)
+    forged = SigningKey.load_or_create(tmp_path / "other-pki").issue_download_token("art-1", sha(hub.blobs["art-1"]), DEVICE, 600)
+
+    # Execute
+    response = edge.content("art-1", forged)
+
+    # Assert
+    assert response.status_code == 401
+    assert hub.requests == []
+
+
+def test_a_hand_over_the_pinned_key_did_not_sign_is_not_followed(tmp_path: Path, hub: HubArtefacts, signing: SigningKey) -> None:
+    # Prepare: the stand-in hub now serves another PKI's chain (a hub, or a man in the middle, that never had the
+    # pinned key) and announces its key
+    pinned: list[str] = []
+    running = Edge(ArtifactCache(tmp_path / "edge" / "artifacts", hub_url=hub.url, signing_key=signing.public_key, pin_signing_key=pinned.append), hub.url)
+    try:
+        impostor = SigningKey.load_or_create(tmp_path / "impostor-pki")
+        rotate(tmp_path / "impostor-pki")
+        hub.signing = impostor
+        token = hub.token("art-1")
+
+        # Execute
+        running.cache.hub_signing_key(impostor.key_id)
+        wait_for(lambda: any(p == "/api/v1/signing-key/transitions" for p, _ in hub.requests), 10, what="the edge asking for the chain")
+        response = running.content("art-1", token)
+
+        # Assert
+        assert response.status_code == 401
+        assert pinned == []
+    finally:
+        running.close()

@@ -32,6 +32,7 @@ from interfaces import API_PREFIX
 from interfaces.auth import Role
 from interfaces.deployments import (
     DELTA_MEDIA_TYPE, DOWNLOAD_TOKEN_HEADER, SHA256_RE, VERSION_RE, ArtifactCreate, ArtifactFormat, ArtifactKind, ArtifactPublic, DownloadGrant,
+    KeyTransitions,
 )  # fmt: skip
 from interfaces.errors import ErrorCode, Problem
 from interfaces.ranges import RangeNotSatisfiable, parse_byte_range
@@ -390,3 +391,12 @@ def signing_key(request: Request) -> Response:
     ``key_id`` of the manifests it signs. Targets pin it at enrolment (``signing_key_pem``)."""
     signing: SigningKey = request.app.state.signing
     return Response(signing.public_pem, media_type="application/x-pem-file", headers={"X-Key-Id": signing.key_id})
+
+
+@router.get("/signing-key/transitions", response_model=KeyTransitions, tags=["pki"], openapi_extra={"security": []})
+def signing_key_transitions(request: Request) -> KeyTransitions:
+    """Every hand-over of the signing key the hub keeps, oldest first, each signed by the key it retires
+    (``aisynergy hub rotate signing-key``): a target that pins an older key checks them from that key on and
+    pins the current one. Public: they prove themselves."""
+    signing: SigningKey = request.app.state.signing
+    return KeyTransitions(current_key_id=signing.key_id, transitions=list(signing.transitions))

@@ -162,7 +162,7 @@ def _issued(node: Node, cert: Certificate, pem: str, request: Request, ca: Certi
     return CertificateIssued(
         node_id=node.id, certificate_pem=pem, ca_pem=ca.ca_pem, serial=cert.serial, not_after=cert.not_after,
         mqtt_url=settings.public_mqtt_url or settings.broker_url, heartbeat_interval_s=settings.heartbeat_interval_s, offline_timeout_s=settings.offline_timeout_s,
-        signing_key_pem=request.app.state.signing.public_pem,
+        signing_key_pem=request.app.state.signing.keys_pem,
     )  # fmt: skip
 
 
