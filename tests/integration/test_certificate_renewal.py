@@ -5,6 +5,7 @@ brokers, the edge; the device runs in the test process."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -72,3 +73,50 @@ def test_a_node_and_a_device_due_for_renewal_renew_at_start_and_connect_with_the
     assert (device_now.enrol_url, device_now.tls_server_name) == (device_first.enrol_url, device_first.tls_server_name)
     renewed = {(e["data"].get("device_id"), e["data"]["serial"]) for e in _renewed_events(stack)}
     assert renewed == {(None, node_now.serial), (dev.device_id, device_now.serial)}
+
+
+def test_a_running_device_renews_when_its_periodic_check_finds_the_certificate_due_and_stays_online(tmp_path: Path, sqlite_url: str,
+                                                                                                    monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
+    from datetime import UTC, datetime, timedelta
+
+    from device import renewal
+    from device.agent import Device
+
+    # Prepare: 365-day certificates (not due at start); a device that looks every half second
+    s = start_devstack(tmp_path, sqlite_url)
+    try:
+        with s.hub.client("operator") as api:
+            device_id = api.post("/devices", json={"node_id": s.node_id, "name": "cam-long-running", "model": "test-board"}).json()["id"]
+            issued = api.post(f"/devices/{device_id}/bootstrap-token", json={}).json()
+        acl = s.data / "devices-broker" / "acl"
+        wait_for(lambda: acl.exists() and device_id in acl.read_text(), 10, what="the devices' broker knows the device")
+        dev = Device(device_id, s.data / "cam-long-running", enrol_url=s.enrol_url, bootstrap_token=issued["bootstrap_token"],
+                     ca_sha256=issued["ca_sha256"], tls_server_name=issued["tls_server_name"], renewal_check_s=0.5)  # fmt: skip
+        s.devices.append(dev)
+        dev.start()
+        wait_for(lambda: s.device_state(device_id) == "ONLINE", 30, what="device ONLINE")
+        first = dev.identity.load_enrolment()
+        assert not renewal.due(first)
+
+        # Execute: 310 days pass for the running agent (less than RENEW_BEFORE left)
+        later = datetime.now(UTC) + timedelta(days=310)
+        monkeypatch.setattr(renewal, "_now", lambda: later)
+
+        # Assert: renewed in the running agent
+        wait_for(lambda: dev.identity.load_enrolment().serial != first.serial, 30, what="the running device renewed")
+
+        # Execute: the clock back to now (a renewed certificate has 365 days again: not due)
+        monkeypatch.setattr(renewal, "_now", lambda: datetime.now(UTC))
+        time.sleep(1.5)  # three more checks
+        settled = dev.identity.load_enrolment()
+        time.sleep(1.5)
+
+        # Assert: stored, recorded by the hub, and not renewed again once not due
+        now = dev.identity.load_enrolment()
+        assert now.serial == settled.serial != first.serial
+        assert now.certificate_sha256 == fingerprint(dev.identity.cert_path.read_text())
+        renewed = [e["data"]["serial"] for e in _renewed_events(s) if e["data"].get("device_id") == device_id]
+        assert now.serial in renewed
+        assert s.device_state(device_id) == "ONLINE"
+    finally:
+        s.close()
