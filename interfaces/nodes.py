@@ -12,7 +12,7 @@ from interfaces.lifecycle import AdminState, NodeState
 from interfaces.messages import Health
 from interfaces.resources import Resources
 from interfaces.selectors import validate_labels
-from interfaces.strict import JsonObject
+from interfaces.strict import INT64_MAX, JsonObject
 from interfaces.text import NoNul
 
 Labels = Annotated[dict[str, str], AfterValidator(validate_labels)]
@@ -184,7 +184,7 @@ class TwinUpdate(_In):
     """``PUT /devices/{id}/twin``: replaces the desired document and bumps its version."""
 
     desired: JsonObject = Field(default_factory=dict, description="becomes the desired document's spec on MQTT (bounded JSON)")
-    expected_version: int | None = Field(default=None, ge=0, description="optimistic concurrency: 409 if the current desired version differs")
+    expected_version: int | None = Field(default=None, ge=0, le=INT64_MAX, description="optimistic concurrency: 409 if the current desired version differs")
 
 
 class Twin(BaseModel):

@@ -371,6 +371,8 @@ def test_unknown_fields_are_422(hub: HubUnderTest, seeded: dict[str, str], uncha
         ("POST", "/nodes", {"name": "gw", "bootstrap_ttl_s": 1}),
         ("PUT", "/nodes/{node_id}/admin-state", {"admin_state": "FROZEN"}),
         ("PUT", "/devices/{device_id}/twin", {"desired": {}, "expected_version": -1}),
+        ("PUT", "/devices/{device_id}/twin", {"desired": {}, "expected_version": 2**63}),  # beyond 64 bits: was a 500
+        ("PUT", "/nodes/{node_id}/twin", {"desired": {}, "expected_version": 2**63}),
         ("POST", "/nodes", ["a", "list"]),
     ],
 )
@@ -380,6 +382,26 @@ def test_invalid_values_are_422(hub: HubUnderTest, seeded: dict[str, str], uncha
 
     # Assert
     assert_problem(r, 422, "validation_failed")
+
+
+@pytest.mark.parametrize("after", [str(2**63), str(2**64 + 1), "-1"])
+def test_a_log_cursor_beyond_64_bits_or_negative_is_422_and_the_connection_stays_usable(hub: HubUnderTest, after: str) -> None:
+    # Execute
+    r = hub.request("GET", f"/tasks/tk-none/logs?after={after}", Role.VIEWER)
+    again = hub.request("GET", "/nodes", Role.VIEWER)
+
+    # Assert
+    assert_problem(r, 422, "validation_failed")
+    assert again.status_code == 200
+
+
+def test_a_last_event_id_beyond_64_bits_is_refused(hub: HubUnderTest) -> None:
+    # Execute
+    r = hub.request("GET", "/tasks/tk-none/logs", Role.VIEWER, headers={"Last-Event-ID": str(2**63), "Accept": "text/event-stream"})
+
+    # Assert
+    assert r.status_code in (400, 422), r.text
+    assert r.json()["code"] == "validation_failed"
 
 
 def test_oversized_body_with_content_length_is_413(hub: HubUnderTest, seeded: dict[str, str], unchanged: None) -> None:

@@ -21,6 +21,7 @@ from cloud.services import tasks as service
 from cloud.tables import ApiToken
 from interfaces.errors import ErrorCode
 from interfaces.pagination import Page
+from interfaces.strict import INT64_MAX
 from interfaces.tasks import TASK_FINAL, TaskAction, TaskCreate, TaskDetail, TaskLogLine, TaskMetrics, TaskOutputs, TaskPublic, TaskState, TaskType, WorkerPublic
 
 router = APIRouter(prefix="/tasks", tags=["tasks"], responses=PROBLEM_RESPONSES)
@@ -150,6 +151,8 @@ def _last_event_id(header: str | None, after: int) -> int:
         value = int(header)
     except ValueError:
         raise BadRequest("Last-Event-ID must be a log line id (an integer)", code=ErrorCode.VALIDATION_FAILED) from None
+    if value > INT64_MAX:
+        raise BadRequest(f"Last-Event-ID must be a log line id (at most {INT64_MAX})", code=ErrorCode.VALIDATION_FAILED)
     return max(value, 0)
 
 
@@ -160,7 +163,7 @@ def _last_event_id(header: str | None, after: int) -> int:
                429: PROBLEM_RESPONSES[409] | {"description": "The token holds as many log streams as it may"}},
 )  # fmt: skip
 async def task_logs(
-    task_id: str, request: Request, caller: Viewer, after: Annotated[int, Query(ge=0, description="only lines with a larger id")] = 0, limit: Limit = DEFAULT_PAGE,
+    task_id: str, request: Request, caller: Viewer, after: Annotated[int, Query(ge=0, le=INT64_MAX, description="only lines with a larger id")] = 0, limit: Limit = DEFAULT_PAGE,
     accept: Annotated[str | None, Header()] = None, last_event_id: Annotated[str | None, Header(alias="Last-Event-ID", max_length=32)] = None,
 ) -> Any:  # fmt: skip
     """The task's log lines (its workers' and the hub's), oldest first.
