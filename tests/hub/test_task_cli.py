@@ -1,4 +1,4 @@
-"""``aisynergy task`` (cloud/cli/task.py) without the task API: the SSE decoder on byte streams, the log
+"""``aisynergy task`` (cloud/cli/task/) without the task API: the SSE decoder on byte streams, the log
 follower against a scripted hub (httpx.MockTransport), request bodies built from flags, the commands' output
 for documents shaped by interfaces/tasks.py, and the dataset upload-or-reuse against the real artefacts API."""
 

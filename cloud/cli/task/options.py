@@ -1,0 +1,183 @@
+"""Parsing the options of ``aisynergy task create`` into a ``TaskCreate`` body, checked before anything is sent."""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+import click
+from pydantic import ValidationError
+
+from interfaces.tasks import TASK_TYPES, TaskCreate
+
+_DURATION = re.compile(r"^\s*([0-9]+(?:\.[0-9]*)?|\.[0-9]+)\s*(ms|s|m|h|d)?\s*$")
+_UNIT_S = {None: 1.0, "ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
+# which command-line flag sets a field, for error messages
+_FLAG_OF = {
+    "spec.model": "--model", "spec.inputs": "--inputs", "spec.chunk_size": "--chunk-size", "spec.input_name": "--input-name",
+    "spec.duration_s": "--duration", "placement.selector": "--selector", "placement.ids": "--ids", "placement.min_nodes": "--min-nodes",
+    "placement.max_nodes": "--max-nodes", "placement.accelerators": "--accelerator", "timeout_s": "--timeout",
+    "worker_timeout_s": "--worker-timeout", "heartbeat_s": "--heartbeat", "retry.max_attempts": "--max-attempts",
+    "retry.backoff_s": "--backoff", "name": "--name", "type": "--type",
+}  # fmt: skip
+
+
+
+def parse_duration(text: str) -> float:
+    """Seconds from ``90``, ``90s``, ``1.5m``, ``2h``, ``1d``, ``500ms``."""
+    m = _DURATION.match(text)
+    if not m:
+        raise click.BadParameter(f"{text!r}: use seconds or a number with ms, s, m, h or d (90, 90s, 5m, 2h)")
+    return float(m.group(1)) * _UNIT_S[m.group(2)]
+
+
+class _Duration(click.ParamType):
+    name = "DURATION"
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> float:
+        if isinstance(value, int | float):
+            return float(value)
+        try:
+            return parse_duration(str(value))
+        except click.BadParameter as exc:
+            self.fail(exc.message, param, ctx)
+
+
+DURATION = _Duration()
+
+
+def parse_model(text: str) -> dict[str, Any]:
+    """``NAME`` or ``NAME:VERSION`` as a ``ModelRef`` document."""
+    name, sep, version = text.partition(":")
+    if not name or (sep and not version):
+        raise click.BadParameter(f"{text!r}: use NAME or NAME:VERSION", param_hint="--model")
+    return {"name": name, **({"version": version} if version else {})}
+
+
+def parse_accelerator(text: str) -> dict[str, Any]:
+    """``TYPE[:COUNT[:PURPOSE]]`` (``gpu``, ``gpu:2``, ``npu:1:inference``) as an ``AcceleratorRequest``."""
+    parts = text.split(":")
+    try:
+        if 1 <= len(parts) <= 3 and parts[0]:
+            request: dict[str, Any] = {"type": parts[0].lower()}
+            if len(parts) >= 2:
+                request["count"] = int(parts[1])
+            if len(parts) == 3:
+                if parts[2] not in ("training", "inference"):
+                    raise ValueError(parts[2])
+                request["purpose"] = parts[2]
+            return request
+    except ValueError:
+        pass
+    raise click.BadParameter(f"{text!r}: use TYPE[:COUNT[:training|inference]], e.g. gpu:2 or npu:1:inference", param_hint="--accelerator")
+
+
+def load_spec(text: str | None) -> dict[str, Any]:
+    """``--spec``: a JSON object, or ``@file.json``."""
+    if text is None:
+        return {}
+    source = "--spec"
+    if text.startswith("@"):
+        path = Path(text[1:])
+        try:
+            text = path.read_text(encoding="utf-8")
+        except OSError as exc:
+            raise click.BadParameter(f"cannot read {path}: {exc.strerror}", param_hint="--spec") from exc
+        source = str(path)
+    try:
+        spec = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise click.BadParameter(f"{source} is not JSON: {exc}", param_hint="--spec") from exc
+    if not isinstance(spec, dict):
+        raise click.BadParameter(f"{source} must be a JSON object", param_hint="--spec")
+    return spec
+
+
+def _split_ids(text: str) -> list[str]:
+    return [part.strip() for part in text.split(",") if part.strip()]
+
+
+def build_task_body(
+    type: str, spec: dict[str, Any] | None = None, *, model: str | None = None, inputs: str | None = None, chunk_size: int | None = None,
+    input_name: str | None = None, duration: float | None = None, selector: str | None = None, ids: str | list[str] | None = None,
+    nodes: bool = False, min_nodes: int | None = None, max_nodes: int | None = None, accelerators: Iterable[str] = (),
+    timeout: float | None = None, worker_timeout: float | None = None, heartbeat: float | None = None, max_attempts: int | None = None,
+    backoff: float | None = None, hold: bool = False, name: str | None = None,
+) -> dict[str, Any]:  # fmt: skip
+    """The ``TaskCreate`` body from the options of ``task create`` (``inputs``: the dataset artefact's id).
+
+    The flags fill in (and override) keys of ``spec``; what is not given is left out, so the hub's defaults apply.
+    The body is checked against ``TaskCreate`` and the type's spec model; a mistake is a ``click.UsageError``
+    naming the flag.
+    """
+    spec = dict(spec or {})
+    if model is not None:
+        spec["model"] = parse_model(model)
+    for key, value in (("inputs", inputs), ("chunk_size", chunk_size), ("input_name", input_name), ("duration_s", duration)):
+        if value is not None:
+            spec[key] = value
+    placement: dict[str, Any] = {}
+    if nodes:
+        placement["target"] = "node"
+    if selector is not None:
+        placement["selector"] = selector
+    if ids is not None:
+        placement["ids"] = _split_ids(ids) if isinstance(ids, str) else list(ids)
+    if min_nodes is not None:
+        placement["min_nodes"] = min_nodes
+    if max_nodes is not None:
+        placement["max_nodes"] = max_nodes
+    accelerator_list = [parse_accelerator(a) for a in accelerators]
+    if accelerator_list:
+        placement["accelerators"] = accelerator_list
+    body: dict[str, Any] = {"type": type, "spec": spec}
+    if name is not None:
+        body["name"] = name
+    if placement:
+        body["placement"] = placement
+    if timeout is not None:
+        body["timeout_s"] = max(1, round(timeout))
+    if worker_timeout is not None:
+        body["worker_timeout_s"] = worker_timeout
+    if heartbeat is not None:
+        body["heartbeat_s"] = heartbeat
+    retry: dict[str, Any] = {}
+    if max_attempts is not None:
+        retry["max_attempts"] = max_attempts
+    if backoff is not None:
+        retry["backoff_s"] = backoff
+    if retry:
+        body["retry"] = retry
+    if hold:
+        body["start"] = False
+    check_task_body(body)
+    return body
+
+
+def check_task_body(body: dict[str, Any]) -> None:
+    """``click.UsageError`` when ``body`` is not a valid ``TaskCreate`` (its spec checked by the type's model)."""
+    problems: list[str] = []
+    try:
+        created = TaskCreate.model_validate(body)
+    except ValidationError as exc:
+        problems += [_error_line(e, ()) for e in exc.errors()]
+    else:
+        spec_model = TASK_TYPES[created.type].spec
+        if spec_model is not None:
+            try:
+                spec_model.model_validate(created.spec)
+            except ValidationError as exc:
+                problems += [_error_line(e, ("spec",)) for e in exc.errors()]
+    if problems:
+        raise click.UsageError("the task is not valid: " + "; ".join(problems[:6]))
+
+
+def _error_line(error: Any, prefix: tuple[str, ...]) -> str:
+    loc = [*prefix, *(str(p) for p in error.get("loc", ()))]
+    where = ".".join(loc) or "body"
+    flag = next((f for key, f in _FLAG_OF.items() if where == key or where.startswith(key + ".")), None)
+    msg = str(error.get("msg", "")).removeprefix("Value error, ")
+    return f"{where}{f' ({flag})' if flag else ''}: {msg}"
