@@ -33,7 +33,8 @@ from paho.mqtt.properties import Properties
 from paho.mqtt.reasoncodes import ReasonCode
 from pydantic import BaseModel
 
-from conformance.hub import Target, Unexpected
+from conformance.hub import Target
+from conformance.outcomes import Unexpected
 from interfaces.deployments import (
     DOWNLOAD_TOKEN_HEADER, EXECUTION_EVENT, INSTALLED_KEY, DeploymentOrder, ExecutionProgress, ExecutionState, InstalledArtifact, OrderAction,
     manifest_signing_bytes,

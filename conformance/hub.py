@@ -15,15 +15,12 @@ from urllib.parse import urlsplit
 import httpx
 from pydantic import BaseModel, ValidationError
 
+from conformance.outcomes import CaseSkipped, Unexpected
 from interfaces.errors import PROBLEM_MEDIA_TYPE, ErrorCode, Problem
 from interfaces.ids import new_id
 
 API_BASE = "/api/v1"
 RUN_LABEL = "conformance-run"  # every node and device the suite makes carries this label
-
-
-class Unexpected(AssertionError):
-    """An answer that is not what the documented interface gives (raised as a case failure)."""
 
 
 @dataclass
@@ -60,8 +57,6 @@ class Target:
         headers = {}
         literal = {"admin": self.token, "operator": self.operator_token, "viewer": self.viewer_token}.get(token or "", token)
         if token in ("operator", "viewer") and literal is None:
-            from conformance.runner import CaseSkipped
-
             raise CaseSkipped(f"no {token} token given (--{token}-token)")
         if literal:
             headers["Authorization"] = f"Bearer {literal}"

@@ -16,6 +16,8 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import TYPE_CHECKING, Any
 
+from conformance.outcomes import CaseFailed, CaseSkipped
+
 if TYPE_CHECKING:
     from conformance.hub import Target
 
@@ -28,14 +30,6 @@ class Verdict(StrEnum):
 
 
 FAILING = frozenset({Verdict.FAIL, Verdict.ERROR})
-
-
-class CaseFailed(AssertionError):
-    """The system under test did not do what the clause requires."""
-
-
-class CaseSkipped(Exception):
-    """A precondition the suite cannot arrange is missing (for example a token of another role)."""
 
 
 @dataclass(frozen=True)

@@ -30,7 +30,8 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 
 from conformance.agents import Endpoint, SimEdge
 from conformance.cases.common import items, new_device, new_edge
-from conformance.hub import RUN_LABEL, Unexpected, problem
+from conformance.hub import RUN_LABEL, problem
+from conformance.outcomes import Unexpected
 from conformance.runner import Check, case
 from interfaces.deployments import (
     DOWNLOAD_TOKEN_HEADER, EXECUTION_EVENT, INSTALLED_KEY, ArtifactPublic, DeploymentDetail, DeploymentOrder, DeploymentPublic,

@@ -16,7 +16,8 @@ import httpx
 import interfaces
 from conformance.agents import AGENT_VERSION, resources
 from conformance.cases.common import items, new_device, new_edge, node_status
-from conformance.hub import RUN_LABEL, Unexpected, problem
+from conformance.hub import RUN_LABEL, problem
+from conformance.outcomes import Unexpected
 from conformance.runner import Check, case
 from interfaces.errors import ERROR_TYPE_PREFIX, ErrorCode, Problem
 from interfaces.ids import new_id
