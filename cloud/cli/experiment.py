@@ -1,4 +1,4 @@
-"""``aisynergy experiment``: the seed's federated experiment, measured (``seeds/000``; :mod:`cloud.fl.experiment`).
+"""``aisynergy experiment``: the seed's federated experiment, measured (``seeds/000``; :mod:`cloud.simulation.experiment`).
 
     aisynergy experiment fl [--parties 5] [--alpha 0.5] [--rounds 200] [--local-epochs 1] [--batch 10] [--lr 0.1]
         [--hidden 64] [--strategy fedavg] [--dp-epsilon 8 [--dp-delta 1e-5] [--clip-norm 0.5] [--dp-batch 256]
@@ -19,8 +19,10 @@ from typing import Any
 import click
 
 from cloud.cli.simulate import Floats, parse_strategy_params, write_json
-from cloud.fl import experiment as ex
-from cloud.fl import simulate as sim
+from cloud.simulation import experiment as ex
+from cloud.simulation.common import STRATEGY_NAMES, MissingExtra, SimulationError, build_strategy, machine
+from cloud.simulation.mlp import param_count
+from cloud.simulation.quality import load_digits
 
 
 @click.group()
@@ -89,7 +91,7 @@ def _report(result: ex.ExperimentResult) -> None:
               type=click.FloatRange(min=0, min_open=True), help="SGD learning rate (every arm but the DP one)")
 @click.option("--hidden", default=ex.ExperimentConfig.hidden, show_default=True, type=click.IntRange(min=0),
               help="hidden units of the MLP (0: softmax regression)")
-@click.option("--strategy", default="fedavg", show_default=True, type=click.Choice(sim.STRATEGY_NAMES),
+@click.option("--strategy", default="fedavg", show_default=True, type=click.Choice(STRATEGY_NAMES),
               help="aggregation strategy (interfaces.aggregation)")
 @click.option("--strategy-param", "strategy_params", multiple=True, metavar="KEY=NUMBER",
               help="a strategy parameter (repeatable): mu=0.01 (fedprox), eta=0.01 (fedadam), beta=0.1 (trimmed_mean)")
@@ -123,12 +125,12 @@ def fl_cmd(parties: int, alpha: float, rounds: int, local_epochs: int, batch: in
                               dp_lr=dp_lr, bandwidth_mbps=bandwidth_mbps, latency_ms=latency_ms, seed=seed)
     try:
         cfg.check()
-        sim.build_strategy(strategy, cfg.strategy_params)
-    except sim.SimulationError as exc:
+        build_strategy(strategy, cfg.strategy_params)
+    except SimulationError as exc:
         raise click.UsageError(str(exc)) from None
     try:
-        data = sim.load_digits()
-    except sim.MissingExtra as exc:
+        data = load_digits()
+    except MissingExtra as exc:
         raise click.ClickException(str(exc)) from None
     if parties > len(data.y_train):
         raise click.BadParameter(f"{parties} parties but only {len(data.y_train)} training images",
@@ -136,7 +138,7 @@ def fl_cmd(parties: int, alpha: float, rounds: int, local_epochs: int, batch: in
     sizes = [64, *([hidden] if hidden else []), 10]
     click.echo(f"digits: {len(data.y_train)} training / {len(data.y_test)} test images; {parties} parties, Dirichlet "
                f"alpha {alpha:g}; model {'MLP' if hidden else 'softmax regression'} {'-'.join(map(str, sizes))} "
-               f"({sim.param_count(sizes):,} parameters); {rounds} rounds x {local_epochs} local epochs "
+               f"({param_count(sizes):,} parameters); {rounds} rounds x {local_epochs} local epochs "
                f"(local-only and centralised: {cfg.total_epochs} epochs), batch {batch}, lr {lr:g}; {strategy}"
                + (f"; DP-SGD eps {dp_epsilon:g} delta {dp_delta:g}, clip {clip_norm:g}, expected batch {dp_batch}, "
                   f"lr {dp_lr:g}" if dp_epsilon is not None else ""))
@@ -145,7 +147,7 @@ def fl_cmd(parties: int, alpha: float, rounds: int, local_epochs: int, batch: in
         run_cfg = replace(cfg, seed=seed + run)
         try:
             result = ex.run_experiment(run_cfg, data=data)
-        except sim.SimulationError as exc:
+        except SimulationError as exc:
             raise click.UsageError(str(exc)) from None
         results.append(result)
         click.echo("")
@@ -170,5 +172,5 @@ def fl_cmd(parties: int, alpha: float, rounds: int, local_epochs: int, batch: in
         for target, count in summary["met"].items():
             click.echo(f"  {count}/{repeats} runs met: {target}")
         payload = {"kind": "experiment-fl-repeats", "summary": summary, "runs": [r.to_json() for r in results],
-                   "machine": sim.machine()}
+                   "machine": machine()}
     write_json(json_path, payload)

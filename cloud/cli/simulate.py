@@ -1,4 +1,4 @@
-"""``aisynergy simulate``: federated-training simulation (DESIGN §5, ``seeds/002``; :mod:`cloud.fl.simulate`).
+"""``aisynergy simulate``: federated-training simulation (DESIGN §5, ``seeds/002``; :mod:`cloud.simulation`).
 
     aisynergy simulate quality --participants 1000 --alpha 0.5 --rounds 50 --fraction 0.1 [--strategy fedprox
         --strategy-param mu=0.01] [--dropout 0.2] [--seed 0] [--json quality.json]
@@ -21,7 +21,10 @@ from typing import Any
 
 import click
 
-from cloud.fl import simulate as sim
+from cloud.simulation.common import STRATEGY_NAMES, MissingExtra, SimulationError
+from cloud.simulation.efficiency import EfficiencyConfig, EfficiencyRound, parse_count, run_efficiency, size_mlp
+from cloud.simulation.mlp import param_count
+from cloud.simulation.quality import QualityConfig, QualityRound, load_digits, run_quality
 
 
 class _Count(click.ParamType):
@@ -29,8 +32,8 @@ class _Count(click.ParamType):
 
     def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> int:
         try:
-            return sim.parse_count(value)
-        except sim.SimulationError as exc:
+            return parse_count(value)
+        except SimulationError as exc:
             self.fail(str(exc), param, ctx)
 
 
@@ -88,7 +91,7 @@ def simulate() -> None:
               help="local SGD learning rate")
 @click.option("--hidden", default=32, show_default=True, type=click.IntRange(min=0),
               help="hidden units of the MLP (0: softmax regression)")
-@click.option("--strategy", default="fedavg", show_default=True, type=click.Choice(sim.STRATEGY_NAMES),
+@click.option("--strategy", default="fedavg", show_default=True, type=click.Choice(STRATEGY_NAMES),
               help="aggregation strategy (interfaces.aggregation)")
 @click.option("--strategy-param", "strategy_params", multiple=True, metavar="KEY=NUMBER",
               help="a strategy parameter (repeatable): mu=0.01 (fedprox), eta=0.01 (fedadam), beta=0.1 (trimmed_mean)")
@@ -101,19 +104,19 @@ def quality_cmd(participants: int, alpha: float, rounds: int, fraction: float, l
                 lr: float, hidden: int, strategy: str, strategy_params: tuple[str, ...], dropout: float, seed: int,
                 json_path: Path | None) -> None:
     """Federated training of a small MLP on the digits images, non-IID over many participants: accuracy per round."""
-    cfg = sim.QualityConfig(participants=participants, alpha=alpha, rounds=rounds, fraction=fraction,
+    cfg = QualityConfig(participants=participants, alpha=alpha, rounds=rounds, fraction=fraction,
                             local_epochs=local_epochs, batch=batch, lr=lr, hidden=hidden, strategy=strategy,
                             strategy_params=parse_strategy_params(strategy_params), dropout=dropout, seed=seed)
     try:
-        data = sim.load_digits()
-    except sim.MissingExtra as exc:
+        data = load_digits()
+    except MissingExtra as exc:
         raise click.ClickException(str(exc)) from None
     if participants > len(data.y_train):
         raise click.BadParameter(f"{participants} participants but only {len(data.y_train)} training images",
                                  param_hint="--participants")
     header_done = False
 
-    def on_round(entry: sim.QualityRound) -> None:
+    def on_round(entry: QualityRound) -> None:
         nonlocal header_done
         if not header_done:
             click.echo(f"{'round':>5}  {'accuracy':>8}  {'loss':>6}  {'used/sampled':>12}  {'train loss':>10}")
@@ -124,12 +127,12 @@ def quality_cmd(participants: int, alpha: float, rounds: int, fraction: float, l
 
     sizes = [64, *([hidden] if hidden else []), 10]
     click.echo(f"digits: {len(data.y_train)} training / {len(data.y_test)} test images; {participants} participants, "
-               f"Dirichlet alpha {alpha:g}; model {'-'.join(map(str, sizes))} ({sim.param_count(sizes):,} parameters); "
+               f"Dirichlet alpha {alpha:g}; model {'-'.join(map(str, sizes))} ({param_count(sizes):,} parameters); "
                f"{strategy}; {max(1, round(fraction * participants))} sampled per round"
                + (f", {100 * dropout:g}% of them fail" if dropout else ""))
     try:
-        result = sim.run_quality(cfg, data=data, on_round=on_round)
-    except sim.SimulationError as exc:
+        result = run_quality(cfg, data=data, on_round=on_round)
+    except SimulationError as exc:
         raise click.UsageError(str(exc)) from None
     d = result.data
     click.echo(f"participants hold {d['participant_sizes_min']}-{d['participant_sizes_max']} images each, "
@@ -165,13 +168,13 @@ def efficiency_cmd(params: int, participants: int, rounds: int, local_steps: int
                    bandwidth_mbps: tuple[float, ...] | None, latency_ms: tuple[float, ...] | None,
                    slowdown: tuple[float, ...] | None, seed: int, json_path: Path | None) -> None:
     """Federated rounds of an MLP of --params parameters: where each participant's time goes (seed's columns)."""
-    cfg = sim.EfficiencyConfig(params=params, participants=participants, rounds=rounds, local_steps=local_steps,
+    cfg = EfficiencyConfig(params=params, participants=participants, rounds=rounds, local_steps=local_steps,
                                batch=batch, depth=depth, lr=lr, bandwidth_mbps=bandwidth_mbps, latency_ms=latency_ms,
                                slowdown=slowdown, seed=seed)
     try:
         links, slowdowns = cfg.check()
-        sim.size_mlp(params, depth)
-    except sim.SimulationError as exc:
+        size_mlp(params, depth)
+    except SimulationError as exc:
         raise click.UsageError(str(exc)) from None
 
     def on_model(sizes: list[int], count: int) -> None:
@@ -182,12 +185,12 @@ def efficiency_cmd(params: int, participants: int, rounds: int, local_steps: int
             for i, (lk, s) in enumerate(zip(links, slowdowns, strict=True))))
         click.echo(f"{rounds} rounds x {local_steps} SGD steps at batch {batch}; FedAvg")
 
-    def on_round(entry: sim.EfficiencyRound) -> None:
+    def on_round(entry: EfficiencyRound) -> None:
         click.echo(f"round {entry.round}: {entry.duration_s:.2f} s; "
                    f"server deserialise {entry.server_deserialise_s:.3f} s, "
                    f"aggregate {entry.aggregate_s:.3f} s, serialise {entry.server_serialise_s:.3f} s")
 
-    result = sim.run_efficiency(cfg, on_round=on_round, on_model=on_model)
+    result = run_efficiency(cfg, on_round=on_round, on_model=on_model)
     click.echo(f"{'participant':<11}  {'total time (s)':>14}  {'compute util.':>13}  {'communication':>13}  "
                f"{'serialisation':>13}  {'waiting':>7}")
     for p in result.participants:

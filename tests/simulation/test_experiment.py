@@ -1,4 +1,4 @@
-"""The federated experiment (cloud/fl/experiment.py, ``aisynergy experiment fl``; seeds/000): the four arms run and
+"""The federated experiment (``aisynergy experiment fl``; seeds/000): the four arms run and
 score in [0, 1]; a seed fixes every accuracy; federated beats each party alone on a strongly non-IID split; the DP
 arm spends at most its ε, exactly what dp-accounting's accountant says for its (q, σ, steps), with the smallest such
 σ; the clipped per-example gradient sum is the brute-force one; the communication clock adds up; the CLI prints the
@@ -13,9 +13,10 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 
+from cloud import simulation as sim
 from cloud.cli.root import main
-from cloud.fl import experiment as ex
-from cloud.fl import simulate as sim
+from cloud.simulation import dp_sgd
+from cloud.simulation import experiment as ex
 
 SMALL = {"rounds": 5, "hidden": 16}
 DP_TARGET = 2.0
@@ -90,17 +91,17 @@ def test_dp_spends_at_most_its_epsilon_exactly_as_the_accountant_counts(with_dp:
         assert plan.epsilon == pytest.approx(accountant.get_epsilon(delta), rel=1e-9)
         assert plan.epsilon <= DP_TARGET
         # the smallest such sigma: a little less noise would overspend
-        less = ex.epsilon_spent(plan.sample_rate, plan.noise_multiplier * (1 - 2 * ex.SIGMA_TOLERANCE), plan.steps,
+        less = dp_sgd.epsilon_spent(plan.sample_rate, plan.noise_multiplier * (1 - 2 * dp_sgd.SIGMA_TOLERANCE), plan.steps,
                                 delta)
         assert less > DP_TARGET
 
 
 def test_calibrated_sigma_grows_with_steps_and_a_smaller_epsilon() -> None:
     pytest.importorskip("dp_accounting")
-    base = ex.calibrate_sigma(0.1, 100, 8.0, 1e-5)
-    assert ex.epsilon_spent(0.1, base, 100, 1e-5) <= 8.0
-    assert ex.calibrate_sigma(0.1, 400, 8.0, 1e-5) > base
-    assert ex.calibrate_sigma(0.1, 100, 1.0, 1e-5) > base
+    base = dp_sgd.calibrate_sigma(0.1, 100, 8.0, 1e-5)
+    assert dp_sgd.epsilon_spent(0.1, base, 100, 1e-5) <= 8.0
+    assert dp_sgd.calibrate_sigma(0.1, 400, 8.0, 1e-5) > base
+    assert dp_sgd.calibrate_sigma(0.1, 100, 1.0, 1e-5) > base
 
 
 def test_clipped_gradient_sum_is_the_sum_of_clipped_per_example_gradients() -> None:
@@ -117,11 +118,11 @@ def test_clipped_gradient_sum_is_the_sum_of_clipped_per_example_gradients() -> N
         norm = np.sqrt(sum(float((g**2).sum()) for g in grad.values()))
         for name, g in grad.items():
             expected[name] += g * min(1.0, clip / norm)
-    got, loss_sum = ex.clipped_gradient_sum(weights, x, y, clip)
+    got, loss_sum = dp_sgd.clipped_gradient_sum(weights, x, y, clip)
     for name in weights:
         np.testing.assert_allclose(got[name], expected[name], rtol=1e-4, atol=1e-5)
     assert loss_sum == pytest.approx(7 * sim.evaluate(weights, x, y)[1], rel=1e-5)
-    empty, zero = ex.clipped_gradient_sum(weights, x[:0], y[:0], clip)
+    empty, zero = dp_sgd.clipped_gradient_sum(weights, x[:0], y[:0], clip)
     assert zero == 0.0 and all(not a.any() for a in empty.values())
 
 

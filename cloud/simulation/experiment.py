@@ -9,14 +9,15 @@ exactly, on the same machine and numpy/BLAS; the times are measurements).
 Data and model
 ==============
 
-* **Data**: :func:`cloud.fl.simulate.load_digits` (1,797 8×8 images shipped with scikit-learn, pixel / 16, split
-  75/25 stratified): the 1,347 training images are dealt out to ``parties`` (default 5) by
-  :func:`cloud.fl.simulate.dirichlet_split` (label mix q_k ~ Dir(α·1₁₀), default α = 0.5; parties of equal size
-  ±1); the 450 test images are the shared held-out set every arm is scored on.
-* **Model**: simulate's MLP (:func:`cloud.fl.simulate.init_mlp`): ``64 → hidden (ReLU) → 10``, softmax cross-entropy,
-  He-initialised from the seed (``hidden`` 0: softmax regression). Every arm starts from the same initial weights.
-  Trained with simulate's plain mini-batch SGD loop (:func:`cloud.fl.simulate.local_train`: ``epochs`` passes of
-  shuffled mini-batches of ``batch``, ``lr``; FedProx's proximal term when that strategy is chosen).
+* **Data**: :func:`cloud.simulation.quality.load_digits` (1,797 8×8 images shipped with scikit-learn, pixel / 16,
+  split 75/25 stratified): the 1,347 training images are dealt out to ``parties`` (default 5) by
+  :func:`cloud.simulation.quality.dirichlet_split` (label mix q_k ~ Dir(α·1₁₀), default α = 0.5; parties of equal
+  size ±1); the 450 test images are the shared held-out set every arm is scored on.
+* **Model**: the simulation's MLP (:func:`cloud.simulation.mlp.init_mlp`): ``64 → hidden (ReLU) → 10``, softmax
+  cross-entropy, He-initialised from the seed (``hidden`` 0: softmax regression). Every arm starts from the same
+  initial weights. Trained with the simulation's plain mini-batch SGD loop
+  (:func:`cloud.simulation.quality.local_train`: ``epochs`` passes of shuffled mini-batches of ``batch``, ``lr``;
+  FedProx's proximal term when that strategy is chosen).
 
 The arms (each with the same total number of epochs E = ``rounds × local_epochs`` over its data)
 ================================================================================================
@@ -37,41 +38,39 @@ The arms (each with the same total number of epochs E = ``rounds × local_epochs
    task; what leaves a party (its model after each round) is a post-processing of the noised steps. Reported per
    party: q, T, σ and the ε actually spent. Per-example clipping costs nothing extra: an example's gradient of a
    dense layer is aᵢ ⊗ δᵢ, whose norm is ‖aᵢ‖·‖δᵢ‖, and the clipped sum is ``Aᵀ (s ⊙ Δ)``, one product.
+   The DP-SGD steps and the calibration of σ are :mod:`cloud.simulation.dp_sgd`.
 
 All accuracies are the **final** model's (after the last epoch or round), never the best one seen on the test set.
 
 Communication (the federated arms)
 ==================================
 
-A round on a computed clock, as :func:`cloud.fl.simulate.run_efficiency` keeps it: each party's local training is
-timed (real); its model is serialised with ``safetensors.numpy.save`` (real, timed) and uploaded over its own
-simulated link (:class:`cloud.fl.simulate.Link`: ``latency + bytes · 8 / bandwidth``, computed, never slept; default
-links: :func:`cloud.fl.simulate.default_links`, 1,000 → 100 Mbit/s and 5 → 20 ms); the server deserialises each
-update as it arrives (real), aggregates (real) the deserialised models, serialises the global model (real) and every
-party downloads (simulated) and deserialises it (real). The parties train one after another in this process, but on
-the clock they overlap: party k's round starts when it holds the previous global model. The task's time T is when the
-last party holds the final model; a party's **communication share** is its simulated upload + download time / T, and
-the headline is the largest share (the slowest link), as the seed reports for its slowest participant.
+A round on a computed clock, as :func:`cloud.simulation.efficiency.run_efficiency` keeps it: each party's local
+training is timed (real); its model is serialised with ``safetensors.numpy.save`` (real, timed) and uploaded over its
+own simulated link (:class:`cloud.simulation.efficiency.Link`: ``latency + bytes · 8 / bandwidth``, computed, never
+slept; default links: :func:`cloud.simulation.efficiency.default_links`, 1,000 → 100 Mbit/s and 5 → 20 ms); the
+server deserialises each update as it arrives (real), aggregates (real) the deserialised models, serialises the global
+model (real) and every party downloads (simulated) and deserialises it (real). The parties train one after another
+in this process, but on the clock they overlap: party k's round starts when it holds the previous global model. The
+task's time T is when the last party holds the final model; a party's **communication share** is its simulated
+upload + download time / T, and the headline is the largest share (the slowest link), as the seed reports for its
+slowest participant.
 """
 
 from __future__ import annotations
 
-import logging
 import math
 import time
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import numpy as np
 
-from cloud.fl import simulate as sim
-from cloud.incremental import accounting
+from cloud.simulation import efficiency, mlp, quality
+from cloud.simulation.common import SimulationError, build_strategy, machine
+from cloud.simulation.dp_sgd import DpPlan, calibrate_sigma, dp_local_train, epsilon_spent
 from interfaces.aggregation import ClientUpdate, Strategy
-
-SimulationError = sim.SimulationError
-MissingExtra = sim.MissingExtra
 
 # the seed's claims for its CIFAR-10 demo (seeds/000), and the DP target of this experiment
 SEED_GAIN_OVER_LOCAL_POINTS = 4.0
@@ -79,7 +78,6 @@ SEED_GAP_TO_CENTRAL_POINTS = 1.0
 SEED_COMMUNICATION_PCT = 20.0
 DP_GAP_TO_CENTRAL_POINTS = 3.0
 
-SIGMA_TOLERANCE = 1e-3
 
 
 # --------------------------------------------------------------------------------------------------- configuration
@@ -109,7 +107,7 @@ class ExperimentConfig:
     def total_epochs(self) -> int:
         return self.rounds * self.local_epochs
 
-    def check(self) -> list[sim.Link]:
+    def check(self) -> list[efficiency.Link]:
         """Refuse what cannot run (:class:`SimulationError`); the parties' links."""
         if self.parties < 1:
             raise SimulationError(f"parties must be >= 1, got {self.parties}")
@@ -128,105 +126,13 @@ class ExperimentConfig:
                 raise SimulationError(f"dp_delta must be in (0, 1), got {self.dp_delta}")
             if self.dp_batch < 1:
                 raise SimulationError(f"dp_batch must be >= 1, got {self.dp_batch}")
-        bw_default, lat_default = sim.default_links(self.parties)
-        bandwidth = sim.per_participant("--bandwidth-mbps", self.bandwidth_mbps, self.parties, bw_default)
-        latency = sim.per_participant("--latency-ms", self.latency_ms, self.parties, lat_default, low_open=False)
-        return [sim.Link(b, lat) for b, lat in zip(bandwidth, latency, strict=True)]
+        bw_default, lat_default = efficiency.default_links(self.parties)
+        bandwidth = efficiency.per_participant("--bandwidth-mbps", self.bandwidth_mbps, self.parties, bw_default)
+        latency = efficiency.per_participant("--latency-ms", self.latency_ms, self.parties, lat_default, low_open=False)
+        return [efficiency.Link(b, lat) for b, lat in zip(bandwidth, latency, strict=True)]
 
 
 # --------------------------------------------------------------------------------------------------- DP-SGD
-
-
-class _DropUnconverged(logging.Filter):
-    """The accountant logs (through absl) every RDP order below 2 whose series does not converge for a large q; it
-    leaves that order out of the ε (which stays an upper bound: ε is a minimum over the orders). Not news here."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        return "failed to converge" not in record.getMessage()
-
-
-@contextmanager
-def _quiet_accountant() -> Iterator[None]:
-    logger, drop = logging.getLogger("absl"), _DropUnconverged()
-    logger.addFilter(drop)
-    try:
-        yield
-    finally:
-        logger.removeFilter(drop)
-
-
-def epsilon_spent(sample_rate: float, noise_multiplier: float, steps: int, delta: float) -> float:
-    """ε at ``delta`` of ``steps`` Poisson-sampled Gaussian steps (dp-accounting's RDP accountant, through
-    :func:`cloud.incremental.accounting.run_epsilon`)."""
-    with _quiet_accountant():
-        return accounting.run_epsilon(accounting.Run(sample_rate, noise_multiplier, steps), delta)
-
-
-def calibrate_sigma(sample_rate: float, steps: int, epsilon: float, delta: float) -> float:
-    """The smallest noise multiplier σ (to :data:`SIGMA_TOLERANCE` relative) with
-    ``epsilon_spent(q, σ, steps, δ) <= epsilon``; bisection over σ, ε being decreasing in σ."""
-    if steps < 1:
-        raise SimulationError(f"steps must be >= 1, got {steps}")
-
-    def fits(sigma: float) -> bool:
-        return epsilon_spent(sample_rate, sigma, steps, delta) <= epsilon
-
-    lo, hi = 0.0, 1.0
-    while not fits(hi):
-        lo, hi = hi, hi * 2
-        if hi > 1e6:
-            raise SimulationError(f"no noise multiplier reaches epsilon {epsilon:g} in {steps} steps at q {sample_rate:g}")
-    while hi - lo > SIGMA_TOLERANCE * hi:
-        mid = (lo + hi) / 2
-        lo, hi = (lo, mid) if fits(mid) else (mid, hi)
-    return hi
-
-
-def clipped_gradient_sum(weights: dict[str, np.ndarray], x: np.ndarray, y: np.ndarray,
-                         clip_norm: float) -> tuple[dict[str, np.ndarray], float]:
-    """Σᵢ clip(∇ℓᵢ) over the examples of (x, y), each example's gradient (every layer's weight and bias together)
-    scaled to L2 norm at most ``clip_norm``; also the batch's summed loss.
-
-    An example's gradient of a dense layer is ``aᵢ ⊗ δᵢ`` (input activation, output error) and ``δᵢ`` for its bias,
-    of squared norm ``(‖aᵢ‖² + 1) ‖δᵢ‖²``; the clipped sum is ``Aᵀ (s ⊙ Δ)`` with sᵢ = min(1, C / ‖∇ℓᵢ‖)."""
-    names = sim.layer_names(len(weights) // 2)
-    if len(y) == 0:
-        return {name: np.zeros_like(array) for name, array in weights.items()}, 0.0
-    acts = sim.forward(weights, x)
-    loss, probs = sim.softmax_xent(acts[-1], y)
-    probs[np.arange(len(y)), y] -= 1.0
-    delta = probs.astype(np.float32)
-    deltas: list[np.ndarray] = [np.empty(0, np.float32)] * len(names)
-    norm_sq = np.zeros(len(y), dtype=np.float64)
-    for index in range(len(names) - 1, -1, -1):
-        deltas[index] = delta
-        a = acts[index]
-        norm_sq += (np.einsum("ij,ij->i", a, a, dtype=np.float64) + 1.0) * np.einsum("ij,ij->i", delta, delta,
-                                                                                     dtype=np.float64)
-        if index > 0:
-            delta = (delta @ weights[names[index][0]].T) * (acts[index] > 0)
-    norms = np.sqrt(norm_sq)
-    scale = np.minimum(1.0, clip_norm / np.maximum(norms, 1e-12)).astype(np.float32)[:, None]
-    grads: dict[str, np.ndarray] = {}
-    for index, (w_name, b_name) in enumerate(names):
-        scaled = deltas[index] * scale
-        grads[w_name] = acts[index].T @ scaled
-        grads[b_name] = scaled.sum(axis=0)
-    return grads, loss * len(y)
-
-
-@dataclass(frozen=True)
-class DpPlan:
-    """One party's DP-SGD over the task: sample rate, steps per round and in all, noise multiplier, ε spent."""
-
-    party: int
-    examples: int
-    sample_rate: float
-    steps_per_round: int
-    steps: int
-    noise_multiplier: float
-    epsilon: float
-    delta: float
 
 
 def dp_plan(party: int, examples: int, cfg: ExperimentConfig) -> DpPlan:
@@ -237,27 +143,6 @@ def dp_plan(party: int, examples: int, cfg: ExperimentConfig) -> DpPlan:
     sigma = calibrate_sigma(q, steps, cfg.dp_epsilon, cfg.dp_delta)
     return DpPlan(party, examples, q, per_round, steps, sigma, epsilon_spent(q, sigma, steps, cfg.dp_delta),
                   cfg.dp_delta)
-
-
-def dp_local_train(global_w: dict[str, np.ndarray], x: np.ndarray, y: np.ndarray, plan: DpPlan, clip_norm: float,
-                   lr: float, rng: np.random.Generator) -> tuple[dict[str, np.ndarray], float]:
-    """``plan.steps_per_round`` DP-SGD steps from ``global_w`` on (x, y); the model and the mean loss of the sampled
-    examples (a training metric, not covered by the guarantee)."""
-    w = {name: array.copy() for name, array in global_w.items()}
-    expected = plan.sample_rate * len(y)
-    std = plan.noise_multiplier * clip_norm
-    step = np.float32(lr / expected)
-    loss_sum, seen = 0.0, 0
-    for _ in range(plan.steps_per_round):
-        idx = np.flatnonzero(rng.random(len(y)) < plan.sample_rate)
-        grads, batch_loss = clipped_gradient_sum(w, x[idx], y[idx], clip_norm)
-        loss_sum += batch_loss
-        seen += len(idx)
-        for name, grad in grads.items():
-            grad += rng.standard_normal(grad.shape, dtype=np.float32) * np.float32(std)
-            grad *= step
-            w[name] -= grad
-    return w, loss_sum / max(seen, 1)
 
 
 # --------------------------------------------------------------------------------------------------- results
@@ -309,15 +194,15 @@ class ExperimentResult:
     wall_s: float
 
     def to_json(self) -> dict[str, Any]:
-        return {"kind": "experiment-fl", **asdict(self), "machine": sim.machine()}
+        return {"kind": "experiment-fl", **asdict(self), "machine": machine()}
 
 
 # --------------------------------------------------------------------------------------------------- the arms
 
 
-def _train_cfg(cfg: ExperimentConfig, epochs: int) -> sim.QualityConfig:
-    """The settings simulate's training loop reads (epochs, batch, learning rate)."""
-    return sim.QualityConfig(local_epochs=epochs, batch=cfg.batch, lr=cfg.lr, hidden=cfg.hidden)
+def _train_cfg(cfg: ExperimentConfig, epochs: int) -> quality.QualityConfig:
+    """The settings the simulation's training loop reads (epochs, batch, learning rate)."""
+    return quality.QualityConfig(local_epochs=epochs, batch=cfg.batch, lr=cfg.lr, hidden=cfg.hidden)
 
 
 def _rng(cfg: ExperimentConfig, *path: int) -> np.random.Generator:
@@ -327,8 +212,8 @@ def _rng(cfg: ExperimentConfig, *path: int) -> np.random.Generator:
 ARM_LOCAL, ARM_FEDERATED, ARM_CENTRAL, ARM_DP = 1, 2, 3, 4
 
 
-def _federated(cfg: ExperimentConfig, data: sim.Digits, parts: Sequence[np.ndarray], init: dict[str, np.ndarray],
-               strategy: Strategy, links: Sequence[sim.Link],
+def _federated(cfg: ExperimentConfig, data: quality.Digits, parts: Sequence[np.ndarray], init: dict[str, np.ndarray],
+               strategy: Strategy, links: Sequence[efficiency.Link],
                train: Callable[[int, int, dict[str, np.ndarray]], tuple[dict[str, np.ndarray], float]],
                dp: list[DpPlan] | None = None) -> FederatedArm:
     from safetensors.numpy import load as st_load
@@ -339,7 +224,7 @@ def _federated(cfg: ExperimentConfig, data: sim.Digits, parts: Sequence[np.ndarr
     clocks = [PartyClock(f"party{k + 1}", lk.bandwidth_mbps, lk.latency_ms) for k, lk in enumerate(links)]
     server = {"deserialise_s": 0.0, "aggregate_s": 0.0, "serialise_s": 0.0}
     start = [0.0] * len(parts)  # when each party holds the current global model (computed clock)
-    curve = [sim.evaluate(global_w, data.x_test, data.y_test)[0]]
+    curve = [mlp.evaluate(global_w, data.x_test, data.y_test)[0]]
     update_bytes = 0
     for r in range(1, cfg.rounds + 1):
         arrivals: list[tuple[float, float]] = []
@@ -367,7 +252,7 @@ def _federated(cfg: ExperimentConfig, data: sim.Digits, parts: Sequence[np.ndarr
             t_server = max(t_server, arrival) + deserialise
             server["deserialise_s"] += deserialise
         t0 = time.perf_counter()
-        global_w = sim.as_float32(strategy.aggregate(global_w, updates))
+        global_w = mlp.as_float32(strategy.aggregate(global_w, updates))
         aggregate = time.perf_counter() - t0
         t0 = time.perf_counter()
         global_blob = st_save(global_w)
@@ -383,31 +268,31 @@ def _federated(cfg: ExperimentConfig, data: sim.Digits, parts: Sequence[np.ndarr
             start[k] = t_server + download + deserialise
             clock.download_s += download
             clock.deserialise_s += deserialise
-        curve.append(sim.evaluate(global_w, data.x_test, data.y_test)[0])
+        curve.append(mlp.evaluate(global_w, data.x_test, data.y_test)[0])
     total = max(start)
     for clock in clocks:
         clock.communication_pct = 100.0 * (clock.upload_s + clock.download_s) / total
         clock.compute_pct = 100.0 * clock.compute_s / total
         clock.serialisation_pct = 100.0 * (clock.serialise_s + clock.deserialise_s) / total
-    accuracy, loss = sim.evaluate(global_w, data.x_test, data.y_test)
+    accuracy, loss = mlp.evaluate(global_w, data.x_test, data.y_test)
     return FederatedArm(accuracy=accuracy, loss=loss, curve=curve, total_s=total, parties=clocks, server=server,
                         update_bytes=update_bytes, communication_pct_max=max(c.communication_pct for c in clocks),
                         wall_s=time.perf_counter() - began, dp=dp)
 
 
-def run_experiment(cfg: ExperimentConfig, data: sim.Digits | None = None,
+def run_experiment(cfg: ExperimentConfig, data: quality.Digits | None = None,
                    on_arm: Callable[[str, Any], None] | None = None) -> ExperimentResult:
     """Train the digits MLP local-only, federated, centralised (and federated with DP-SGD); see the module."""
     began = time.perf_counter()
     links = cfg.check()
-    strategy = sim.build_strategy(cfg.strategy, cfg.strategy_params)
+    strategy = build_strategy(cfg.strategy, cfg.strategy_params)
     mu = float(getattr(strategy, "mu", 0.0))
-    data = data if data is not None else sim.load_digits()
+    data = data if data is not None else quality.load_digits()
     if cfg.parties > len(data.y_train):
         raise SimulationError(f"{cfg.parties} parties but only {len(data.y_train)} training images")
-    parts = sim.dirichlet_split(data.y_train, cfg.parties, cfg.alpha, _rng(cfg, 0, 0), classes=sim.DIGITS_CLASSES)
-    sizes = [data.x_train.shape[1], *([cfg.hidden] if cfg.hidden else []), sim.DIGITS_CLASSES]
-    init = sim.init_mlp(sizes, _rng(cfg, 0, 1))
+    parts = quality.dirichlet_split(data.y_train, cfg.parties, cfg.alpha, _rng(cfg, 0, 0), classes=quality.DIGITS_CLASSES)
+    sizes = [data.x_train.shape[1], *([cfg.hidden] if cfg.hidden else []), quality.DIGITS_CLASSES]
+    init = mlp.init_mlp(sizes, _rng(cfg, 0, 1))
     xs = [data.x_train[p] for p in parts]
     ys = [data.y_train[p] for p in parts]
 
@@ -420,8 +305,8 @@ def run_experiment(cfg: ExperimentConfig, data: sim.Digits | None = None,
     local_cfg = _train_cfg(cfg, cfg.total_epochs)
     local_acc = []
     for k in range(cfg.parties):
-        w, _ = sim.local_train(init, xs[k], ys[k], local_cfg, 0.0, _rng(cfg, ARM_LOCAL, k))
-        local_acc.append(sim.evaluate(w, data.x_test, data.y_test)[0])
+        w, _ = quality.local_train(init, xs[k], ys[k], local_cfg, 0.0, _rng(cfg, ARM_LOCAL, k))
+        local_acc.append(mlp.evaluate(w, data.x_test, data.y_test)[0])
     local = {"accuracies": local_acc, "mean": float(np.mean(local_acc)), "min": min(local_acc),
              "max": max(local_acc), "epochs": cfg.total_epochs, "wall_s": time.perf_counter() - t0}
     notify("local", local)
@@ -430,7 +315,7 @@ def run_experiment(cfg: ExperimentConfig, data: sim.Digits | None = None,
     round_cfg = _train_cfg(cfg, cfg.local_epochs)
 
     def sgd_train(r: int, k: int, global_w: dict[str, np.ndarray]) -> tuple[dict[str, np.ndarray], float]:
-        return sim.local_train(global_w, xs[k], ys[k], round_cfg, mu, _rng(cfg, ARM_FEDERATED, r, k))
+        return quality.local_train(global_w, xs[k], ys[k], round_cfg, mu, _rng(cfg, ARM_FEDERATED, r, k))
 
     federated = _federated(cfg, data, parts, init, strategy, links, sgd_train)
     notify("federated", federated)
@@ -438,8 +323,8 @@ def run_experiment(cfg: ExperimentConfig, data: sim.Digits | None = None,
     # (3) centralised
     t0 = time.perf_counter()
     pooled = np.concatenate(list(parts))
-    w, _ = sim.local_train(init, data.x_train[pooled], data.y_train[pooled], local_cfg, 0.0, _rng(cfg, ARM_CENTRAL))
-    c_acc, c_loss = sim.evaluate(w, data.x_test, data.y_test)
+    w, _ = quality.local_train(init, data.x_train[pooled], data.y_train[pooled], local_cfg, 0.0, _rng(cfg, ARM_CENTRAL))
+    c_acc, c_loss = mlp.evaluate(w, data.x_test, data.y_test)
     centralised = {"accuracy": c_acc, "loss": c_loss, "examples": len(pooled), "epochs": cfg.total_epochs,
                    "wall_s": time.perf_counter() - t0}
     notify("centralised", centralised)
@@ -453,7 +338,7 @@ def run_experiment(cfg: ExperimentConfig, data: sim.Digits | None = None,
             return dp_local_train(global_w, xs[k], ys[k], plans[k], cfg.clip_norm, cfg.dp_lr,
                                   _rng(cfg, ARM_DP, r, k))
 
-        dp_strategy = sim.build_strategy(cfg.strategy, cfg.strategy_params)  # its own state (FedAdam's moments)
+        dp_strategy = build_strategy(cfg.strategy, cfg.strategy_params)  # its own state (FedAdam's moments)
         federated_dp = _federated(cfg, data, parts, init, dp_strategy, links, dp_train, dp=plans)
         notify("federated_dp", federated_dp)
 
@@ -462,11 +347,11 @@ def run_experiment(cfg: ExperimentConfig, data: sim.Digits | None = None,
     return ExperimentResult(
         config={**asdict(cfg), "bandwidth_mbps": [lk.bandwidth_mbps for lk in links],
                 "latency_ms": [lk.latency_ms for lk in links], "total_epochs": cfg.total_epochs},
-        model={"sizes": sizes, "parameters": sim.param_count(sizes),
+        model={"sizes": sizes, "parameters": mlp.param_count(sizes),
                "kind": "MLP" if cfg.hidden else "softmax regression", "strategy": repr(strategy)},
         data={"train": len(data.y_train), "test": len(data.y_test), "party_sizes": part_sizes,
-              "label_skew": sim.label_skew(data.y_train, parts),
-              "label_counts": [np.bincount(y, minlength=sim.DIGITS_CLASSES).tolist() for y in ys]},
+              "label_skew": quality.label_skew(data.y_train, parts),
+              "label_counts": [np.bincount(y, minlength=quality.DIGITS_CLASSES).tolist() for y in ys]},
         local=local, federated=federated, centralised=centralised, federated_dp=federated_dp,
         comparison=comparison, wall_s=time.perf_counter() - began,
     )

@@ -1,4 +1,4 @@
-"""Federated-training simulation (cloud/fl/simulate.py, ``aisynergy simulate``; DESIGN §5, seeds/002): the quality
+"""Federated-training simulation (cloud/simulation/, ``aisynergy simulate``; DESIGN §5, seeds/002): the quality
 simulation learns and is deterministic for a seed; the Dirichlet split gives everyone data and is skewed for small
 alpha; the efficiency simulation's shares add up, a slower link costs a larger communication share, the model has
 the requested size; the CLI runs both and refuses bad arguments with a usage error."""
@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 
+from cloud import simulation as sim
 from cloud.cli.root import main
-from cloud.fl import simulate as sim
 
 LABELS = np.repeat(np.arange(10), 135)  # 1,350 labels, 10 balanced classes
 
