@@ -11,6 +11,8 @@ from conformance.runner import Check
 from interfaces.nodes import DeviceStatus, NodeStatus
 
 _names = count(1)
+PATIENCE_S = 60.0
+"""how long a case waits for what must happen without a documented bound (a busy machine is slow, not wrong)"""
 
 
 def new_edge(check: Check, start: bool = True, labels: dict[str, str] | None = None) -> SimEdge:
@@ -21,7 +23,7 @@ def new_edge(check: Check, start: bool = True, labels: dict[str, str] | None = N
     check.cleanup(f"stop node {edge.node_id}", edge.stop)
     if start:
         edge.start()
-        wait_node(check, edge.node_id, "ONLINE", 15)
+        wait_node(check, edge.node_id, "ONLINE", PATIENCE_S)
     return edge
 
 
@@ -30,7 +32,7 @@ def new_device(check: Check, edge: SimEdge, online: bool = True, labels: dict[st
     check.cleanup(f"delete device {ep.ident}", lambda: _delete(check.target, f"/devices/{ep.ident}"))
     if online:
         edge.device_online(ep)
-        wait_device(check, ep.ident, "ONLINE", 15)
+        wait_device(check, ep.ident, "ONLINE", PATIENCE_S)
     return ep
 
 

@@ -24,7 +24,7 @@ from typing import Any
 import httpx
 
 from conformance.agents import Endpoint, SimEdge, resources
-from conformance.cases.common import new_device, new_edge, node_status, wait_node
+from conformance.cases.common import PATIENCE_S, new_device, new_edge, node_status, wait_node
 from conformance.hub import problem
 from conformance.runner import Check, case
 from interfaces.deployments import DOWNLOAD_TOKEN_HEADER, ArtifactPublic, DeploymentDetail, DeploymentState
@@ -76,12 +76,12 @@ def workers(check: Check, task_id: str) -> list[WorkerPublic]:
     return [WorkerPublic.model_validate(w) for w in check.target.ok("GET", f"/tasks/{task_id}/workers")]
 
 
-def wait_task(check: Check, task_id: str, states: str | set[str], timeout: float = 15) -> TaskDetail:
+def wait_task(check: Check, task_id: str, states: str | set[str], timeout: float = PATIENCE_S) -> TaskDetail:
     wanted = {states} if isinstance(states, str) else states
     return check.wait(lambda: (t := get_task(check, task_id)).state.value in wanted and t, timeout, f"task {task_id} in {sorted(wanted)}")  # type: ignore[no-any-return]
 
 
-def wait_workers(check: Check, task_id: str, predicate: Callable[[list[WorkerPublic]], bool], what: str, timeout: float = 15) -> list[WorkerPublic]:
+def wait_workers(check: Check, task_id: str, predicate: Callable[[list[WorkerPublic]], bool], what: str, timeout: float = PATIENCE_S) -> list[WorkerPublic]:
     return check.wait(lambda: (ws := workers(check, task_id)) and predicate(ws) and ws, timeout, what)  # type: ignore[no-any-return]
 
 
@@ -116,19 +116,40 @@ def refused(check: Check, task_id: str, action: str, state: str) -> None:
     check.check(after == state, f"{action} in {state}: 409 illegal_transition ({doc.detail}); the task stays {after}")
 
 
-def still(check: Check, task_id: str, state: str, seconds: float = SETTLE_S) -> TaskDetail:
-    """The task stays in ``state`` for ``seconds`` (scheduler ticks) and has no active worker."""
+def still(check: Check, task_id: str, state: str, seconds: float = SETTLE_S, idle: bool = True) -> TaskDetail:
+    """The task stays in ``state`` for ``seconds`` (scheduler ticks) and (``idle``) has no active worker.
+
+    A task the scheduler drives is watched from the moment it says why it is where it is (``reason``, which a
+    PENDING task gets when the scheduler finds no target for it): the watch cannot pass only because the
+    scheduler had not looked at the task yet. A held task has nothing to say; it is watched from the start."""
+    if not get_task(check, task_id).held:
+        check.wait(lambda: get_task(check, task_id).reason, PATIENCE_S, f"task {task_id}: the reason it is {state}")
     deadline = time.monotonic() + seconds
     while True:
         task = get_task(check, task_id)
         if task.state.value != state:
             check.fail(f"task {task_id} should stay {state}, went {task.state.value} ({task.reason})")
-        active = [w for w in workers(check, task_id) if w.state in (WorkerState.QUEUED, WorkerState.RUNNING)]
+        active = [w for w in workers(check, task_id) if w.state in (WorkerState.QUEUED, WorkerState.RUNNING)] if idle else []
         if active:
             check.fail(f"task {task_id} should have no active worker while {state}; has {[(w.target_id, w.state.value) for w in active]}")
         if time.monotonic() >= deadline:
             check.note(f"task {task_id} stayed {state} for {seconds:g} s with no active worker ({task.reason!r})")
             return task
+        time.sleep(0.3)
+
+
+def same_workers(check: Check, task_id: str, seen: list[WorkerPublic], seconds: float = SETTLE_S) -> list[WorkerPublic]:
+    """No worker joins or leaves ``seen`` (the task's workers once placed) for ``seconds`` of scheduler ticks;
+    the workers as last read."""
+    ids = sorted(w.id for w in seen)
+    deadline = time.monotonic() + seconds
+    while True:
+        ws = workers(check, task_id)
+        if sorted(w.id for w in ws) != ids:
+            check.fail(f"task {task_id}: its workers should stay {ids}, are {[(w.id, w.target_id) for w in ws]}")
+        if time.monotonic() >= deadline:
+            check.note(f"task {task_id}: the same {len(ids)} worker(s) for {seconds:g} s")
+            return ws
         time.sleep(0.3)
 
 
@@ -145,10 +166,10 @@ def edge_with(check: Check, memory: int = 2 * GiB, accelerators: list[Accelerato
     edge = new_edge(check, start=False, labels=labels)
     edge.node.resources = resources(memory_available=memory, accelerators=accelerators)
     edge.start()
-    wait_node(check, edge.node_id, "ONLINE", 15)
+    wait_node(check, edge.node_id, "ONLINE", PATIENCE_S)
     want = edge.node.resources
     check.wait(lambda: (s := node_status(check.target, edge.node_id)).resources is not None and s.resources.memory == want.memory
-               and s.resources.accelerators == want.accelerators, 10, f"node {edge.node_id} status shows its readings")  # fmt: skip
+               and s.resources.accelerators == want.accelerators, PATIENCE_S, f"node {edge.node_id} status shows its readings")  # fmt: skip
     return edge
 
 
@@ -168,11 +189,11 @@ def install_model(check: Check, kind: str, targets: list[Endpoint], version: str
     dep = check.target.ok("POST", "/deployments", DeploymentDetail,
                           json={"artifact_id": art.id, "target": {"kind": kind, "ids": [t.ident for t in targets]}, "timeout_s": 60})  # fmt: skip
     check.wait(lambda: (d := check.target.ok("GET", f"/deployments/{dep.id}", DeploymentDetail)).state is DeploymentState.SUCCEEDED and d,
-               20, f"deployment {dep.id} of {name} SUCCEEDED")  # fmt: skip
+               PATIENCE_S, f"deployment {dep.id} of {name} SUCCEEDED")  # fmt: skip
     path = "/devices" if kind == "device" else "/nodes"
     for t in targets:
         check.wait(lambda t=t: (check.target.ok("GET", f"{path}/{t.ident}/twin", Twin).reported.get("installed") or {}).get("model", {}).get("name") == name,
-                   10, f"{t.ident} reports {name} installed")  # fmt: skip
+                   PATIENCE_S, f"{t.ident} reports {name} installed")  # fmt: skip
     check.note(f"model {name} {version} ({art.id}) installed on {[t.ident for t in targets]} by deployment {dep.id}")
     return {"name": name, "version": version}
 
@@ -268,6 +289,12 @@ def log_event(ep: Endpoint, w: WorkerPublic, *texts: str, level: str = "info") -
     ep.event(TASK_LOG_EVENT, WorkerLog(worker_id=w.id, task_id=w.task_id, lines=lines).model_dump(mode="json"))
 
 
+def _metrics_caught_up(m: TaskMetrics, worker_id: str, samples: int) -> TaskMetrics | None:
+    """``m`` if its series has ``samples`` samples and ``worker_id``'s latest is the series' last, else None."""
+    latest = m.workers.get(worker_id)
+    return m if len(m.series) >= samples and latest is not None and latest == m.series[-1] else None
+
+
 def log_lines(check: Check, task_id: str) -> list[TaskLogLine]:
     out: list[TaskLogLine] = []
     after = 0
@@ -279,12 +306,12 @@ def log_lines(check: Check, task_id: str) -> list[TaskLogLine]:
         after = int(page.next_cursor)
 
 
-def sse_events(check: Check, task_id: str, until: Callable[[list[tuple[str, str]]], bool], timeout: float = 10) -> list[tuple[str, str]]:
+def sse_events(check: Check, task_id: str, until: Callable[[list[tuple[str, str]]], bool], timeout: float = PATIENCE_S) -> list[tuple[str, str]]:
     """Read ``GET /tasks/{id}/logs`` with ``Accept: text/event-stream`` until ``until(events)`` or ``timeout``;
     the (event, data) pairs seen."""
     events: list[tuple[str, str]] = []
     deadline = time.monotonic() + timeout
-    with check.target.client(timeout=httpx.Timeout(timeout, read=2.0)) as c, c.stream("GET", f"/tasks/{task_id}/logs", headers={"Accept": "text/event-stream"}) as r:
+    with check.target.client(timeout=httpx.Timeout(timeout)) as c, c.stream("GET", f"/tasks/{task_id}/logs", headers={"Accept": "text/event-stream"}) as r:
         media = r.headers.get("content-type", "").split(";")[0].strip()
         check.equal((r.status_code, media), (200, "text/event-stream"), "GET /tasks/{id}/logs with Accept: text/event-stream")
         event, data = "message", []
@@ -387,24 +414,24 @@ def lifecycle(check: Check) -> None:
     running = wait_task(check, task.id, "RUNNING")
     moves = history(running)
     check.check(("PENDING", "SCHEDULED") in moves and ("SCHEDULED", "RUNNING") in moves, f"history PENDING -> SCHEDULED -> RUNNING: {moves}")
-    (w,) = workers(check, task.id)
+    (w,) = wait_workers(check, task.id, lambda ws: len(ws) == 1 and ws[0].state is WorkerState.RUNNING, "its one worker RUNNING")
     check.equal((w.target_id, w.state.value), (edge.node_id, "RUNNING"), "its worker")
     refused(check, task.id, "resume", "RUNNING")
     refused(check, task.id, "delete", "RUNNING")
 
     act(check, task.id, "pause")
     check.equal(get_task(check, task.id).state.value, "PAUSED", "after pause")
-    check.wait(lambda: (o := order_for(edge.node, w.id)) is not None and o.action is WorkerAction.PAUSE, 10, "the worker's order says pause")
-    check.wait(lambda: any(r.worker_id == w.id and r.paused for r in edge.node.worker_reports), 5, "the worker reports paused")
+    check.wait(lambda: (o := order_for(edge.node, w.id)) is not None and o.action is WorkerAction.PAUSE, PATIENCE_S, "the worker's order says pause")
+    check.wait(lambda: any(r.worker_id == w.id and r.paused for r in edge.node.worker_reports), PATIENCE_S, "the worker reports paused")
     refused(check, task.id, "pause", "PAUSED")
     act(check, task.id, "resume")
     check.equal(get_task(check, task.id).state.value, "RUNNING", "after resume (the worker had run)")
-    check.wait(lambda: (o := order_for(edge.node, w.id)) is not None and o.action is WorkerAction.RUN, 10, "the worker's order says run again")
+    check.wait(lambda: (o := order_for(edge.node, w.id)) is not None and o.action is WorkerAction.RUN, PATIENCE_S, "the worker's order says run again")
 
     act(check, task.id, "cancel")
     canceled = get_task(check, task.id)
     check.equal(canceled.state.value, "CANCELED", "after cancel")
-    check.wait(lambda: order_for(edge.node, w.id) is None, 10, "the canceled worker's order is withdrawn")
+    check.wait(lambda: order_for(edge.node, w.id) is None, PATIENCE_S, "the canceled worker's order is withdrawn")
     check.equal(workers(check, task.id)[0].state.value, "CANCELED", "the worker after cancel")
     for action in ("cancel", "stop", "pause", "resume", "start"):
         refused(check, task.id, action, "CANCELED")
@@ -412,7 +439,7 @@ def lifecycle(check: Check) -> None:
     retried = act(check, task.id, "retry")
     check.equal((retried.state.value, retried.attempt), ("PENDING", 2), "retry from CANCELED: PENDING, attempt 2")
     wait_task(check, task.id, "RUNNING")
-    ws = workers(check, task.id)
+    ws = wait_workers(check, task.id, lambda ws: len(ws) == 2 and ws[1].state is WorkerState.RUNNING, "the retry's worker RUNNING")
     check.check(len(ws) == 2 and ws[1].state is WorkerState.RUNNING and ws[1].id != w.id, f"the retry runs a new worker: {[(x.id, x.state.value) for x in ws]}")
     act(check, task.id, "stop")
     check.equal(get_task(check, task.id).state.value, "SUCCEEDED", "stop ends a service (inference) task SUCCEEDED")
@@ -454,10 +481,11 @@ def workers_metrics_logs_outputs(check: Check) -> None:
     w1, w2 = active_on(ws)[d1.ident], active_on(ws)[d2.ident]
     check.check(d1.workers.keys() == {w1.id} and d2.workers.keys() == {w2.id}, "each device's desired document carries only its own worker's order")
 
+    # the forged sample goes first, on the same connection: once the later ones are in, it has been handled
+    metrics_event(d2, w1, {"requests": 1000})  # d2 speaks for d1's worker: must be refused
     metrics_event(d1, w1, {"requests": 5, "latency_ms": 12.5})
     metrics_event(d2, w2, {"requests": 3})
-    metrics_event(d2, w1, {"requests": 1000})  # d2 speaks for d1's worker: must be refused
-    m = check.wait(lambda: (x := check.target.ok("GET", f"/tasks/{task.id}/metrics", TaskMetrics)).workers.keys() == {w1.id, w2.id} and x, 10,
+    m = check.wait(lambda: (x := check.target.ok("GET", f"/tasks/{task.id}/metrics", TaskMetrics)).workers.keys() == {w1.id, w2.id} and x, PATIENCE_S,
                    "both workers' samples in GET /tasks/{id}/metrics")  # fmt: skip
     check.equal(m.workers[w1.id].values, {"requests": 5, "latency_ms": 12.5}, "worker 1's latest sample")
     check.equal((m.workers[w1.id].target_id, m.workers[w2.id].target_id), (d1.ident, d2.ident), "samples carry their targets")
@@ -466,11 +494,15 @@ def workers_metrics_logs_outputs(check: Check) -> None:
     check.equal(sorted(s.values.get("requests", 0) for s in series), [3.0, 5.0], "series=true: the two samples kept")
 
     marker = f"conf-log-{check.target.run_id}-{next(_seq)}"
+    log_event(d2, w1, f"{marker} forged")  # first, as the forged sample above
     log_event(d1, w1, f"{marker} first", f"{marker} second")
     log_event(d2, w2, f"{marker} from two", level="warning")
-    log_event(d2, w1, f"{marker} forged")
-    lines = check.wait(lambda: [x for x in log_lines(check, task.id) if marker in x.text] if len([x for x in log_lines(check, task.id) if marker in x.text]) >= 3 else None,
-                       10, "the workers' log lines in GET /tasks/{id}/logs")  # fmt: skip
+
+    def marked() -> list[TaskLogLine] | None:
+        found = [x for x in log_lines(check, task.id) if marker in x.text]
+        return found if len(found) >= 3 and any(x.text == f"{marker} from two" for x in found) else None
+
+    lines = check.wait(marked, PATIENCE_S, "the workers' log lines in GET /tasks/{id}/logs, the last one sent among them")
     mine = [(x.worker_id, x.target_id, x.level, x.text) for x in lines]
     check.equal(mine, [(w1.id, d1.ident, "info", f"{marker} first"), (w1.id, d1.ident, "info", f"{marker} second"), (w2.id, d2.ident, "warning", f"{marker} from two")],
                 "the lines, in order, with worker, target and level; the forged line is not kept")  # fmt: skip
@@ -508,7 +540,7 @@ def workers_metrics_logs_outputs(check: Check) -> None:
     dataset = _multipart_upload(check, "dataset", _name(check, "data"), "1.0.0", "npy", npy_f32(rows))
     batch = new_task(check, "batch_inference", {"model": model, "inputs": dataset.id, "chunk_size": 2}, {"target": "device", "ids": [d1.ident, d2.ident]})
     check.equal((batch.progress.items_total, batch.progress.chunks_total), (5, 3), "items and chunks of the batch task")
-    done = wait_task(check, batch.id, {"SUCCEEDED", "FAILED", "CANCELED", "TIMED_OUT"}, 20)
+    done = wait_task(check, batch.id, {"SUCCEEDED", "FAILED", "CANCELED", "TIMED_OUT"})
     check.equal(done.state.value, "SUCCEEDED", "the batch task")
     outs = check.target.ok("GET", f"/tasks/{batch.id}/outputs", TaskOutputs)
     check.equal((outs.complete, outs.items_done, [(t.name, t.shape) for t in outs.tensors]), (True, 5, [("y", [5, 1])]), "its outputs (complete, items, tensors)")
@@ -531,31 +563,30 @@ def timeouts(check: Check) -> None:
     model = install_model(check, "node", [edge.node])
     placement = {"target": "node", "ids": [edge.node_id]}
     task = new_task(check, "inference", inference(model), placement, timeout_s=3)
-    wait_task(check, task.id, "RUNNING", 5)
+    wait_task(check, task.id, "RUNNING")
     act(check, task.id, "pause")
-    paused_at = time.monotonic()
-    still_paused = check.wait(lambda: time.monotonic() - paused_at > 3.5 and get_task(check, task.id), 6, "3.5 s paused")
+    still_paused = still(check, task.id, "PAUSED", 3.5, idle=False)  # longer than timeout_s: the scheduler checks the deadline meanwhile
     check.equal(still_paused.state.value, "PAUSED", "a task paused past its timeout_s is not TIMED_OUT (paused time excluded)")
     act(check, task.id, "resume")
     resumed = time.monotonic()
-    ended = wait_task(check, task.id, {"TIMED_OUT", "SUCCEEDED", "FAILED", "CANCELED"}, 8)
+    ended = wait_task(check, task.id, {"TIMED_OUT", "SUCCEEDED", "FAILED", "CANCELED"})
     check.equal(ended.state.value, "TIMED_OUT", "the task after timeout_s of running time")
     check.check(time.monotonic() - resumed > 0.2, "it ran on after the resume before timing out")
     check.equal([x.state.value for x in workers(check, task.id)], ["CANCELED"], "its running worker is ended (CANCELED)")
-    check.wait(lambda: not edge.node.workers, 10, "the worker's order withdrawn")
+    check.wait(lambda: not edge.node.workers, PATIENCE_S, "the worker's order withdrawn")
     check.equal(act(check, task.id, "retry").state.value, "PENDING", "retry from TIMED_OUT")
     act(check, task.id, "cancel")
 
     edge.node.worker_mode = "silent"
     silent = new_task(check, "inference", inference(model), placement, heartbeat_s=0.5, worker_timeout_s=1,
                       retry={"max_attempts": 1, "backoff_s": 0, "max_backoff_s": 0})  # fmt: skip
-    queued = wait_workers(check, silent.id, lambda ws: len(ws) == 1, "the silent task's worker placed", 5)
-    check.equal(queued[0].state.value, "QUEUED", "the worker before any report")
-    ws = wait_workers(check, silent.id, lambda ws: ws[0].state is not WorkerState.QUEUED, "the silent worker ended", 8)
+    # it may be TIMED_OUT by the time it is first seen (worker_timeout_s=1): its history says it was QUEUED and never ran
+    ws = wait_workers(check, silent.id, lambda ws: len(ws) == 1 and ws[0].state is not WorkerState.QUEUED, "the silent task's one worker ended")
     check.equal(ws[0].state.value, "TIMED_OUT", "a worker that never reports, after worker_timeout_s=1")
-    ended = wait_task(check, silent.id, {"FAILED", "TIMED_OUT", "SUCCEEDED", "CANCELED"}, 5)
+    check.equal(([h.to_state for h in ws[0].history][:1], ws[0].started_at), (["QUEUED"], None), "it was QUEUED and never started (first state, started_at)")
+    ended = wait_task(check, silent.id, {"FAILED", "TIMED_OUT", "SUCCEEDED", "CANCELED"})
     check.equal(ended.state.value, "FAILED", "the task with no worker left to try (max_attempts 1)")
-    check.wait(lambda: not edge.node.workers, 10, "the timed-out worker's order withdrawn")
+    check.wait(lambda: not edge.node.workers, PATIENCE_S, "the timed-out worker's order withdrawn")
 
 
 # ---- the standard's clauses -------------------------------------------------------------------------------
@@ -577,10 +608,10 @@ def fault_tolerance(check: Check) -> None:
     victim.node.heartbeats.clear()  # the agent vanishes: its worker stops reporting with it
     victim.running.clear()
     victim.peer.disconnect(with_will=True)
-    wait_node(check, victim.node_id, "OFFLINE", 10)
-    lost = wait_workers(check, task.id, lambda ws: any(w.id == victim_worker.id and w.state is WorkerState.LOST for w in ws), "the worker on the OFFLINE node LOST", 10)
+    wait_node(check, victim.node_id, "OFFLINE", PATIENCE_S)
+    lost = wait_workers(check, task.id, lambda ws: any(w.id == victim_worker.id and w.state is WorkerState.LOST for w in ws), "the worker on the OFFLINE node LOST")
     check.note(f"ok: worker {victim_worker.id} LOST ({next(w.detail for w in lost if w.id == victim_worker.id)})")
-    ws = wait_workers(check, task.id, lambda ws: spare.node_id in active_on(ws), "a new worker RUNNING on the spare target", 15)
+    ws = wait_workers(check, task.id, lambda ws: spare.node_id in active_on(ws), "a new worker RUNNING on the spare target")
     new = active_on(ws)[spare.node_id]
     check.check(new.attempt == victim_worker.attempt + 1, f"the replacement is attempt {new.attempt}")
     check.check(survivor.node_id in active_on(ws), "the other worker runs on undisturbed")
@@ -615,13 +646,12 @@ def capability_memory(check: Check) -> None:
     ids = [small.node_id, big.node_id]
     task = new_task(check, "inference", inference(model), {"target": "node", "ids": ids, "min_memory_bytes": 2 * GiB})
     ws = wait_workers(check, task.id, lambda ws: len(active_on(ws)) >= 1, "a worker RUNNING")
-    time.sleep(1)
-    ws = workers(check, task.id)
+    ws = same_workers(check, task.id, ws)
     check.equal([w.target_id for w in ws], [big.node_id], "the only worker is on the target reporting 3 GiB available (the other reports 1 GiB)")
     greedy = new_task(check, "inference", inference(model), {"target": "node", "ids": ids, "min_memory_bytes": 5 * GiB})
     still(check, greedy.id, "PENDING")
     small.node.resources = resources(memory_available=6 * GiB)
-    ws = wait_workers(check, greedy.id, lambda ws: len(active_on(ws)) == 1, "the 5 GiB task placed once a target reports 6 GiB", 15)
+    ws = wait_workers(check, greedy.id, lambda ws: len(active_on(ws)) == 1, "the 5 GiB task placed once a target reports 6 GiB")
     check.equal(ws[0].target_id, small.node_id, "it runs on the target whose readings changed")
 
 
@@ -638,9 +668,8 @@ def heterogeneous_pool(check: Check) -> None:
         task = new_task(check, "inference", inference(model), {"target": "node", "ids": ids, "accelerators": [{"type": kind}]})
         ws = wait_workers(check, task.id, lambda ws: len(active_on(ws)) == 1, f"the {kind} task's worker RUNNING")
         placed[kind] = ws
-    time.sleep(1)
     for kind, e in (("gpu", g), ("npu", n)):
-        ws = [w for w in workers(check, next(iter({w.task_id for w in placed[kind]})))]
+        ws = same_workers(check, placed[kind][0].task_id, placed[kind])
         check.equal([(w.target_id, [a.type.value for a in w.accelerators]) for w in ws], [(e.node_id, [kind])], f"the {kind} request's only worker")
     tpu = new_task(check, "inference", inference(model), {"target": "node", "ids": ids, "accelerators": [{"type": "tpu"}]})
     still(check, tpu.id, "PENDING", 1.0)
@@ -656,7 +685,7 @@ def edge_runs_tasks(check: Check) -> None:
     check.equal((ws[0].target_kind.value, ws[0].target_id), ("node", edge.node_id), "the worker's target")
     check.check(ws[0].id in edge.node.workers and edge.node.workers[ws[0].id].task_id == task.id, "the order arrived in the node's own desired document")
     check.equal(wait_task(check, task.id, "RUNNING").started_at is not None, True, "started_at set once the worker ran")
-    done = wait_task(check, task.id, {"SUCCEEDED", "FAILED", "CANCELED", "TIMED_OUT"}, 10)
+    done = wait_task(check, task.id, {"SUCCEEDED", "FAILED", "CANCELED", "TIMED_OUT"})
     check.equal(done.state.value, "SUCCEEDED", "after duration_s")
     check.equal([w.state.value for w in workers(check, task.id)], ["SUCCEEDED"], "the node's worker")
 
@@ -670,8 +699,7 @@ def several_terminals(check: Check) -> None:
     model = install_model(check, "device", [*devices, other])
     task = new_task(check, "inference", inference(model), {"target": "device", "selector": f"fleet={fleet}"})
     ws = wait_workers(check, task.id, lambda ws: len(active_on(ws)) == 3, "three RUNNING workers")
-    time.sleep(1)
-    ws = workers(check, task.id)
+    ws = same_workers(check, task.id, ws)
     check.equal(sorted(w.target_id for w in ws), sorted(d.ident for d in devices), "one worker per matching device, none on the other")
     for d in devices:
         mine = [w.id for w in ws if w.target_id == d.ident]
@@ -691,7 +719,7 @@ def cloud_train_device_infer(check: Check) -> None:
     ws = workers(check, task.id)
     check.equal([(w.target_id, w.state.value) for w in ws], [(with_model.ident, "RUNNING")], "the only worker, on the device that runs the model")
     check.equal(with_model.workers[ws[0].id].spec["model"], model, "the order names the installed model")
-    done = wait_task(check, task.id, {"SUCCEEDED", "FAILED", "CANCELED", "TIMED_OUT"}, 10)
+    done = wait_task(check, task.id, {"SUCCEEDED", "FAILED", "CANCELED", "TIMED_OUT"})
     check.equal(done.state.value, "SUCCEEDED", "the inference task after duration_s")
     check.equal(without.workers, {}, "the device without the model got no order")
     still(check, wrong.id, "PENDING", 0.5)
@@ -740,25 +768,27 @@ def progress_visible(check: Check) -> None:
     def gate(index: int) -> None:
         if index == 1:
             seen_first.set()
-            release.wait(20)
+            release.wait(10 * PATIENCE_S)  # the case (or its clean-up) releases it
 
     batch_worker(dev, gate)
     rows = [[float(i), 1.0] for i in range(6)]
     dataset = _multipart_upload(check, "dataset", _name(check, "data"), "1.0.0", "npy", npy_f32(rows))
     task = new_task(check, "batch_inference", {"model": model, "inputs": dataset.id, "chunk_size": 2}, {"target": "device", "ids": [dev.ident]})
     check.cleanup("release the worker", release.set)
-    check.wait(seen_first.is_set, 15, "the worker finished its first chunk")
+    check.wait(seen_first.is_set, PATIENCE_S, "the worker finished its first chunk")
     (w,) = wait_workers(check, task.id, lambda ws: len(active_on(ws)) == 1, "the worker RUNNING")
     metrics_event(dev, w, {"items_per_s": 4.0, "loss": 0.9})
     metrics_event(dev, w, {"items_per_s": 6.0, "loss": 0.5})
-    mid = check.wait(lambda: (t := get_task(check, task.id)).progress.chunks_done == 1 and t, 10, "progress shows 1 chunk done")
+    mid = check.wait(lambda: (t := get_task(check, task.id)).progress.chunks_done == 1 and t, PATIENCE_S, "progress shows 1 chunk done")
     check.equal((mid.state.value, mid.progress.items_total, mid.progress.items_done, mid.progress.chunks_total), ("RUNNING", 6, 2, 3),
                 "while it runs: state, items total/done, chunks total")  # fmt: skip
     check.equal(mid.progress.workers.get(WorkerState.RUNNING), 1, "progress counts the RUNNING worker")
     listed = Page[TaskPublic].model_validate(check.target.ok("GET", "/tasks", params={"state": "RUNNING", "type": "batch_inference", "limit": 200}))
     check.check(any(t.id == task.id and t.progress.chunks_done == 1 for t in listed.items), "GET /tasks?state=RUNNING lists it with its progress")
-    m = check.wait(lambda: len((x := check.target.ok("GET", f"/tasks/{task.id}/metrics", TaskMetrics, params={"series": "true"})).series) >= 2 and x, 10,
-                   "the metrics series")  # fmt: skip
+    # The view is read by two queries (each worker's latest sample, then the series); wait for an answer in which
+    # both have seen the two samples: the series holds them and the worker's latest is the series' last.
+    m = check.wait(lambda: _metrics_caught_up(check.target.ok("GET", f"/tasks/{task.id}/metrics", TaskMetrics, params={"series": "true"}), w.id, 2),
+                   PATIENCE_S, f"the metrics series of 2 samples and worker {w.id}'s latest sample")  # fmt: skip
     check.equal([s.values.get("loss") for s in m.series], [0.9, 0.5], "series in order, newest last")
     check.equal(m.workers[w.id].values.get("loss"), 0.5, "the latest sample")
     outs = check.target.ok("GET", f"/tasks/{task.id}/outputs", TaskOutputs)
@@ -766,5 +796,5 @@ def progress_visible(check: Check) -> None:
     problem(check.target.call("GET", f"/tasks/{task.id}/outputs/content"), 409, ErrorCode.CONFLICT)
     check.note("ok: the gathered content is 409 while incomplete")
     release.set()
-    done = wait_task(check, task.id, {"SUCCEEDED", "FAILED", "CANCELED", "TIMED_OUT"}, 15)
+    done = wait_task(check, task.id, {"SUCCEEDED", "FAILED", "CANCELED", "TIMED_OUT"})
     check.equal((done.state.value, done.progress.items_done, done.progress.chunks_done), ("SUCCEEDED", 6, 3), "at the end")
