@@ -27,7 +27,8 @@ from pathlib import Path
 
 from device import renewal
 from device.resources import ResourceSampler
-from edge.artifacts import DEFAULT_BUDGET_BYTES, ArtifactCache
+from edge.artifacts.cache import ArtifactCache
+from edge.artifacts.store import DEFAULT_BUDGET_BYTES
 from edge.deployments import NodeDeployments
 from edge.enrol import NODE
 from edge.enrol_proxy import EnrolmentProxy, server_context

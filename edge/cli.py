@@ -45,7 +45,7 @@ from device.errors import ConfigError, StoredStateError
 from device.renewal import START_ATTEMPTS, check_renewable, due, renew_async
 from device.cli import bootstrap_token_option
 from edge.agent import AgentConfig, EdgeAgent
-from edge.artifacts import parse_size
+from edge.artifacts.store import parse_size
 from edge.enrol import NODE, EnrolmentError, HubUnreachable, request_certificate
 from edge.enrol_proxy import ListenError, parse_listen
 from edge.identity import Enrolment, IdentityError, IdentityStore

@@ -44,7 +44,8 @@ import httpx
 from pydantic import ValidationError
 
 from device.tls import tls_verify
-from edge.artifacts import Answer, ArtifactCache
+from edge.artifacts.answers import Answer
+from edge.artifacts.cache import ArtifactCache
 from interfaces import API_PREFIX
 from interfaces.errors import ERROR_TYPE_PREFIX, PROBLEM_MEDIA_TYPE, ErrorCode
 from interfaces.ids import new_id

@@ -111,7 +111,7 @@ def test_a_flipped_byte_in_the_cache_is_fetched_again_before_the_next_device_dow
     assert ExecutionState.REJECTED not in second.states()
     assert sha(second.installed_bytes()) == sha(data)
     assert len(hub.fetches()) == 2  # the edge fetched it again before it served a byte
-    assert (edge.cache.corrupt_dropped, edge.cache.integrity_checks) == (1, 1)
+    assert (edge.cache.store.corrupt_dropped, edge.cache.store.integrity_checks) == (1, 1)
     assert blob.read_bytes() == data
     assert cached(edge.cache) == {sha(data)}
 
@@ -132,7 +132,7 @@ def test_a_truncated_cache_file_is_dropped_by_its_size_and_fetched_again(
     assert final.state is ExecutionState.ACTIVE, final.detail
     assert second.installed_bytes() == data
     assert len(hub.fetches()) == 2
-    assert (edge.cache.corrupt_dropped, edge.cache.integrity_checks) == (1, 0)  # the size gave it away: no hashing
+    assert (edge.cache.store.corrupt_dropped, edge.cache.store.integrity_checks) == (1, 0)  # the size gave it away: no hashing
     assert blob.read_bytes() == data
 
 
@@ -150,7 +150,7 @@ def test_a_device_resuming_after_the_cache_file_changed_gets_the_signed_rest(hub
     assert rest.status_code == 206
     assert sha(head.content + rest.content) == sha(data)
     assert len(hub.fetches()) == 2
-    assert edge.cache.corrupt_dropped == 1
+    assert edge.cache.store.corrupt_dropped == 1
 
 
 def test_with_the_hub_gone_a_corrupt_entry_is_503_and_the_retry_gets_the_signed_bytes(
@@ -172,7 +172,7 @@ def test_with_the_hub_gone_a_corrupt_entry_is_503_and_the_retry_gets_the_signed_
     assert (refused.status_code, refused.json()["code"]) == (503, "hub_unreachable")  # a 5xx: the device's downloader retries
     assert final.state is ExecutionState.ACTIVE, final.detail
     assert sha(second.installed_bytes()) == sha(data)
-    assert edge.cache.corrupt_dropped == 1
+    assert edge.cache.store.corrupt_dropped == 1
     assert blob.read_bytes() == data
 
 
@@ -191,7 +191,7 @@ def test_devices_that_find_one_corrupt_entry_together_share_one_check_and_one_do
     assert [r.status_code for r in responses] == [200] * 6
     assert all(sha(r.content) == sha(data) for r in responses)
     assert len(hub.fetches()) == 2
-    assert (edge.cache.corrupt_dropped, edge.cache.integrity_checks) == (1, 1)
+    assert (edge.cache.store.corrupt_dropped, edge.cache.store.integrity_checks) == (1, 1)
 
 
 def test_the_full_check_runs_once_per_change_of_the_file_not_per_request(tmp_path: Path, hub: HubArtefacts, signing: SigningKey) -> None:
@@ -201,7 +201,7 @@ def test_the_full_check_runs_once_per_change_of_the_file_not_per_request(tmp_pat
     try:
         assert first.content("art-1", token).content == data
         ranges = [first.content("art-1", token, Range=f"bytes={i * 1000}-{i * 1000 + 999}") for i in range(5)]
-        checks_in_the_first_run = first.cache.integrity_checks
+        checks_in_the_first_run = first.cache.store.integrity_checks
     finally:
         first.close()
     hub.stop()
@@ -210,7 +210,7 @@ def test_the_full_check_runs_once_per_change_of_the_file_not_per_request(tmp_pat
     try:
         # Execute
         after_restart = [restarted.content("art-1", token, Range=f"bytes={i * 1000}-{i * 1000 + 999}") for i in range(5)]
-        checks_after_restart = restarted.cache.integrity_checks
+        checks_after_restart = restarted.cache.store.integrity_checks
         stat = blob.stat()
         os.utime(blob, ns=(stat.st_atime_ns, stat.st_mtime_ns - 10**9))  # changed on disk, not in content
         after_touch = [restarted.content("art-1", token, Range="bytes=0-9") for _ in range(3)]
@@ -221,7 +221,7 @@ def test_the_full_check_runs_once_per_change_of_the_file_not_per_request(tmp_pat
         assert [r.content for r in after_restart] == [data[i * 1000 : i * 1000 + 1000] for i in range(5)]
         assert checks_after_restart == 1
         assert [(r.status_code, r.content) for r in after_touch] == [(206, data[:10])] * 3
-        assert (restarted.cache.integrity_checks, restarted.cache.corrupt_dropped) == (2, 0)
+        assert (restarted.cache.store.integrity_checks, restarted.cache.store.corrupt_dropped) == (2, 0)
     finally:
         restarted.close()
 
@@ -240,7 +240,7 @@ def test_a_corrupt_cached_delta_is_fetched_again(hub: HubArtefacts, edge: Edge) 
     # Assert
     assert (again.status_code, again.content) == (200, patch)
     assert len(hub.fetches("/delta")) == 2
-    assert edge.cache.corrupt_dropped == 1
+    assert edge.cache.store.corrupt_dropped == 1
     assert cached(edge.cache) == {sha(patch)}
 
 
@@ -255,4 +255,4 @@ def test_an_intact_cache_serves_without_asking_the_hub(hub: HubArtefacts, edge: 
 
     # Assert
     assert [r.content for r in responses] == [data] * 3
-    assert (edge.cache.corrupt_dropped, edge.cache.integrity_checks, edge.cache.hits) == (0, 0, 3)
+    assert (edge.cache.store.corrupt_dropped, edge.cache.store.integrity_checks, edge.cache.store.hits) == (0, 0, 3)

@@ -28,7 +28,8 @@ from click.testing import CliRunner
 from cloud.signing import SigningKey, rotate
 from device.ota.verify import TrustedKeys
 from edge.agent import AgentConfig, EdgeAgent
-from edge.artifacts import ArtifactCache, parse_size
+from edge.artifacts.cache import ArtifactCache
+from edge.artifacts.store import parse_size
 from edge.cli import edge as edge_cli
 from edge.enrol_proxy import EnrolmentProxy, server_context
 from edge.identity import IdentityStore
@@ -257,7 +258,7 @@ def test_a_range_of_thousands_of_digits_is_416_and_leaves_the_entry_free(hub: Hu
     assert (beyond.status_code, beyond.json()["code"]) == (416, "range_not_satisfiable")
     assert (to_the_end.status_code, to_the_end.content) == (206, hub.blobs["art-2"])
     assert to_the_end.headers["x-content-type-options"] == "nosniff"
-    assert sum(edge.cache._pins.values()) == 0  # noqa: SLF001
+    assert sum(edge.cache.store.pins.values()) == 0
 
 
 def test_range_requests_are_served_from_the_cache(hub: HubArtefacts, edge: Edge) -> None:
@@ -647,7 +648,7 @@ def test_the_agent_serves_artefacts_on_its_device_listener(tmp_path: Path, hub: 
     # Assert
     assert (response.status_code, response.content) == (200, hub.blobs["art-2"])
     assert (node_dir / "artifacts" / sha(hub.blobs["art-2"])).read_bytes() == hub.blobs["art-2"]
-    assert agent.artifacts.budget_bytes == 10**6
+    assert agent.artifacts.store.budget_bytes == 10**6
     assert [path for path, _ in hub.requests] == ["/api/v1/artifacts/art-2/content"]  # the key was not fetched
 
 
