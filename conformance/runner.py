@@ -110,6 +110,19 @@ class Check:
                 raise CaseFailed(f"{what}: not seen within {timeout:g} s (last: {str(last)[:300]})")
             time.sleep(interval)
 
+    def stays(self, predicate: Callable[[], Any], seconds: float, what: str, interval: float = 0.2) -> Any:
+        """Watch that ``predicate`` holds for ``seconds`` (something that must not happen does not): FAIL with
+        ``what`` at the first read where it does not; the last value. Read all through the watch, not once at its end."""
+        deadline = time.monotonic() + seconds
+        while True:
+            last = predicate()
+            if not last:
+                raise CaseFailed(f"{what}: no longer so after {seconds - max(0.0, deadline - time.monotonic()):.1f} of {seconds:g} s")
+            if time.monotonic() >= deadline:
+                self.evidence.append(f"ok: {what} (watched {seconds:g} s)")
+                return last
+            time.sleep(interval)
+
     def cleanup(self, what: str, action: Callable[[], object]) -> None:
         """Run ``action`` after the case (last registered first), whatever its verdict."""
         self._cleanups.append((what, action))

@@ -16,7 +16,6 @@ import base64
 import hashlib
 import os
 import threading
-import time
 from collections.abc import Callable, Iterable
 from enum import Enum
 from itertools import count, pairwise
@@ -29,7 +28,7 @@ from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 
 from conformance.agents import Endpoint, SimEdge
-from conformance.cases.common import items, new_device, new_edge
+from conformance.cases.common import PATIENCE_S, items, new_device, new_edge
 from conformance.hub import RUN_LABEL, problem
 from conformance.outcomes import Unexpected
 from conformance.runner import Check, case
@@ -46,8 +45,7 @@ _E = ExecutionState
 _D = DeploymentState
 INSTALL_PATH = [_E.QUEUED, _E.DOWNLOADING, _E.DOWNLOADED, _E.VERIFYING, _E.INSTALLING, _E.ACTIVE]
 SETTLE_S = 1.5  # how long a case watches for something that must not happen (three rollout ticks at the default 0.5 s)
-FINAL_WAIT_S = 30.0
-HOLD_LIMIT_S = 90.0  # a held install gives up after this (the case has failed or been cleaned up by then)
+HOLD_LIMIT_S = 10 * PATIENCE_S  # a held install gives up after this (the case has failed or been cleaned up by then)
 _serial = count(1)
 
 
@@ -60,7 +58,7 @@ class Agent:
     * ``hold()`` / ``release()``: while held, an order is received (it shows in ``desired``) but the
       endpoint does not start on it, so nothing is reported; ``release()`` lets it carry on.
     * A rollback order (``action: rollback``, the same execution id as the install) is carried out once.
-    * ``drop()`` (at clean-up) makes held orders return without doing anything.
+    * ``drop()`` (at clean-up) makes held orders return without doing anything; ``skip(xid)`` does that for one.
     """
 
     def __init__(self, check: Check, endpoint: Endpoint) -> None:
@@ -68,13 +66,14 @@ class Agent:
         self._gate = threading.Event()
         self._gate.set()
         self._dropped = False
+        self._skipped: set[str] = set()
         self._rollbacks: set[str] = set()
         self._lock = threading.Lock()
         original: Callable[[DeploymentOrder], None] = endpoint._deploy
 
         def deploy(order: DeploymentOrder) -> None:
             self._gate.wait(HOLD_LIMIT_S)
-            if self._dropped:
+            if self._dropped or order.execution_id in self._skipped:
                 return
             if order.action is OrderAction.ROLLBACK:
                 with self._lock:
@@ -96,6 +95,10 @@ class Agent:
     def is_node(self) -> bool:
         return self.ep is self.ep.edge.node
 
+    @property
+    def held(self) -> bool:
+        return not self._gate.is_set()
+
     def hold(self) -> None:
         self._gate.clear()
 
@@ -105,6 +108,9 @@ class Agent:
     def drop(self) -> None:
         self._dropped = True
         self._gate.set()
+
+    def skip(self, execution_id: str) -> None:
+        self._skipped.add(execution_id)
 
     def orders(self) -> list[DeploymentOrder]:
         """Every order any desired document this endpoint received carried."""
@@ -222,7 +228,7 @@ def execution(dep: DeploymentDetail, target_id: str) -> ExecutionPublic:
     return found[0]
 
 
-def wait_dep(check: Check, deployment_id: str, state: DeploymentState, timeout: float = FINAL_WAIT_S) -> DeploymentDetail:
+def wait_dep(check: Check, deployment_id: str, state: DeploymentState, timeout: float = PATIENCE_S) -> DeploymentDetail:
     """Poll until the deployment is ``state`` with nothing ROLLING_BACK."""
     last: list[DeploymentDetail] = []
 
@@ -240,7 +246,7 @@ def wait_dep(check: Check, deployment_id: str, state: DeploymentState, timeout: 
 
 
 def wait_execution(check: Check, deployment_id: str, target_id: str, predicate: Callable[[ExecutionPublic], bool], what: str,
-                   timeout: float = 15) -> ExecutionPublic:  # fmt: skip
+                   timeout: float = PATIENCE_S) -> ExecutionPublic:  # fmt: skip
     def seen() -> ExecutionPublic | None:
         e = execution(get_dep(check, deployment_id), target_id)
         return e if predicate(e) else None
@@ -266,7 +272,7 @@ def reported_sha(check: Check, agent: Agent, kind: str) -> str | None:
     return entry.get(kind, {}).get("sha256") if isinstance(entry, dict) and isinstance(entry.get(kind), dict) else None
 
 
-def wait_installed(check: Check, agents: Iterable[Agent], art: ArtifactPublic, timeout: float = 15) -> None:
+def wait_installed(check: Check, agents: Iterable[Agent], art: ArtifactPublic, timeout: float = PATIENCE_S) -> None:
     """The hub's view of each target (its reported document) says it runs ``art``."""
     for agent in agents:
         check.wait(lambda a=agent: reported_sha(check, a, art.kind.value) == art.sha256, timeout,  # type: ignore[misc]
@@ -274,7 +280,7 @@ def wait_installed(check: Check, agents: Iterable[Agent], art: ArtifactPublic, t
     check.note(f"ok: the reported documents of {', '.join(a.ident for a in agents)} say installed {art.kind.value} = {art.name} {art.version} ({art.sha256[:12]}…)")
 
 
-def wait_ordered(check: Check, agent: Agent, execution_id: str, action: OrderAction = OrderAction.INSTALL, timeout: float = 15) -> DeploymentOrder:
+def wait_ordered(check: Check, agent: Agent, execution_id: str, action: OrderAction = OrderAction.INSTALL, timeout: float = PATIENCE_S) -> DeploymentOrder:
     return check.wait(lambda: agent.ordered(execution_id, action), timeout, f"{action.value} order {execution_id} in the desired document of {agent.ident}")  # type: ignore[no-any-return]
 
 
@@ -293,9 +299,28 @@ def refused_move(check: Check, deployment_id: str, verb: str, current: Deploymen
 
 
 def never_ordered(check: Check, agents: Iterable[Agent], execution_ids: Iterable[str], why: str) -> None:
-    time.sleep(SETTLE_S)
-    for agent, xid in zip(agents, execution_ids, strict=True):
-        check.check(agent.ordered(xid) is None, f"{agent.ident} got no order for {xid} ({why})")
+    pairs = list(zip(agents, execution_ids, strict=True))
+    check.stays(lambda: all(agent.ordered(xid) is None for agent, xid in pairs), SETTLE_S,
+                ", ".join(f"{agent.ident} gets no order for {xid}" for agent, xid in pairs) + f" ({why})")  # fmt: skip
+
+
+def handled(check: Check, agent: Agent) -> None:
+    """Wait until the hub has handled what ``agent``'s connection (its edge's) carried so far: a report the hub
+    applies, sent after those on the same channel, is seen applied (a held order of a fresh application artefact,
+    reported DOWNLOADING by hand; then canceled and never carried out). A check that reports changed nothing then
+    cannot pass only because they had not been read yet."""
+    was_held = agent.held
+    agent.hold()
+    art, _ = new_artifact(check, "application", "tar.gz")
+    dep = deploy(check, art.id, "node" if agent.is_node else "device", ids=[agent.ident])
+    xid = execution(dep, agent.ident).id
+    wait_ordered(check, agent, xid)
+    agent.report(xid, "DOWNLOADING", "sent after the reports under test")
+    wait_execution(check, dep.id, agent.ident, lambda e: e.state is _E.DOWNLOADING, f"{agent.ident}'s later report applied")
+    _cancel_unless_final(check, dep.id)
+    agent.skip(xid)
+    if not was_held:
+        agent.release()
 
 
 # ---- 8.2.1 artefacts ---------------------------------------------------------------------------------
@@ -507,7 +532,7 @@ def deployment_refusals(check: Check) -> None:
     if target.viewer_token:
         problem(post({"artifact_id": art.id, "target": node_target}, token="viewer"), 403, ErrorCode.FORBIDDEN)
         check.note("ok: as viewer: 403 forbidden")
-    time.sleep(SETTLE_S)
+    check.stays(lambda: agent.orders() == [], SETTLE_S, f"no order in {agent.ident}'s desired documents after the refused requests")
     equal(check, agent.orders(), [], f"orders in {agent.ident}'s desired document after the refused requests")
 
 
@@ -524,12 +549,11 @@ def rolling_in_order(check: Check) -> None:
         wait_ordered(check, agent, xid)
         now = get_dep(check, dep.id)
         equal(check, now.current_batch, i, f"current_batch while target {i + 1} is held")
-        if i + 1 < len(agents):
-            time.sleep(SETTLE_S)  # the next batch must not follow while this one is in flight
-            now = get_dep(check, dep.id)
-            later = [execution(now, a.ident) for a in agents[i + 1 :]]
-            check.check(all(not released(e) and e.state is _E.QUEUED for e in later), f"targets after {i + 1} are QUEUED and unreleased while it is in flight")
-            check.check(all(not a.orders() for a in agents[i + 1 :]), f"targets after {i + 1} got no order yet")
+        if i + 1 < len(agents):  # the next batch must not follow while this one is in flight
+            rest = agents[i + 1 :]
+            check.stays(lambda rest=rest: all(not released(e) and e.state is _E.QUEUED for e in (execution(get_dep(check, dep.id), a.ident) for a in rest)),  # type: ignore[misc]
+                        SETTLE_S, f"targets after {i + 1} are QUEUED and unreleased while it is in flight")  # fmt: skip
+            check.check(all(not a.orders() for a in rest), f"targets after {i + 1} got no order yet")
         agent.release()
         wait_execution(check, dep.id, agent.ident, lambda e: e.state is _E.ACTIVE, f"target {i + 1} ACTIVE")
     done = wait_dep(check, dep.id, _D.SUCCEEDED)
@@ -547,9 +571,8 @@ def canary_first(check: Check) -> None:
     equal(check, [execution(dep, a.ident).batch for a in agents], [0, 1, 1], "batch of each target (batch 0 = the canary: ceil(3 x 25%) = 1)")
     canary, rest = agents[0], agents[1:]
     wait_ordered(check, canary, execution(dep, canary.ident).id)
-    time.sleep(SETTLE_S)
-    now = get_dep(check, dep.id)
-    check.check(all(not released(execution(now, a.ident)) for a in rest) and all(not a.orders() for a in rest), "the rest are not released while the canary is in flight")
+    check.stays(lambda: (now := get_dep(check, dep.id)) and all(not released(execution(now, a.ident)) for a in rest) and all(not a.orders() for a in rest),
+                SETTLE_S, "the rest are not released while the canary is in flight")  # fmt: skip
     canary.release()
     for a in rest:
         wait_ordered(check, a, execution(dep, a.ident).id)
@@ -575,8 +598,8 @@ def pause_resume(check: Check) -> None:
     refused_move(check, dep.id, "pause", _D.PAUSED)
     first.release()
     wait_execution(check, dep.id, first.ident, lambda e: e.state is _E.ACTIVE, "the in-flight target finishes while PAUSED")
-    time.sleep(SETTLE_S)
-    paused = get_dep(check, dep.id)
+    paused = check.stays(lambda: (d := get_dep(check, dep.id)).state is _D.PAUSED and not released(execution(d, second.ident)) and not second.orders() and d,
+                         SETTLE_S, "PAUSED after the first batch finished, the second target unreleased and without an order")  # fmt: skip
     equal(check, paused.state, _D.PAUSED, "state after the first batch finished")
     check.check(not released(execution(paused, second.ident)) and not second.orders(), "PAUSED releases nothing: the second target has no order")
     r = action(check, dep.id, "resume")
@@ -600,12 +623,12 @@ def cancel_withdraws(check: Check) -> None:
     equal(check, (r.status_code, DeploymentPublic.model_validate(r.json()).state), (200, _D.CANCELED), "POST cancel of a RUNNING deployment")
     now = get_dep(check, dep.id)
     equal(check, [execution(now, a.ident).state for a in (first, second)], [_E.CANCELED, _E.CANCELED], "both executions (in flight, unreleased)")
-    check.wait(lambda: not first.holds(x1), 15, f"the order withdrawn from {first.ident}'s desired document")
+    check.wait(lambda: not first.holds(x1), PATIENCE_S, f"the order withdrawn from {first.ident}'s desired document")
     check.note(f"ok: {first.ident}'s latest desired document no longer carries {x1}")
     history = execution(now, first.ident).history
     first.release()  # the held agent now carries out the order it got before the cancel and reports every step
-    check.wait(lambda: first.ep.executions.get(x1) is _E.ACTIVE, 15, f"{first.ident} reported ACTIVE for the withdrawn order")
-    time.sleep(SETTLE_S)
+    check.wait(lambda: first.ep.executions.get(x1) is _E.ACTIVE, PATIENCE_S, f"{first.ident} reported ACTIVE for the withdrawn order")
+    handled(check, first)
     late = get_dep(check, dep.id)
     equal(check, (late.state, execution(late, first.ident).state), (_D.CANCELED, _E.CANCELED), "deployment and execution after the late reports")
     equal(check, len(execution(late, first.ident).history), len(history), "history rows after the late reports")
@@ -714,10 +737,9 @@ def forged_progress(check: Check) -> None:
     other.report(x2, "ACTIVE", "its own execution, before it is released")
     victim.report(x1, "INSTALLED", "not a state")
     victim.report(new_id("x"), "ACTIVE", "an execution that does not exist")
-    started = time.monotonic()
     victim.report(x1, "DOWNLOADING", "the true report that follows the forged ones")
     wait_execution(check, dep.id, victim.ident, lambda e: e.state is _E.DOWNLOADING, "the true DOWNLOADING report applied")
-    time.sleep(max(SETTLE_S, time.monotonic() - started))
+    handled(check, other)  # the forged reports of other and device came on the other edge's connection
     now = get_dep(check, dep.id)
     equal(check, states(execution(now, victim.ident)), [_E.QUEUED, _E.DOWNLOADING], "the victim's history (no ACTIVE from the forged reports)")
     e2 = execution(now, other.ident)
@@ -730,7 +752,7 @@ def forged_progress(check: Check) -> None:
     equal(check, states(e1), INSTALL_PATH, "the victim's history once it really installed")
     for step in ("DOWNLOADING", "INSTALLING", "QUEUED", "CANCELED"):
         victim.report(x1, step, "a step back after ACTIVE")
-    time.sleep(SETTLE_S)
+    handled(check, victim)
     after = get_dep(check, dep.id)
     equal(check, (after.state, execution(after, victim.ident).state), (_D.SUCCEEDED, _E.ACTIVE), "deployment and execution after the steps back")
     equal(check, states(execution(after, victim.ident)), INSTALL_PATH, "the history after the steps back (no new rows)")
