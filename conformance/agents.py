@@ -52,7 +52,8 @@ from interfaces.topics import (
 )  # fmt: skip
 
 AGENT_VERSION = "conformance-sim/1"
-CONNECT_TIMEOUT_S = 15.0
+CONNECT_TIMEOUT_S = 60.0
+ACK_TIMEOUT_S = 30.0  # how long a SUBACK or PUBACK may take on a busy machine
 
 
 def make_csr(common_name: str) -> tuple[bytes, str]:
@@ -112,6 +113,7 @@ class MqttPeer:
         self.puback: dict[int, ReasonCode] = {}
         self.connected = threading.Event()
         self.connect_reason: ReasonCode | None = None
+        self.refusal: str | None = None
         self.disconnected = threading.Event()
         self._lock = threading.Lock()
         self.handlers: list[Callable[[Received], None]] = []
@@ -145,10 +147,15 @@ class MqttPeer:
             handler(item)
 
     def connect(self, timeout: float = CONNECT_TIMEOUT_S) -> bool:
-        """Connect and start the network loop; False when the broker refused or dropped the handshake."""
+        """Connect and start the network loop. False when the broker refused (``refusal`` says how: the TLS
+        handshake, a failing CONNACK, the connection closed before any CONNACK) or when nothing was settled
+        within ``timeout`` (``refusal`` None: slow is not refused)."""
+        self.refusal = None
+        self.disconnected.clear()
         try:
             self.client.connect(self.target.broker_host, self.target.broker_port, keepalive=30)
-        except OSError:
+        except OSError as exc:
+            self.refusal = f"{type(exc).__name__}: {exc}"
             return False
         self.client.loop_start()
         deadline = time.monotonic() + timeout
@@ -156,12 +163,16 @@ class MqttPeer:
             if self.connected.is_set():
                 return True
             if self.connect_reason is not None and self.connect_reason.is_failure:
+                self.refusal = f"CONNACK {self.connect_reason}"
+                break
+            if self.disconnected.is_set():
+                self.refusal = "closed by the broker before any CONNACK"
                 break
             time.sleep(0.05)
         self.client.loop_stop()
         return False
 
-    def subscribe(self, topic_filter: str, qos: int = 1, timeout: float = 10) -> list[ReasonCode]:
+    def subscribe(self, topic_filter: str, qos: int = 1, timeout: float = ACK_TIMEOUT_S) -> list[ReasonCode]:
         """Subscribe and wait for the SUBACK; its reason codes (0x87: not authorised)."""
         result, mid = self.client.subscribe(topic_filter, qos)
         if result != mqtt.MQTT_ERR_SUCCESS:
@@ -178,7 +189,7 @@ class MqttPeer:
         info = self.client.publish(topic, payload, qos=qos, retain=retain, properties=properties)
         if not (wait and qos > 0):
             return "sent"
-        info.wait_for_publish(timeout=10)
+        info.wait_for_publish(timeout=ACK_TIMEOUT_S)
         deadline = time.monotonic() + 2
         while info.mid not in self.puback and time.monotonic() < deadline:
             time.sleep(0.01)

@@ -15,7 +15,7 @@ import httpx
 
 import interfaces
 from conformance.agents import AGENT_VERSION, resources
-from conformance.cases.common import items, new_device, new_edge, node_status
+from conformance.cases.common import PATIENCE_S, items, new_device, new_edge, node_status
 from conformance.hub import RUN_LABEL, problem
 from conformance.outcomes import Unexpected
 from conformance.runner import Check, case
@@ -437,18 +437,18 @@ def mqtt_malformed_dropped(check: Check) -> None:
     # control: a valid heartbeat with distinctive readings reaches the status
     edge.node.resources = resources(memory_available=1_234_567_890)
     check.wait(lambda: (s := node_status(target, node_id)).resources is not None and s.resources.memory.available_bytes == 1_234_567_890,
-               15, "a valid heartbeat's readings in the status")  # fmt: skip
+               PATIENCE_S + 5 * edge.heartbeat_interval_s, "a valid heartbeat's readings in the status")  # fmt: skip
     # control: a valid report reaches the twin
     good_mark = new_id("mk")
     edge.node.report(target.ok("GET", f"/nodes/{node_id}/twin", Twin).desired_version, {"conf-good": good_mark})
-    check.wait(lambda: target.ok("GET", f"/nodes/{node_id}/twin", Twin).reported.get("conf-good") == good_mark, 15, "a valid report in the twin")
+    check.wait(lambda: target.ok("GET", f"/nodes/{node_id}/twin", Twin).reported.get("conf-good") == good_mark, PATIENCE_S, "a valid report in the twin")
     timeout = edge.issued.offline_timeout_s or 3 * edge.heartbeat_interval_s
     metrics_before = _metrics_dropped(check)
 
     def sentinel() -> None:
         marker = new_id("mk")
         dev.event("conformance.sentinel", {"marker": marker})
-        check.wait(lambda: any(e["data"].get("marker") == marker for e in items(target, events_path)), 10, f"the sentinel event {marker}", 0.05)
+        check.wait(lambda: any(e["data"].get("marker") == marker for e in items(target, events_path)), PATIENCE_S, f"the sentinel event {marker}", 0.05)
 
     # quiet: no valid heartbeat from now on; the sentinel shows that everything sent before it was taken in
     edge.node.heartbeats.clear()
@@ -493,8 +493,8 @@ def mqtt_malformed_dropped(check: Check) -> None:
         (f"over {MAX_MESSAGE_BYTES} bytes", rp, _padded(reported_own, MAX_MESSAGE_BYTES + 1)),
         (f"over {MAX_MESSAGE_BYTES} bytes", dev_ev, _padded(event_own, MAX_MESSAGE_BYTES + 1)),
     ]  # fmt: skip
-    for what, topic, payload in junk:
-        edge.peer.publish(topic, payload, qos=1)
+    for what, topic, payload in junk:  # not waiting for each PUBACK: the quiet spell must stay within the offline timeout
+        edge.peer.publish(topic, payload, qos=1, wait=False)
     check.note(f"published {len(junk)} malformed messages: " + "; ".join(f"{w} on .../{t.rsplit(node_id + '/', 1)[-1]}" for w, t, _ in junk))
     sentinel()
     status1 = node_status(target, node_id).model_dump()
@@ -524,7 +524,7 @@ def mqtt_malformed_dropped(check: Check) -> None:
     dev.heartbeats.set()
     last = status0["last_heartbeat_at"]
     back = check.wait(lambda: (s := node_status(target, node_id)).last_heartbeat_at is not None and (last is None or s.last_heartbeat_at > last) and s,
-                      max(10.0, 3 * edge.heartbeat_interval_s), "a valid heartbeat after the malformed ones")  # fmt: skip
+                      PATIENCE_S + 3 * edge.heartbeat_interval_s, "a valid heartbeat after the malformed ones")  # fmt: skip
     check.equal((back.state, back.agent_version, back.resources.memory.available_bytes if back.resources else None),
                 ("ONLINE", AGENT_VERSION, 1_234_567_890), "status from the next valid heartbeat")  # fmt: skip
     after = _metrics_dropped(check)
@@ -545,7 +545,7 @@ def mqtt_desired_envelope(check: Check) -> None:
         except ValueError:
             return False
 
-    live = edge.peer.wait_message(topic, has_marker, timeout=15)
+    live = edge.peer.wait_message(topic, has_marker, timeout=PATIENCE_S)
     check.check(live is not None, f"the desired document with the marker arrives on {topic}")
     assert live is not None
     doc = Envelope[DesiredBody].model_validate_json(live.payload)  # strict: unknown fields refused
@@ -556,7 +556,7 @@ def mqtt_desired_envelope(check: Check) -> None:
     since = time.monotonic()
     codes = edge.peer.subscribe(topic)
     check.check(not any(c.is_failure for c in codes), f"the node re-subscribes to its desired topic ({codes})")
-    kept = edge.peer.wait_message(topic, lambda m: m.retain, timeout=10, after=since)
+    kept = edge.peer.wait_message(topic, lambda m: m.retain, timeout=PATIENCE_S, after=since)
     check.check(kept is not None, "a retained copy comes to a new subscription")
     assert kept is not None
     retained = Envelope[DesiredBody].model_validate_json(kept.payload)
