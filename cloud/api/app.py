@@ -19,7 +19,7 @@ from sqlmodel import Session
 
 from cloud import lease
 from cloud.api import problems
-from cloud.api.guards import RequestGuard, SecurityHeaders, purge_idempotency
+from cloud.api.guards import IdempotentReplay, RequestGuard, SecurityHeaders, purge_idempotency, replay_response
 from cloud.api.routes import artifacts, deployments, devices, nodes, privacy
 from cloud.api.routes import tasks as task_routes
 from cloud.artifacts import FileBlobStore
@@ -150,8 +150,9 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     )
     app.state.settings = settings
     problems.install(app)
+    app.add_exception_handler(IdempotentReplay, replay_response)
     app.add_middleware(
-        RequestGuard, engine=lambda: app.state.engine, tokens=lambda: app.state.token_cache, max_body_bytes=settings.max_body_bytes, streamed_uploads={API_PREFIX + "/artifacts"},
+        RequestGuard, engine=lambda: app.state.engine, max_body_bytes=settings.max_body_bytes, streamed_uploads={API_PREFIX + "/artifacts"},
     )  # fmt: skip
     app.add_middleware(SecurityHeaders)  # outermost: on every response, the guard's refusals too
 

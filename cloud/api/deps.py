@@ -10,6 +10,7 @@ from fastapi.concurrency import run_in_threadpool
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from sqlmodel import Session
 
+from cloud.api.guards import SLOT_KEY, IdempotencySlot
 from cloud.auth import TokenCache, TokenIdentity
 from cloud.config import Settings
 from cloud.errors import Forbidden, Unauthenticated
@@ -56,18 +57,52 @@ def require(role: Role) -> Callable[..., Awaitable[TokenIdentity]]:
             raise Forbidden(f"this needs the {role.value} role; the token has {token.role}")
         return token
 
+    dependency.required_role = role  # type: ignore[attr-defined]  # read by RequestGuard before it handles Idempotency-Key
     return dependency
+
+
+def required_role(route: object) -> Role | None:
+    """The role a route's dependencies demand (the highest of them), None for a route open to anyone."""
+    found: list[Role] = []
+    pending = list(getattr(getattr(route, "dependant", None), "dependencies", ()))
+    while pending:
+        dependant = pending.pop()
+        role = getattr(dependant.call, "required_role", None)
+        if isinstance(role, Role):
+            found.append(role)
+        pending.extend(dependant.dependencies)
+    return max(found, key=lambda r: r.rank) if found else None
 
 
 Viewer = Annotated[TokenIdentity, Depends(require(Role.VIEWER))]
 Operator = Annotated[TokenIdentity, Depends(require(Role.OPERATOR))]
 Admin = Annotated[TokenIdentity, Depends(require(Role.ADMIN))]
 
-# Documents the header; RequestGuard does the work.
-IdempotencyKey = Annotated[
-    str | None,
-    Header(alias="Idempotency-Key", min_length=1, max_length=255, pattern=r"^[\x20-\x7e]+$", description="Retry-safe writes: the same key replays the first response (one that carried a token is not kept: 409)"),
-]
+async def idempotency_key(
+    request: Request,
+    key: Annotated[str | None, Header(
+        alias="Idempotency-Key", min_length=1, max_length=255, pattern=r"^[\x20-\x7e]+$",
+        description="Retry-safe writes: the same key replays the first response (one that carried a token is not kept: 409)",
+    )] = None,
+) -> str | None:  # fmt: skip
+    """Claim the request's key for its caller, once the route has let the caller in (RequestGuard stores the answer).
+
+    Runs the route's role check itself (cached: the token was just verified), so a caller the route refuses gets
+    its 401 or 403 and no key is looked at, whatever the order of the route's parameters."""
+    slot: IdempotencySlot | None = request.scope.get(SLOT_KEY)
+    if key is None or slot is None:
+        return key
+    role = required_role(request.scope.get("route"))
+    if role is None:
+        caller = f"anonymous:{request.url.path}"
+    else:
+        token = await require(role)(request, await _bearer(request))
+        caller = f"token:{token.id}:{token.role}"
+    await slot.claim(caller)
+    return key
+
+
+IdempotencyKey = Annotated[str | None, Depends(idempotency_key)]
 Limit = Annotated[int, Query(ge=1, le=MAX_LIMIT, description="page size")]
 Cursor = Annotated[str | None, Query(max_length=128, description="next_cursor of the previous page")]
 Selector = Annotated[str | None, Query(max_length=4096, description="label selector, e.g. zone=a,tier!=x,gpu,!legacy")]

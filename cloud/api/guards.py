@@ -5,9 +5,13 @@ a retry with the same request gets the stored response (``Idempotent-Replayed: t
 with a different request is refused (422 ``idempotency_key_reused``); a retry while the first is
 still running gets 409 ``idempotency_in_progress``. Server errors are not stored, so they can be retried.
 
-The caller is the bearer token the hub verifies at that moment (its id and role), not the header's text: a
-revoked token gets no replay (the route answers 401). Callers without a valid token (enrolment) share one
-scope per path, so another body under the same key is 422 there. An answer that carries a secret (any
+The key is looked at only once an existing route has let the caller in: it is claimed by a dependency of the
+route (``cloud.api.deps.IdempotencyKey``) after the route's role check, so a path or method the API does not
+have (404, 405), a missing or unknown token (401) and a role that may not do this (403) are answered as if no
+key had been sent, nothing is recorded and the key stays free. The caller is the bearer token the hub
+verifies at that moment (its id and role), not the header's text: a revoked token gets no replay (the route
+answers 401). Callers of routes open to anyone (enrolment) share one scope per path, so another body under the
+same key is 422 there. An answer that carries a secret (any
 ``token``, ``*_token`` or ``*secret`` field: bootstrap and download tokens) is kept only as its SHA-256; its
 replay is 409 ``idempotency_not_replayable`` (the secret was issued once; issue a new one).
 
@@ -29,10 +33,11 @@ from sqlalchemy import delete, select
 from sqlalchemy.engine import Engine
 from sqlalchemy.exc import IntegrityError
 from sqlmodel import Session
+from starlette.responses import Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from cloud.api.problems import simple_problem
-from cloud.auth import TokenCache
+from cloud.errors import Conflict, ValidationFailed
 from cloud.tables import IdempotencyRecord
 from interfaces.errors import ErrorCode
 
@@ -135,11 +140,10 @@ class SecurityHeaders:
 
 class RequestGuard:
     def __init__(
-        self, app: ASGIApp, engine: Callable[[], Engine], tokens: Callable[[], TokenCache], max_body_bytes: int, streamed_uploads: Collection[str] = (),
+        self, app: ASGIApp, engine: Callable[[], Engine], max_body_bytes: int, streamed_uploads: Collection[str] = (),
     ) -> None:  # fmt: skip
         self.app = app
         self.engine = engine
-        self.tokens = tokens
         self.max_body_bytes = max_body_bytes
         self.streamed_uploads = frozenset(streamed_uploads)
 
@@ -163,52 +167,17 @@ class RequestGuard:
             await simple_problem(ErrorCode.UNSUPPORTED_MEDIA_TYPE, 415, "Unsupported media type", "send application/json", scope.get("path"))(scope, receive, send)
             return
         key = _header(scope, b"idempotency-key")
-        if key is None:
+        if key is None or not _KEY_RE.match(key):  # a malformed key is refused by the route's header validation
             await self.app(scope, _replay(body), send)
-            return
-        if not _KEY_RE.match(key):
-            await simple_problem(ErrorCode.VALIDATION_FAILED, 422, "Bad Idempotency-Key", "Idempotency-Key must be 1-255 printable characters")(scope, receive, send)
             return
         await self._idempotent(scope, body, key, send)
 
-    async def _principal(self, scope: Scope) -> str:
-        """The verified caller: a valid bearer token's id and role; without one (enrolment, or a token the route
-        will refuse) everyone who calls this path."""
-        scheme, _, secret = (_header(scope, b"authorization") or "").partition(" ")
-        secret = secret.strip()
-        identity = None
-        if scheme.lower() == "bearer" and secret:
-            cache = self.tokens()
-            identity = cache.cached(secret)
-            if identity is None:
-                engine = self.engine()
-                identity = await anyio.to_thread.run_sync(cache.lookup, lambda: Session(engine), secret)
-        caller = f"token:{identity.id}:{identity.role}" if identity is not None else f"anonymous:{scope['path']}"
-        return hashlib.sha256(caller.encode()).hexdigest()
-
     async def _idempotent(self, scope: Scope, body: bytes, key: str, send: Send) -> None:
-        principal = await self._principal(scope)
         fingerprint = hashlib.sha256(
             b"\0".join([scope["method"].encode(), scope["path"].encode(), scope.get("query_string", b""), body])
         ).hexdigest()
-        claim = await anyio.to_thread.run_sync(self._claim, principal, key, fingerprint)
-        if isinstance(claim, IdempotencyRecord) and claim.response_sha256 is not None:
-            await simple_problem(
-                ErrorCode.IDEMPOTENCY_NOT_REPLAYABLE, 409, "Secret not replayed",
-                f"the first request under this Idempotency-Key was answered (HTTP {claim.status_code}) with a secret the hub does not keep: "
-                "the token was issued; issue a new one", scope.get("path"),
-            )(scope, _replay(b""), send)  # fmt: skip
-            return
-        if isinstance(claim, IdempotencyRecord):
-            headers = [(k.encode("latin-1"), v.encode("latin-1")) for k, v in claim.response_headers or []]
-            headers.append((b"idempotent-replayed", b"true"))
-            payload = (claim.response_body or "").encode()
-            await send({"type": "http.response.start", "status": claim.status_code, "headers": headers})
-            await send({"type": "http.response.body", "body": payload})
-            return
-        if claim is not None:
-            await claim(scope, _replay(b""), send)
-            return
+        slot = IdempotencySlot(self, key, fingerprint)
+        scope = {**scope, SLOT_KEY: slot}
         captured: dict[str, object] = {"status": 500, "headers": [], "body": []}
 
         async def capture(message: Message) -> None:
@@ -224,11 +193,13 @@ class RequestGuard:
         try:
             await self.app(scope, _replay(body), capture)
         finally:
-            status = int(captured["status"])  # type: ignore[call-overload]
-            raw = b"".join(captured["body"])  # type: ignore[arg-type]
-            await anyio.to_thread.run_sync(self._complete, principal, key, status, captured["headers"], raw)
+            if slot.principal is not None:  # the route claimed the key for its caller: keep (or free) it
+                status = int(captured["status"])  # type: ignore[call-overload]
+                raw = b"".join(captured["body"])  # type: ignore[arg-type]
+                await anyio.to_thread.run_sync(self._complete, slot.principal, key, status, captured["headers"], raw)
 
-    def _claim(self, principal: str, key: str, fingerprint: str) -> IdempotencyRecord | object | None:
+    def _claim(self, principal: str, key: str, fingerprint: str) -> IdempotencyRecord | None:
+        """None: claimed for this request; a record: the stored answer to replay; raises when the key is taken."""
         with Session(self.engine()) as session:
             row = session.exec(select(IdempotencyRecord).where(IdempotencyRecord.principal == principal, IdempotencyRecord.key == key)).scalars().first()  # type: ignore[call-overload]
             if row is None:
@@ -238,11 +209,16 @@ class RequestGuard:
                     return None
                 except IntegrityError:
                     session.rollback()
-                    return simple_problem(ErrorCode.IDEMPOTENCY_IN_PROGRESS, 409, "Request in progress", "a request with this Idempotency-Key is still running")
+                    raise Conflict("a request with this Idempotency-Key is still running", code=ErrorCode.IDEMPOTENCY_IN_PROGRESS) from None
             if row.request_hash != fingerprint:
-                return simple_problem(ErrorCode.IDEMPOTENCY_KEY_REUSED, 422, "Idempotency-Key reused", "this Idempotency-Key was used for a different request")
+                raise ValidationFailed("this Idempotency-Key was used for a different request", code=ErrorCode.IDEMPOTENCY_KEY_REUSED)
             if row.status_code is None:
-                return simple_problem(ErrorCode.IDEMPOTENCY_IN_PROGRESS, 409, "Request in progress", "a request with this Idempotency-Key is still running")
+                raise Conflict("a request with this Idempotency-Key is still running", code=ErrorCode.IDEMPOTENCY_IN_PROGRESS)
+            if row.response_sha256 is not None:
+                raise Conflict(
+                    f"the first request under this Idempotency-Key was answered (HTTP {row.status_code}) with a secret the hub does not keep: "
+                    "the token was issued; issue a new one", code=ErrorCode.IDEMPOTENCY_NOT_REPLAYABLE,
+                )  # fmt: skip
             return row
 
     def _complete(self, principal: str, key: str, status: int, headers: object, body: bytes) -> None:
@@ -263,6 +239,42 @@ class RequestGuard:
                     row.response_body = body.decode("utf-8", errors="replace")
                 session.add(row)
             session.commit()
+
+
+SLOT_KEY = "aisynergy.idempotency"
+
+
+class IdempotentReplay(Exception):
+    """Raised by the route's key dependency: answer with the stored response of the first request."""
+
+    def __init__(self, record: IdempotencyRecord) -> None:
+        super().__init__(record.key)
+        self.record = record
+
+
+def replay_response(_request: object, exc: Exception) -> Response:
+    record = exc.record  # type: ignore[attr-defined]
+    headers = {k: v for k, v in record.response_headers or [] if k.lower() != "content-length"}
+    response = Response((record.response_body or "").encode(), status_code=record.status_code, headers=headers)
+    response.headers["Idempotent-Replayed"] = "true"
+    return response
+
+
+class IdempotencySlot:
+    """One request's Idempotency-Key, claimed by the route once it has let the caller in."""
+
+    def __init__(self, guard: RequestGuard, key: str, fingerprint: str) -> None:
+        self.guard, self.key, self.fingerprint = guard, key, fingerprint
+        self.principal: str | None = None
+
+    async def claim(self, caller: str) -> None:
+        """Claim the key for ``caller`` (a verified token, or everyone on an open route); raises
+        ``IdempotentReplay`` with the first answer, or an ``ApiError`` when the key is taken."""
+        principal = hashlib.sha256(caller.encode()).hexdigest()
+        record = await anyio.to_thread.run_sync(self.guard._claim, principal, self.key, self.fingerprint)
+        if record is not None:
+            raise IdempotentReplay(record)
+        self.principal = principal
 
 
 def purge_idempotency(engine: Engine, ttl_s: int) -> int:
