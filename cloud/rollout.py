@@ -39,7 +39,8 @@ from sqlalchemy import and_, or_, select
 from sqlalchemy.engine import Engine
 from sqlmodel import Session
 
-from cloud.artifacts import find_by_sha256, offer_delta, signed_manifest
+from cloud.artifacts.deltas import offer_delta
+from cloud.artifacts.records import find_by_sha256, signed_manifest
 from cloud.lease import drive_each
 from cloud.convert import utc
 from cloud.services import deployments as svc

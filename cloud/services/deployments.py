@@ -209,7 +209,7 @@ def _resolve_targets(session: Session, target: DeploymentTarget) -> tuple[list[A
 
 
 def create(session: Session, body: DeploymentCreate) -> Deployment:
-    from cloud.artifacts import get_artifact  # the ingest imports this module; artefacts are only needed here
+    from cloud.artifacts.records import get_artifact  # the ingest imports this module; artefacts are only needed here
 
     artifact = get_artifact(session, body.artifact_id, lock=True)  # no deletion slips in before this commits
     if artifact.kind == ArtifactKind.DATASET.value:
@@ -327,7 +327,7 @@ def execution_to_wire(row: Execution, transitions: list[ExecutionTransitionRow] 
 
 
 def to_wire(session: Session, rows: list[Deployment]) -> list[DeploymentPublic]:
-    from cloud.artifacts import artifact_manifest
+    from cloud.artifacts.records import artifact_manifest
 
     per_state = counts(session, [r.id for r in rows])
     artifacts = {a.id: a for a in session.execute(select(Artifact).where(Artifact.id.in_({r.artifact_id for r in rows}))).scalars()} if rows else {}  # type: ignore[attr-defined]

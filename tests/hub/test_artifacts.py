@@ -459,7 +459,7 @@ def test_a_delta_recorded_by_another_process_wins_and_keeps_the_callers_work(hub
     """Another hub process recorded the pair between our look-up and our insert: its row stands, ours is
     rolled back to the savepoint only (the caller's pending work survives), and our patch blob is removed."""
     # Prepare
-    import cloud.artifacts as service
+    from cloud.artifacts import deltas as service
 
     base = os.urandom(32 * 1024)
     old = stored(hub, base, version="1.0.0")

@@ -16,6 +16,7 @@ import pytest
 from sqlmodel import Session, select
 
 import cloud.artifacts as artifacts
+from cloud.artifacts import deltas
 from cloud.tables import ArtifactDelta
 from interfaces.auth import Role
 from interfaces.deployments import DOWNLOAD_TOKEN_HEADER, DeploymentOrder
@@ -80,7 +81,7 @@ def test_a_token_for_one_artefact_gets_no_delta_from_an_unrelated_one(fleet: Fle
     fleet.set_installed(device, v1)
     diffed: list[bytes] = []
     real = bsdiff4.diff
-    monkeypatch.setattr(artifacts.bsdiff4, "diff", lambda old, new: diffed.append(old) or real(old, new))
+    monkeypatch.setattr(deltas.bsdiff4, "diff", lambda old, new: diffed.append(old) or real(old, new))
     fleet.deploy(v2.id, ids=[device])
     fleet.tick()
     order = DeploymentOrder.model_validate(fleet.orders(device)[0][0])
@@ -110,7 +111,7 @@ def test_a_burst_of_distinct_bases_computes_at_most_the_cap_and_the_rest_is_503(
     target = stored(hub, target_bytes, name="burst", version="2.0.0")
     bases = [stored(hub, target_bytes[: 7000 - i * 100] + bytes([i]) * 50, name="burst", version=f"1.0.{i}") for i in range(6)]
     gate = GatedDiff()
-    monkeypatch.setattr(artifacts.bsdiff4, "diff", gate)
+    monkeypatch.setattr(deltas.bsdiff4, "diff", gate)
     answers: dict[str, httpx.Response] = {}
 
     def ask(base: dict[str, Any]) -> None:
@@ -120,21 +121,21 @@ def test_a_burst_of_distinct_bases_computes_at_most_the_cap_and_the_rest_is_503(
     threads = [threading.Thread(target=ask, args=(b,)) for b in bases]
     for t in threads:
         t.start()
-    refused_count = len(bases) - artifacts.MAX_CONCURRENT_DELTAS
-    _until(lambda: len(answers) == refused_count and gate.running == artifacts.MAX_CONCURRENT_DELTAS, "the refusals")
+    refused_count = len(bases) - deltas.MAX_CONCURRENT_DELTAS
+    _until(lambda: len(answers) == refused_count and gate.running == deltas.MAX_CONCURRENT_DELTAS, "the refusals")
     refused = dict(answers)
     gate.open.set()
     for t in threads:
         t.join(timeout=60)
 
     # Assert
-    assert gate.most == artifacts.MAX_CONCURRENT_DELTAS
-    assert len(gate.calls) == artifacts.MAX_CONCURRENT_DELTAS  # the refused ones computed nothing
+    assert gate.most == deltas.MAX_CONCURRENT_DELTAS
+    assert len(gate.calls) == deltas.MAX_CONCURRENT_DELTAS  # the refused ones computed nothing
     for r in refused.values():
         assert_problem(r, 503, "busy")
         assert int(r.headers["retry-after"]) > 0
     served = {sha: r for sha, r in answers.items() if sha not in refused}
-    assert len(served) == artifacts.MAX_CONCURRENT_DELTAS
+    assert len(served) == deltas.MAX_CONCURRENT_DELTAS
     for sha, r in served.items():
         assert r.status_code == 200, r.text
         assert bsdiff4.patch(artifacts.read_blob(hub.app.state.blobs, sha), r.content) == target_bytes
@@ -148,7 +149,7 @@ def test_a_deployment_prepares_its_targets_deltas_in_the_background(fleet: Fleet
     for device, running in zip(devices, [v1, v1, v11], strict=False):
         fleet.set_installed(device, running)
     gate = GatedDiff()
-    monkeypatch.setattr(artifacts.bsdiff4, "diff", gate)
+    monkeypatch.setattr(deltas.bsdiff4, "diff", gate)
 
     # Execute: the deployment is answered while no patch is done yet
     dep = fleet.deploy(v2.id, ids=devices)

@@ -1,223 +1,59 @@
-"""Artefacts (DESIGN §4.2): a content-addressed blob store, signed manifests, binary deltas, the in-use rule.
-
-The bytes of every artefact live in a :class:`BlobStore` under their SHA-256 (artefacts with the same bytes
-share one blob); the database row (``cloud.tables.Artifact``) holds the manifest fields and the hub's Ed25519
-signature over them. Binary deltas (bsdiff4 patches from one stored artefact to another) are blobs too,
-recorded once per (base, target) pair in ``ArtifactDelta``.
-
-:class:`FileBlobStore` keeps blobs on the local disk; an object store can replace it behind the same protocol.
-"""
+"""The artefacts in the database (DESIGN §4.2): each row (``cloud.tables.Artifact``) holds the manifest fields and
+the hub's Ed25519 signature over them; its bytes are a blob (:mod:`cloud.artifacts.blobs`). Here: rows to wire
+models, upload and delete, the in-use rule, and the artefacts tasks read or derive."""
 
 from __future__ import annotations
 
 import hashlib
 import logging
-import os
-import re
-import tempfile
 import threading
-from collections.abc import Iterator
-from contextlib import AbstractContextManager, contextmanager
 from datetime import UTC, datetime
-from pathlib import Path
-from typing import TYPE_CHECKING, BinaryIO, Protocol
+from typing import TYPE_CHECKING
 
-import bsdiff4
 from sqlalchemy import func, or_, select
 from sqlalchemy.exc import IntegrityError
 from sqlmodel import Session
 
+from cloud.artifacts.blobs import BlobStore, BlobWriter
 from cloud.errors import Conflict, NotFound
 from cloud.services.paging import page
 from cloud.signing import SigningKey
-from cloud.tables import Artifact, ArtifactDelta, Deployment, Execution, FlPlan, SplitPartRow, SplitPlan, Task, TrainingPlan
+from cloud.tables import (
+    Artifact,
+    ArtifactDelta,
+    Deployment,
+    Execution,
+    FlPlan,
+    SplitPartRow,
+    SplitPlan,
+    Task,
+    TrainingPlan,
+)
 from interfaces import API_PREFIX
 from interfaces.deployments import (
-    DEPLOYMENT_FINAL, IN_FLIGHT, ArtifactCreate, ArtifactFormat, ArtifactKind, ArtifactManifest, ArtifactPublic, DeltaOffer,
-    DeploymentState, ExecutionState, InstalledArtifact, SignedManifest,
+    DEPLOYMENT_FINAL,
+    IN_FLIGHT,
+    ArtifactCreate,
+    ArtifactFormat,
+    ArtifactKind,
+    ArtifactManifest,
+    ArtifactPublic,
+    DeploymentState,
+    ExecutionState,
+    InstalledArtifact,
+    SignedManifest,
 )  # fmt: skip
 from interfaces.errors import ErrorCode
 from interfaces.ids import is_id, new_id
 
 if TYPE_CHECKING:
-    from sqlalchemy.engine import Engine
-
     from interfaces.tasks import InputRef
 
 log = logging.getLogger("aisynergy.hub.artifacts")
 
-CHUNK = 1024 * 1024
-MAX_DELTA_INPUT_BYTES = 64 * 1024 * 1024
-"""bsdiff4 holds both versions in memory (and several times that while it works): no deltas above this size."""
-MAX_CONCURRENT_DELTAS = 2
-"""bsdiff4 runs per process at most this many times at once (each holds a CPU and up to ~10x its inputs in memory)."""
-DELTA_RETRY_AFTER_S = 10
-_SHA256 = re.compile(r"^[0-9a-f]{64}$")
-
 # Within one hub process, "store a blob and record who uses it" and "forget a user and delete the blob if no
 # one else uses it" do not interleave (a blob is never deleted under an upload that just reused it).
 _REFS = threading.Lock()
-_DELTA_LOCKS: dict[tuple[str, str], threading.Lock] = {}
-_DELTA_LOCKS_GUARD = threading.Lock()
-_DELTA_SLOTS = threading.BoundedSemaphore(MAX_CONCURRENT_DELTAS)
-_COMPUTED: dict[tuple[str, str], tuple[str, int]] = {}
-_COMPUTED_KEPT = 256
-
-
-class DeltaBusy(Exception):
-    """Every delta slot is computing: the caller asked not to wait (a download request: it may retry, or fetch
-    the full artefact)."""
-
-
-# --- blob store ------------------------------------------------------------------------------------
-
-
-class BlobWriter(Protocol):
-    def write(self, data: bytes) -> None: ...
-
-    def commit(self) -> tuple[str, int]:
-        """Store what was written under its SHA-256; returns (sha256, size). Not committed: nothing is stored."""
-        ...
-
-
-class BlobStore(Protocol):
-    """Content-addressed bytes, keyed by lower-case hex SHA-256."""
-
-    def exists(self, sha256: str) -> bool: ...
-
-    def path(self, sha256: str) -> Path | None:
-        """The local file, when the store has one (for Range responses), else None."""
-        ...
-
-    def open(self, sha256: str) -> BinaryIO: ...
-
-    def size(self, sha256: str) -> int: ...
-
-    def writer(self) -> AbstractContextManager[BlobWriter]: ...
-
-    def put_bytes(self, data: bytes) -> tuple[str, int]: ...
-
-    def delete(self, sha256: str) -> None: ...
-
-
-def _check_sha(sha256: str) -> str:
-    if not _SHA256.match(sha256):
-        raise ValueError(f"not a SHA-256: {sha256!r}")
-    return sha256
-
-
-class _FileBlobWriter:
-    def __init__(self, store: FileBlobStore) -> None:
-        self._store = store
-        fd, self._tmp = tempfile.mkstemp(dir=store.tmp_dir, prefix="upload-")
-        self._file = os.fdopen(fd, "wb")
-        self._hash = hashlib.sha256()
-        self.size = 0
-        self.committed = False
-
-    def write(self, data: bytes) -> None:
-        self._file.write(data)
-        self._hash.update(data)
-        self.size += len(data)
-
-    def sync(self) -> None:
-        """Flush the bytes to disk (the slow part of ``commit``, done before any lock is taken)."""
-        self._file.flush()
-        os.fsync(self._file.fileno())
-
-    def commit(self) -> tuple[str, int]:
-        self.sync()
-        self._file.close()
-        sha256 = self._hash.hexdigest()
-        final = self._store._file(sha256)
-        final.parent.mkdir(exist_ok=True)
-        os.chmod(self._tmp, 0o644)
-        os.replace(self._tmp, final)  # same bytes under the same name: replacing an existing blob is harmless
-        _fsync_dir(final.parent)
-        self.committed = True
-        return sha256, self.size
-
-    def abandon(self) -> None:
-        if not self._file.closed:
-            self._file.close()
-        if not self.committed:
-            with _suppress_missing():
-                os.unlink(self._tmp)
-
-
-class FileBlobStore:
-    """Blobs as files ``root/ab/cdef...``; written to a temporary file under ``root/.tmp``, fsynced, then renamed."""
-
-    def __init__(self, root: Path) -> None:
-        self.root = root
-        self.tmp_dir = root / ".tmp"
-        self.tmp_dir.mkdir(parents=True, exist_ok=True)
-
-    def _file(self, sha256: str) -> Path:
-        _check_sha(sha256)
-        return self.root / sha256[:2] / sha256[2:]
-
-    def exists(self, sha256: str) -> bool:
-        return _SHA256.match(sha256) is not None and self._file(sha256).is_file()
-
-    def path(self, sha256: str) -> Path | None:
-        return self._file(sha256) if self.exists(sha256) else None
-
-    def open(self, sha256: str) -> BinaryIO:
-        return self._file(sha256).open("rb")
-
-    def size(self, sha256: str) -> int:
-        return self._file(sha256).stat().st_size
-
-    @contextmanager
-    def writer(self) -> Iterator[BlobWriter]:
-        writer = _FileBlobWriter(self)
-        try:
-            yield writer
-        finally:
-            writer.abandon()
-
-    def put_bytes(self, data: bytes) -> tuple[str, int]:
-        with self.writer() as writer:
-            writer.write(data)
-            return writer.commit()
-
-    def delete(self, sha256: str) -> None:
-        with _suppress_missing():
-            self._file(sha256).unlink()
-
-    def temporary_files(self) -> list[Path]:
-        """Uploads in progress (or left by a crash)."""
-        return sorted(self.tmp_dir.iterdir())
-
-
-@contextmanager
-def _suppress_missing() -> Iterator[None]:
-    try:
-        yield
-    except FileNotFoundError:
-        pass
-
-
-def _fsync_dir(path: Path) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-
-
-def read_blob(blobs: BlobStore, sha256: str) -> bytes:
-    with blobs.open(sha256) as f:
-        return f.read()
-
-
-# --- rows and wire models --------------------------------------------------------------------------
 
 
 def _utc(value: datetime) -> datetime:
@@ -332,7 +168,7 @@ def create_artifact(session: Session, signing: SigningKey, blobs: BlobStore, bod
             session.commit()
         except IntegrityError:
             session.rollback()
-            if find_by_sha256(session, sha256) is None and not _is_delta_blob(session, sha256):
+            if find_by_sha256(session, sha256) is None and not is_delta_blob(session, sha256):
                 blobs.delete(sha256)
             existing = find_by_identity(session, body.kind.value, body.name, body.version)
             if existing is None:
@@ -473,7 +309,7 @@ def artifact_in_use(session: Session, artifact_id: str) -> str | None:
     return None
 
 
-def _is_delta_blob(session: Session, sha256: str) -> bool:
+def is_delta_blob(session: Session, sha256: str) -> bool:
     return session.execute(select(ArtifactDelta.id).where(ArtifactDelta.sha256 == sha256).limit(1)).first() is not None
 
 
@@ -497,126 +333,8 @@ def delete_artifact(session: Session, blobs: BlobStore, artifact_id: str) -> Non
                 session.delete(delta)
             session.flush()
             orphans = [sha256] + [d.sha256 for d in deltas]
-            orphans = [s for s in dict.fromkeys(orphans) if find_by_sha256(session, s) is None and not _is_delta_blob(session, s)]
+            orphans = [s for s in dict.fromkeys(orphans) if find_by_sha256(session, s) is None and not is_delta_blob(session, s)]
         session.commit()
         for sha in orphans:
             blobs.delete(sha)
     log.info("deleted artifact %s (%s blobs removed)", artifact_id, len(orphans))
-
-
-# --- binary deltas ---------------------------------------------------------------------------------
-
-
-def _delta_lock(base_sha256: str, target_sha256: str) -> threading.Lock:
-    with _DELTA_LOCKS_GUARD:
-        return _DELTA_LOCKS.setdefault((base_sha256, target_sha256), threading.Lock())
-
-
-def _offer(row: ArtifactDelta, target: Artifact, blobs: BlobStore) -> DeltaOffer | None:
-    if row.size >= target.size or not blobs.exists(row.sha256):
-        return None
-    return DeltaOffer(base_sha256=row.base_sha256, sha256=row.sha256, size=row.size, path=delta_path(target.id, row.base_sha256))
-
-
-def _recorded(session: Session, base_sha256: str, target_sha256: str) -> ArtifactDelta | None:
-    query = select(ArtifactDelta).where(ArtifactDelta.base_sha256 == base_sha256, ArtifactDelta.target_sha256 == target_sha256)
-    return session.execute(query).scalars().first()
-
-
-def offer_delta(session: Session, blobs: BlobStore, base_sha256: str, target: Artifact, wait: bool = True) -> DeltaOffer | None:
-    """A bsdiff4 patch from the bytes ``base_sha256`` (what the target runs) to ``target``, or None when the
-    base is not stored, either side is larger than ``MAX_DELTA_INPUT_BYTES``, or the patch is not smaller than
-    the full artefact.
-
-    The patch is computed once per (base, target) pair and recorded as an ``ArtifactDelta`` row (also when it
-    is not worth it, so it is not computed again); the row is added in a savepoint of ``session`` and becomes
-    durable when the caller commits. Concurrent callers compute it at most once per process and never record
-    two rows for a pair (the unique constraint decides; the loser's patch blob, if different, is removed).
-    At most ``MAX_CONCURRENT_DELTAS`` patches are computed at once: a caller that finds every slot busy waits
-    for one, or with ``wait=False`` gets :class:`DeltaBusy` (a recorded patch never waits).
-    """
-    if not _SHA256.match(base_sha256) or base_sha256 == target.sha256:
-        return None
-    row = _recorded(session, base_sha256, target.sha256)
-    if row is not None and (row.size >= target.size or blobs.exists(row.sha256)):
-        return _offer(row, target, blobs)
-    if not blobs.exists(base_sha256) or not blobs.exists(target.sha256):
-        return None
-    if max(blobs.size(base_sha256), target.size) > MAX_DELTA_INPUT_BYTES:
-        return None
-    pair = (base_sha256, target.sha256)
-    with _delta_lock(*pair):
-        row = _recorded(session, base_sha256, target.sha256)
-        if row is not None and (row.size >= target.size or blobs.exists(row.sha256)):
-            return _offer(row, target, blobs)
-        computed = _computed(pair, target, blobs)
-        if computed is None:
-            if not _DELTA_SLOTS.acquire(blocking=wait):
-                raise DeltaBusy(f"{MAX_CONCURRENT_DELTAS} deltas are being computed")
-            try:
-                patch = bsdiff4.diff(read_blob(blobs, base_sha256), read_blob(blobs, target.sha256))
-            finally:
-                _DELTA_SLOTS.release()
-            computed = blobs.put_bytes(patch) if len(patch) < target.size else (hashlib.sha256(patch).hexdigest(), len(patch))
-            with _DELTA_LOCKS_GUARD:
-                _COMPUTED[pair] = computed
-                while len(_COMPUTED) > _COMPUTED_KEPT:
-                    _COMPUTED.pop(next(iter(_COMPUTED)))
-    # Recorded outside the pair's lock: a caller whose transaction already writes (the rollout's, on SQLite) may
-    # wait here for the pair; it takes the patch from _COMPUTED instead of waiting for this transaction.
-    sha256, size = computed
-    worth_it = size < target.size
-    if row is not None:  # recorded, but its blob was lost: it is back now
-        row.sha256, row.size = sha256, size
-        session.add(row)
-        return _offer(row, target, blobs)
-    fresh = ArtifactDelta(base_sha256=base_sha256, target_sha256=target.sha256, sha256=sha256, size=size, created_at=datetime.now(UTC))
-    try:
-        with session.begin_nested():
-            session.add(fresh)
-    except IntegrityError:
-        winner = _recorded(session, base_sha256, target.sha256)
-        if winner is None:
-            raise
-        if worth_it and winner.sha256 != sha256 and find_by_sha256(session, sha256) is None and not _is_delta_blob(session, sha256):
-            blobs.delete(sha256)
-        return _offer(winner, target, blobs)
-    log.info("delta %s -> %s: %d bytes (full %d)%s", base_sha256[:12], target.sha256[:12], size, target.size, "" if worth_it else ", not offered")
-    return _offer(fresh, target, blobs)
-
-
-def _computed(pair: tuple[str, str], target: Artifact, blobs: BlobStore) -> tuple[str, int] | None:
-    """The patch this process computed for ``pair`` lately (its SHA-256 and size), if its blob is still here."""
-    with _DELTA_LOCKS_GUARD:
-        computed = _COMPUTED.get(pair)
-    if computed is None or (computed[1] < target.size and not blobs.exists(computed[0])):
-        return None
-    return computed
-
-
-def prepare_deltas(engine: Engine, blobs: BlobStore, artifact_id: str, bases: list[str]) -> int:
-    """Compute and record the deltas to ``artifact_id`` from each of ``bases`` (the versions a deployment's targets
-    run) ahead of their downloads, one at a time; how many are offered. Errors are logged: a delta is an
-    optimisation, the full artefact always works."""
-    offered = 0
-    for base in dict.fromkeys(bases):
-        try:
-            with Session(engine, expire_on_commit=False) as session:
-                target = session.get(Artifact, artifact_id)
-                if target is None:
-                    return offered
-                offered += offer_delta(session, blobs, base, target) is not None
-                session.commit()
-        except Exception:  # noqa: BLE001 - see above
-            log.exception("no delta from %s to artefact %s", base[:12], artifact_id)
-    return offered
-
-
-def prepare_deltas_in_background(engine: Engine, blobs: BlobStore, artifact_id: str, bases: list[str]) -> threading.Thread | None:
-    """:func:`prepare_deltas` in a daemon thread (never in a request); None when there is nothing to compute."""
-    bases = [b for b in dict.fromkeys(bases) if _SHA256.match(b)]
-    if not bases:
-        return None
-    thread = threading.Thread(target=prepare_deltas, args=(engine, blobs, artifact_id, bases), name=f"deltas-{artifact_id}", daemon=True)
-    thread.start()
-    return thread
