@@ -26,14 +26,13 @@ One tick, per active task (each in its own transaction, the task row locked):
    ``on_lost`` is ``continue`` goes on with the workers it still has instead); when no worker is
    active and none will be replaced the task ends: SUCCEEDED if a worker succeeded, else FAILED.
 
-``incremental_training`` (``cloud.incremental``): a device qualifies only while it holds an unused privacy
-reservation of the task; each tick first publishes the trained layers that came back as new model versions
-(``cloud.incremental.results.publish``, which needs ``blobs``), and such a task does not SUCCEED while one
-still waits to be published.
-
-``split_inference`` (``cloud.split_inference``): the placed devices run ``head`` workers; each tick puts one
-``tail`` worker on every edge node under a head (when it is ONLINE and UNLOCKED, replacing one that ended) and
-withdraws tails with no head under them. Tails do not count for the task's end.
+What a kind adds is its own (``cloud.tasks.kind``; nothing here branches on the type): its candidates
+(``incremental_training``: only devices holding its privacy reservation; ``federated_training``: devices that
+report its dataset), its workers' role, companion workers on the edge nodes of its device workers
+(``split_inference``'s tails, a hierarchical federated task's aggregators: placed, replaced and withdrawn by
+:meth:`TaskController._companions`; they do not count for the task's end), its work before the tasks are
+driven (publishing trained layers, storing a round's global layer), what makes it due, its own step per drive
+(a federated round) and what holds its success back (a trained model not published yet).
 """
 
 from __future__ import annotations
@@ -49,26 +48,22 @@ from sqlalchemy.engine import Engine
 from sqlmodel import Session
 
 from cloud import placement
-from cloud.incremental import results
-from cloud.incremental import task as training
-from cloud.lease import drive_each
-from cloud import split_inference as split
-from cloud.fl import rounds as fl_rounds
-from cloud.fl import task as fl
 from cloud.convert import utc
-from cloud.services import tasks as svc
-from cloud.services.task_reports import release_chunks
+from cloud.lease import drive_each
 from cloud.tables import Task, TaskChunk, TaskWorker, WorkerTransitionRow
+from cloud.tasks.chunks import PENDING, assign, pending_chunks, release_chunks
+from cloud.tasks.kind import ActiveWorker, Ticked, all_kinds, kind_of, node_roles
+from cloud.tasks.lifecycle import active_workers, finish, move_task, move_worker
+from cloud.tasks.orders import build_order, put_worker_order, withdraw_worker_order
+from cloud.tasks.rows import hub_log, placement_of, retry_of, spec_of, target_table, type_info
 from interfaces.deployments import TargetKind
 from interfaces.ids import new_id
 from interfaces.lifecycle import NodeState
-from interfaces.tasks import FL_AGGREGATOR, SPLIT_HEAD, SPLIT_TAIL, TASK_ACTIVE, WORKER_ACTIVE, WORKER_FAILURES, ModelRef, TaskState, WorkerState
+from interfaces.tasks import TASK_ACTIVE, WORKER_ACTIVE, WORKER_FAILURES, ModelRef, TaskState, WorkerState
 
 log = logging.getLogger("aisynergy.hub.scheduler")
 _T, _W = TaskState, WorkerState
 GAVE_UP = "-"
-NODE_ROLES = frozenset({SPLIT_TAIL, FL_AGGREGATOR})
-"""workers that serve a task's device workers from their edge node; the task's end does not wait for them"""
 
 
 class TaskController:
@@ -86,30 +81,28 @@ class TaskController:
     def tick(self, at: datetime | None = None) -> int:
         """Drive every active task that needs it one step; returns how many changed."""
         at = at or datetime.now(UTC)
-        if self.blobs is not None:
-            try:
-                self.counters["models_published"] += results.publish(self.engine, self.signing, self.blobs)
-            except Exception:  # noqa: BLE001 - the tasks are driven all the same; publishing is tried again next tick
-                log.exception("publishing trained models failed this tick")
-        self._prepare_fl()
+        self._prepare()
         ids = self.due(at)
         self.rounds_closed: set[str] = set()
         changed = drive_each(self.engine, ids, self._drive, at, self.on_change, "scheduling task", log)
         if self.rounds_closed:  # the next round opens now, not a tick later: store its global layer, then drive again
             again = sorted(self.rounds_closed)
-            self._prepare_fl()
+            self._prepare()
             changed += drive_each(self.engine, again, self._drive, at, self.on_change, "scheduling task", log)
         self.counters["ticks"] += 1
         self.counters["tasks_driven"] += len(ids)
         return changed
 
-    def _prepare_fl(self) -> None:
+    def _prepare(self) -> None:
+        """Each kind's work of the tick outside the tasks' transactions (storing, publishing models)."""
         if self.blobs is None:
             return
-        try:
-            self.counters["fl_models_stored"] += fl_rounds.prepare(self.engine, self.signing, self.blobs)
-        except Exception:  # noqa: BLE001 - tried again next tick
-            log.exception("storing federated models failed this tick")
+        for kind in all_kinds():
+            try:
+                for name, n in kind.prepare(self.engine, self.signing, self.blobs).items():
+                    self.counters[name] = self.counters.get(name, 0) + n
+            except Exception:  # noqa: BLE001 - the tasks are driven all the same; tried again next tick
+                log.exception("%s: preparing failed this tick", kind.type.value)
 
     def due(self, at: datetime) -> list[str]:
         """The active tasks a tick has something to do for, found with a handful of queries however many
@@ -133,20 +126,21 @@ class TaskController:
             node_of: dict[str, str] = {}  # target -> its edge node (a node: itself)
             for kind in ("device", "node"):
                 ids = list({w.target_id for ws in workers.values() for w in ws if w.target_kind == kind})
-                table = svc.target_table(kind)
+                table = target_table(kind)
                 edge = table.node_id if kind == "device" else table.id
                 for start in range(0, len(ids), 10_000):
                     for target_id, state, node_id in session.execute(select(table.id, table.state, edge).where(table.id.in_(ids[start : start + 10_000]))).all():
                         states[(kind, target_id)] = state
                         node_of[target_id] = node_id
             waiting_chunks = set(session.execute(
-                select(TaskChunk.task_id).where(TaskChunk.state == svc.PENDING, or_(TaskChunk.not_before.is_(None), TaskChunk.not_before <= at)).distinct()  # type: ignore[union-attr,operator]
+                select(TaskChunk.task_id).where(TaskChunk.state == PENDING, or_(TaskChunk.not_before.is_(None), TaskChunk.not_before <= at)).distinct()  # type: ignore[union-attr,operator]
             ).scalars())  # fmt: skip
-            fl_due = fl_rounds.round_due(session, at)
+            kinds_due = set().union(*(kind.due_ids(session, at) for kind in all_kinds()))
             to_replace = set(session.execute(
                 select(TaskWorker.task_id).where(TaskWorker.state.in_([s.value for s in WORKER_FAILURES]), TaskWorker.replaced_by.is_(None)).distinct()  # type: ignore[attr-defined,union-attr]
             ).scalars())  # fmt: skip
         gone = (NodeState.OFFLINE.value, NodeState.DELETED.value, None)
+        companions = node_roles()
         due = []
         for t in tasks:
             deadline = utc(t.deadline_at)
@@ -158,9 +152,9 @@ class TaskController:
                 or (deadline is not None and at >= deadline and t.state != _T.PAUSED.value)
                 or any(states.get((w.target_kind, w.target_id)) in gone or at - (utc(w.last_report_at) or utc(w.created_at)) > silent for w in active)
                 or (t.chunks_total is not None and (t.chunks_done == t.chunks_total or t.id in waiting_chunks))
-                or (t.chunks_total is None and (t.id in to_replace or not any(w.role not in NODE_ROLES for w in active)))
-                or (t.type == split.TYPE and {w.target_id for w in active if w.role == SPLIT_TAIL} != {node_of.get(w.target_id) for w in active if w.role != SPLIT_TAIL})
-                or t.id in fl_due
+                or (t.chunks_total is None and (t.id in to_replace or not any(w.role not in companions for w in active)))
+                or kind_of(t.type).is_due([ActiveWorker(w.role, w.target_id) for w in active], node_of)
+                or t.id in kinds_due
             ):  # fmt: skip
                 due.append(t.id)
         return due
@@ -180,36 +174,33 @@ class TaskController:
             self._changed = True
         deadline = utc(task.deadline_at)
         if deadline is not None and state is not _T.PAUSED and at >= deadline:
-            self._orders |= svc.finish(session, task, _T.TIMED_OUT, f"not finished within timeout_s={task.timeout_s}", at)
+            self._orders |= finish(session, task, _T.TIMED_OUT, f"not finished within timeout_s={task.timeout_s}", at)
             self.counters["tasks_timed_out"] += 1
         elif state is _T.PENDING:
             self._place(session, task, at)
         else:
             self._check_workers(session, task, at)
-            if svc.type_info(task).placement == "shards":
+            if type_info(task).placement == "shards":
                 self._drive_shards(session, task, at)
             else:
                 self._drive_each(session, task, at)
-        if TaskState(task.state) in TASK_ACTIVE and (roles := self._companion_roles(task)) is not None:
+        kind = kind_of(task.type)
+        if TaskState(task.state) in TASK_ACTIVE and (roles := kind.companion_roles(task)) is not None:
             self._companions(session, task, at, *roles)
-        if fl.is_fl(task) and TaskState(task.state) in TASK_ACTIVE - {_T.PAUSED} and TaskState(task.state) is not _T.PENDING:
-            self._rounds(session, task, at)
+        if TaskState(task.state) in TASK_ACTIVE - {_T.PAUSED, _T.PENDING}:
+            self._tick_kind(session, task, at)
         session.add(task)
         return self._changed or before != (task.state, task.reason, task.chunks_done), self._orders
 
     def _model(self, task: Task) -> ModelRef | None:
-        model = getattr(svc.spec_of(task), "model", None)
+        model = getattr(spec_of(task), "model", None)
         return model if isinstance(model, ModelRef) else None
 
     def _candidates(self, session: Session, task: Task, exclude: set[str]) -> placement.Candidates:
         rejected = set(session.execute(
             select(TaskWorker.target_id).where(TaskWorker.task_id == task.id, TaskWorker.state == _W.REJECTED.value)
         ).scalars())  # fmt: skip
-        found = placement.find(session, svc.placement_of(task), self._model(task), rejected, exclude)
-        if training.is_training(task):
-            found = training.only_reserved(session, task.id, found)
-        elif fl.is_fl(task):
-            found = fl.keeping_dataset(session, task, found)
+        found = kind_of(task.type).candidates(session, task, placement.find(session, placement_of(task), self._model(task), rejected, exclude))
         found.eligible.sort(key=lambda c: (-c.weight, c.id))
         return found
 
@@ -217,21 +208,21 @@ class TaskController:
         if task.reason != reason:
             task.reason = reason
             task.updated_at = at
-            svc.hub_log(session, task.id, f"waiting: {reason}", "warning", at)
+            hub_log(session, task.id, f"waiting: {reason}", "warning", at)
 
     def _place(self, session: Session, task: Task, at: datetime) -> None:
-        rules = svc.placement_of(task)
+        rules = placement_of(task)
         found = self._candidates(session, task, set())
         if len(found.eligible) < rules.min_nodes:
             why = found.why_not or f"{len(found.eligible)} of the {rules.min_nodes} targets needed qualify"
             self._wait(session, task, why, at)
             return
         chosen = found.eligible[: rules.max_nodes] if rules.max_nodes else found.eligible
-        if svc.type_info(task).placement == "shards":
-            pending = self._pending_chunks(session, task, at)
+        if type_info(task).placement == "shards":
+            pending = pending_chunks(session, task, at)
             if not pending:
                 if task.chunks_done == task.chunks_total:
-                    self._orders |= svc.finish(session, task, _T.SUCCEEDED, "every input already has its output", at)
+                    self._orders |= finish(session, task, _T.SUCCEEDED, "every input already has its output", at)
                 else:
                     self._wait(session, task, "the unfinished chunks wait for their back-off", at)
                 return
@@ -243,48 +234,34 @@ class TaskController:
             for candidate in chosen:
                 self._new_worker(session, task, candidate, [], 1, at)
         task.scheduled_at = at
-        svc.move_task(session, task, _T.SCHEDULED, f"{len(chosen)} workers placed", at)
+        move_task(session, task, _T.SCHEDULED, f"{len(chosen)} workers placed", at)
 
     def _new_worker(
         self, session: Session, task: Task, candidate: placement.Candidate, chunks: list[int], attempt: int, at: datetime, role: str | None = None,
     ) -> TaskWorker:  # fmt: skip
-        rules = svc.placement_of(task)
+        rules = placement_of(task)
         worker = TaskWorker(
             id=new_id("w"), task_id=task.id, target_kind=candidate.kind.value, target_id=candidate.id, state=_W.QUEUED.value, attempt=attempt,
             weight=candidate.weight, accelerators=[r.model_dump(mode="json", exclude_none=True) for r in rules.accelerators] if role is None else [],
-            role=role or split.worker_role(task), created_at=at, updated_at=at,
+            role=role or kind_of(task.type).worker_role(task), created_at=at, updated_at=at,
         )  # fmt: skip
         session.add(worker)
         session.add(WorkerTransitionRow(worker_id=worker.id, from_state=None, to_state=_W.QUEUED.value, at=at, reason=f"placed on {candidate.id}"))
-        self._assign(session, task, worker, chunks, at)
+        assign(session, task, worker, chunks)
         session.flush()
-        svc.put_worker_order(session, worker.target_kind, worker.target_id, svc.build_order(session, task, worker, self.signing))
+        put_worker_order(session, worker.target_kind, worker.target_id, build_order(session, task, worker, self.signing))
         what = f" with {len(chunks)} chunks" if chunks else ""
         what += f" as {worker.role}" if worker.role != "worker" else ""
-        svc.hub_log(session, task.id, f"worker {worker.id} placed on {candidate.id} (weight {candidate.weight:g}){what}", at=at, worker_id=worker.id, target_id=candidate.id)
+        hub_log(session, task.id, f"worker {worker.id} placed on {candidate.id} (weight {candidate.weight:g}){what}", at=at, worker_id=worker.id, target_id=candidate.id)
         self.counters["workers_placed"] += 1
         self._orders = True
         return worker
 
-    def _assign(self, session: Session, task: Task, worker: TaskWorker, chunks: list[int], at: datetime) -> None:
-        if not chunks:
-            return
-        session.execute(
-            TaskChunk.__table__.update().where(TaskChunk.task_id == task.id, TaskChunk.index.in_(chunks), TaskChunk.state == svc.PENDING)  # type: ignore[attr-defined]
-            .values(state=svc.ASSIGNED, worker_id=worker.id)
-        )  # fmt: skip
-
-    def _pending_chunks(self, session: Session, task: Task, at: datetime) -> list[int]:
-        rows = session.execute(
-            select(TaskChunk.index, TaskChunk.not_before).where(TaskChunk.task_id == task.id, TaskChunk.state == svc.PENDING).order_by(TaskChunk.index)
-        ).all()  # fmt: skip
-        return [i for i, not_before in rows if not_before is None or utc(not_before) <= at]
-
     # --- workers -----------------------------------------------------------------------------------
 
     def _check_workers(self, session: Session, task: Task, at: datetime) -> None:
-        for worker in svc.active_workers(session, task.id):
-            target = session.get(svc.target_table(worker.target_kind), worker.target_id)
+        for worker in active_workers(session, task.id):
+            target = session.get(target_table(worker.target_kind), worker.target_id)
             silent_since = utc(worker.last_report_at) or utc(worker.created_at)
             if target is None or target.state in (NodeState.OFFLINE.value, NodeState.DELETED.value):
                 why = f"its {worker.target_kind} {worker.target_id} is {target.state if target else 'gone'}"
@@ -296,33 +273,33 @@ class TaskController:
                 self.counters["workers_timed_out"] += 1
 
     def _end_worker(self, session: Session, task: Task, worker: TaskWorker, state: WorkerState, why: str, at: datetime) -> None:
-        svc.move_worker(session, worker, state, why, at)
-        self._orders |= svc.withdraw_worker_order(session, worker.target_kind, worker.target_id, worker.id)
+        move_worker(session, worker, state, why, at)
+        self._orders |= withdraw_worker_order(session, worker.target_kind, worker.target_id, worker.id)
         released = release_chunks(session, task, worker, f"{state.value}: {why}", at)
         extra = f"; {released} chunks to reschedule" if released else ""
-        svc.hub_log(session, task.id, f"worker {worker.id} {state.value}: {why}{extra}", "warning", at, worker.id, worker.target_id)
+        hub_log(session, task.id, f"worker {worker.id} {state.value}: {why}{extra}", "warning", at, worker.id, worker.target_id)
         self._changed = True
 
     def _drive_shards(self, session: Session, task: Task, at: datetime) -> None:
         if task.chunks_done == task.chunks_total:
-            n = len(svc.active_workers(session, task.id))
-            self._orders |= svc.finish(session, task, _T.SUCCEEDED, f"all {task.items_total} inputs processed ({n} workers at the end)", at)
+            n = len(active_workers(session, task.id))
+            self._orders |= finish(session, task, _T.SUCCEEDED, f"all {task.items_total} inputs processed ({n} workers at the end)", at)
             return
-        policy = svc.retry_of(task)
+        policy = retry_of(task)
         exhausted = session.execute(
-            select(TaskChunk).where(TaskChunk.task_id == task.id, TaskChunk.state == svc.PENDING, TaskChunk.attempts >= policy.max_attempts).limit(1)
+            select(TaskChunk).where(TaskChunk.task_id == task.id, TaskChunk.state == PENDING, TaskChunk.attempts >= policy.max_attempts).limit(1)
         ).scalar()  # fmt: skip
         if exhausted is not None:
             why = f"chunk {exhausted.index} failed {exhausted.attempts} times (max_attempts={policy.max_attempts}); last: {exhausted.last_error}"
-            self._orders |= svc.finish(session, task, _T.FAILED, why, at)
+            self._orders |= finish(session, task, _T.FAILED, why, at)
             return
         if TaskState(task.state) is _T.PAUSED:
             return
-        pending = self._pending_chunks(session, task, at)
+        pending = pending_chunks(session, task, at)
         if not pending:
             return
-        rules = svc.placement_of(task)
-        active = svc.active_workers(session, task.id)
+        rules = placement_of(task)
+        active = active_workers(session, task.id)
         room = (rules.max_nodes - len(active)) if rules.max_nodes else None
         fresh = self._candidates(session, task, {w.target_id for w in active}).eligible if room is None or room > 0 else []
         fresh = fresh[:room] if room is not None else fresh
@@ -340,10 +317,10 @@ class TaskController:
         elif active:
             for worker, share in zip(active, placement.split(pending, weights(active)), strict=True):
                 if share:
-                    self._assign(session, task, worker, share, at)
+                    assign(session, task, worker, share)
                     session.flush()
-                    self._orders |= svc.put_worker_order(session, worker.target_kind, worker.target_id, svc.build_order(session, task, worker, self.signing))
-                    svc.hub_log(session, task.id, f"{len(share)} chunks given to worker {worker.id} on {worker.target_id}", at=at, worker_id=worker.id, target_id=worker.target_id)
+                    self._orders |= put_worker_order(session, worker.target_kind, worker.target_id, build_order(session, task, worker, self.signing))
+                    hub_log(session, task.id, f"{len(share)} chunks given to worker {worker.id} on {worker.target_id}", at=at, worker_id=worker.id, target_id=worker.target_id)
         else:
             self._wait(session, task, f"{len(pending)} chunks wait for a qualifying target", at)
             return
@@ -353,31 +330,13 @@ class TaskController:
     @staticmethod
     def _counting(session: Session, task: Task) -> list[TaskWorker]:
         """The active workers the task's end waits for (a split task's tails serve its heads; they do not count)."""
-        return [w for w in svc.active_workers(session, task.id) if w.role not in NODE_ROLES]
+        companions = node_roles()
+        return [w for w in active_workers(session, task.id) if w.role not in companions]
 
-    @staticmethod
-    def _companion_roles(task: Task) -> tuple[str, str] | None:
-        """(device role, node role) of a task whose devices need a worker on their edge node, else None."""
-        if split.is_split(task):
-            return SPLIT_HEAD, SPLIT_TAIL
-        if fl.is_fl(task) and fl.via_edge(fl.spec_of(task)):
-            return "worker", FL_AGGREGATOR
-        return None
-
-    def _rounds(self, session: Session, task: Task, at: datetime) -> None:
-        """federated_training: open, close or retry the round (``cloud.fl.rounds``)."""
+    def _tick_kind(self, session: Session, task: Task, at: datetime) -> None:
+        """The kind's own step for an active, placed, unpaused task (a federated round: ``cloud.fl.rounds``)."""
         session.flush()
-
-        def put_orders() -> bool:
-            changed = False
-            for worker in svc.active_workers(session, task.id):
-                changed |= svc.put_worker_order(session, worker.target_kind, worker.target_id, svc.build_order(session, task, worker, self.signing))
-            return changed
-
-        def finish(state: TaskState, reason: str) -> None:
-            self._orders |= svc.finish(session, task, state, reason, at)
-
-        done = fl_rounds.drive(session, task, at, put_orders, finish, lambda reason: self._wait(session, task, reason, at), self.blobs)
+        done: Ticked = kind_of(task.type).tick(session, task, at, _Driving(self, session, task, at))
         self._orders |= done.orders
         self._changed |= done.changed
         if done.closed:
@@ -388,11 +347,11 @@ class TaskController:
         """A companion (split tail, federated aggregator) on every edge node under the task's device workers, none
         elsewhere; a failed one is replaced after the back-off, at most ``max_attempts`` times per node."""
         session.flush()
-        changes = placement.companion_changes(session, svc.active_workers(session, task.id), device_role, node_role)
+        changes = placement.companion_changes(session, active_workers(session, task.id), device_role, node_role)
         for worker in changes.withdraw:
-            svc.move_worker(session, worker, _W.CANCELED, f"no {device_role} worker runs under its node any more", at)
-            self._orders |= svc.withdraw_worker_order(session, worker.target_kind, worker.target_id, worker.id)
-            svc.hub_log(session, task.id, f"{node_role} {worker.id} on {worker.target_id} withdrawn: no {device_role} runs under it", at=at, worker_id=worker.id, target_id=worker.target_id)
+            move_worker(session, worker, _W.CANCELED, f"no {device_role} worker runs under its node any more", at)
+            self._orders |= withdraw_worker_order(session, worker.target_kind, worker.target_id, worker.id)
+            hub_log(session, task.id, f"{node_role} {worker.id} on {worker.target_id} withdrawn: no {device_role} runs under it", at=at, worker_id=worker.id, target_id=worker.target_id)
             worker.replaced_by = GAVE_UP
             self._changed = True
         ended = list(session.execute(
@@ -401,7 +360,7 @@ class TaskController:
                 TaskWorker.replaced_by.is_(None),  # type: ignore[union-attr]
             ).order_by(TaskWorker.id)
         ).scalars())  # fmt: skip
-        policy = svc.retry_of(task)
+        policy = retry_of(task)
         failed = (_W.FAILED.value, _W.TIMED_OUT.value, _W.REJECTED.value)  # a node going OFFLINE (LOST) is not the tail's fault
         failures: dict[str, list[TaskWorker]] = defaultdict(list)
         if changes.place:
@@ -414,7 +373,7 @@ class TaskController:
             attempt = 1 + len(failures[node_id])
             if attempt > policy.max_attempts:  # its heads fall back to the whole model on their devices
                 if before:
-                    svc.hub_log(session, task.id, f"no new {node_role} on {node_id}: {attempt - 1} failed (max_attempts={policy.max_attempts})", "warning", at)
+                    hub_log(session, task.id, f"no new {node_role} on {node_id}: {attempt - 1} failed (max_attempts={policy.max_attempts})", "warning", at)
                 for old in before:
                     old.replaced_by = GAVE_UP
                 continue
@@ -431,30 +390,30 @@ class TaskController:
             session.add(old)
 
     def _drive_each(self, session: Session, task: Task, at: datetime) -> None:
-        policy = svc.retry_of(task)
+        policy = retry_of(task)
         ended = list(session.execute(
             select(TaskWorker).where(
                 TaskWorker.task_id == task.id, TaskWorker.state.in_([s.value for s in WORKER_FAILURES]), TaskWorker.replaced_by.is_(None),  # type: ignore[attr-defined,union-attr]
-                TaskWorker.role.not_in(NODE_ROLES),  # type: ignore[attr-defined]
+                TaskWorker.role.not_in(node_roles()),  # type: ignore[attr-defined]
             ).order_by(TaskWorker.id)
         ).scalars())  # fmt: skip
         paused = TaskState(task.state) is _T.PAUSED
-        goes_on = svc.type_info(task).on_lost == "continue"
+        goes_on = type_info(task).on_lost == "continue"
         for worker in ended:
             if goes_on and self._counting(session, task):
                 worker.replaced_by = GAVE_UP  # this type carries on with the workers it has (federated rounds close with k of n)
                 session.add(worker)
-                svc.hub_log(session, task.id, f"worker {worker.id} is not replaced: the task goes on with the others", "warning", at, worker.id)
+                hub_log(session, task.id, f"worker {worker.id} is not replaced: the task goes on with the others", "warning", at, worker.id)
                 continue
             if worker.attempt >= policy.max_attempts and worker.state != _W.REJECTED.value:
                 worker.replaced_by = GAVE_UP
                 session.add(worker)
-                svc.hub_log(session, task.id, f"worker {worker.id} is not replaced: attempt {worker.attempt} of max_attempts={policy.max_attempts}", "warning", at, worker.id)
+                hub_log(session, task.id, f"worker {worker.id} is not replaced: attempt {worker.attempt} of max_attempts={policy.max_attempts}", "warning", at, worker.id)
                 continue
             finished = utc(worker.finished_at) or at
             if paused or at < finished + timedelta(seconds=policy.delay(worker.attempt + 1)):
                 continue
-            active = svc.active_workers(session, task.id)
+            active = active_workers(session, task.id)
             found = self._candidates(session, task, {w.target_id for w in active})
             if not found.eligible:
                 self._wait(session, task, f"no target to replace worker {worker.id}: {found.why_not}", at)
@@ -469,17 +428,41 @@ class TaskController:
         waiting = session.execute(
             select(TaskWorker.id).where(
                 TaskWorker.task_id == task.id, TaskWorker.state.in_([s.value for s in WORKER_FAILURES]), TaskWorker.replaced_by.is_(None),  # type: ignore[attr-defined,union-attr]
-                TaskWorker.role.not_in(NODE_ROLES),  # type: ignore[attr-defined]
+                TaskWorker.role.not_in(node_roles()),  # type: ignore[attr-defined]
             )
         ).first()  # fmt: skip
         if waiting is not None:
             return
         succeeded = session.execute(select(TaskWorker.id).where(TaskWorker.task_id == task.id, TaskWorker.state == _W.SUCCEEDED.value)).first()
-        if training.is_training(task) and results.unpublished(session, task.id):
-            self._wait(session, task, "publishing the trained models", at)
+        if (held := kind_of(task.type).success_held(session, task)) is not None:
+            self._wait(session, task, held, at)
             return
         if succeeded is not None:
-            self._orders |= svc.finish(session, task, _T.SUCCEEDED, "every worker finished", at)
+            self._orders |= finish(session, task, _T.SUCCEEDED, "every worker finished", at)
         else:
-            self._orders |= svc.finish(session, task, _T.FAILED, "no worker finished and none is left to try", at)
+            self._orders |= finish(session, task, _T.FAILED, "no worker finished and none is left to try", at)
 
+
+
+class _Driving:
+    """The scheduler as a kind's ``tick`` sees it (:class:`cloud.tasks.kind.Driver`), for one task."""
+
+    def __init__(self, controller: TaskController, session: Session, task: Task, at: datetime) -> None:
+        self._controller, self._session, self._task, self._at = controller, session, task, at
+
+    @property
+    def blobs(self) -> Any:
+        return self._controller.blobs
+
+    def put_orders(self) -> bool:
+        c, session, task = self._controller, self._session, self._task
+        changed = False
+        for worker in active_workers(session, task.id):
+            changed |= put_worker_order(session, worker.target_kind, worker.target_id, build_order(session, task, worker, c.signing))
+        return changed
+
+    def finish(self, state: TaskState, reason: str) -> None:
+        self._controller._orders |= finish(self._session, self._task, state, reason, self._at)  # noqa: SLF001 - the controller's own helper
+
+    def wait(self, reason: str) -> None:
+        self._controller._wait(self._session, self._task, reason, self._at)  # noqa: SLF001 - the controller's own helper

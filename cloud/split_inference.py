@@ -24,7 +24,8 @@ whole model (for edge-only), each an ``InputRef`` (signed manifest, download tok
 from __future__ import annotations
 
 import logging
-from typing import Any
+from collections.abc import Iterable, Mapping
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from sqlalchemy import delete, select
 from sqlmodel import Session
@@ -32,22 +33,18 @@ from sqlmodel import Session
 from cloud.errors import BadRequest
 from cloud.placement import installed_version
 from cloud.tables import Artifact, SplitPartRow, SplitPlan, Task, TaskWorker
+from cloud.tasks.kind import ActiveWorker, HubParts, TaskKind
 from interfaces.tasks import (
     MAX_SPLIT_CUTS, SPLIT_DEVICE_ONLY, SPLIT_EDGE_ONLY, SPLIT_HEAD, SPLIT_TAIL, InputRef, Placement, SplitInferenceSpec, SplitOrder, SplitPart,
     TaskType,
 )  # fmt: skip
 
+if TYPE_CHECKING:
+    from pydantic import BaseModel
+
+    from interfaces.tasks import WorkerOrder
+
 log = logging.getLogger("aisynergy.hub.split")
-TYPE = TaskType.SPLIT_INFERENCE.value
-
-
-def is_split(task: Task) -> bool:
-    return task.type == TYPE
-
-
-def worker_role(task: Task) -> str:
-    """The role of a worker the scheduler places from the task's placement."""
-    return SPLIT_HEAD if is_split(task) else "worker"
 
 
 # --- admission -------------------------------------------------------------------------------------
@@ -151,4 +148,36 @@ def split_order(session: Session, task: Task, worker: TaskWorker, signing: Any) 
     return SplitOrder(base_sha256=model.sha256, input=plan.input, parts=[SplitPart(cut=r.cut, head=ref(r.head_artifact_id)) for r in rows])
 
 
-# --- tail workers ----------------------------------------------------------------------------------
+# --- the kind ----------------------------------------------------------------------------------------
+
+
+class SplitInference(TaskKind):
+    """Devices run ``head`` workers; the scheduler keeps one ``tail`` worker on every edge node under a head
+    (companions) and withdraws tails with no head under them. Tails do not count for the task's end."""
+
+    type: ClassVar[TaskType] = TaskType.SPLIT_INFERENCE
+    node_roles: ClassVar[frozenset[str]] = frozenset({SPLIT_TAIL})
+
+    def admit(self, session: Session, task: Task, spec: BaseModel, placement: Placement, hub: HubParts) -> BaseModel:
+        assert isinstance(spec, SplitInferenceSpec)
+        return admit(session, task, spec, placement, hub.blobs, hub.signing)
+
+    def order(self, session: Session, task: Task, worker: TaskWorker, signing: Any, order: WorkerOrder) -> WorkerOrder:
+        return order.model_copy(update={"split": split_order(session, task, worker, signing)})
+
+    def worker_role(self, task: Task) -> str:
+        return SPLIT_HEAD
+
+    def companion_roles(self, task: Task) -> tuple[str, str] | None:
+        return SPLIT_HEAD, SPLIT_TAIL
+
+    def is_due(self, active: Iterable[ActiveWorker], node_of: Mapping[str, str]) -> bool:
+        """The tails are not on exactly the edge nodes of the heads."""
+        workers = list(active)
+        return {w.target_id for w in workers if w.role == SPLIT_TAIL} != {node_of.get(w.target_id) for w in workers if w.role != SPLIT_TAIL}
+
+    def forget(self, session: Session, task_id: str) -> None:
+        forget(session, task_id)
+
+
+KIND = SplitInference()

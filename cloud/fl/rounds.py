@@ -55,6 +55,9 @@ from cloud.convert import utc
 from cloud.fl.task import spec_of
 from cloud.incremental import budgets, surgery
 from cloud.tables import Artifact, Device, FlPlan, FlRoundRow, FlUpdateRow, Task, TaskMetric, TaskWorker
+from cloud.tasks.kind import Driver, Ticked
+from cloud.tasks.lifecycle import active_workers
+from cloud.tasks.rows import hub_log
 from interfaces.aggregation import ClientUpdate, Strategy, strategy_from_spec, strategy_from_state, weighted_metrics
 from interfaces.deployments import ArtifactCreate, ArtifactFormat, ArtifactKind
 from interfaces.tasks import FL_AGGREGATOR, TASK_ACTIVE, WORKER_ACTIVE, FederatedTrainingSpec, FlKey, FlReveal, FlUpdate, TaskState
@@ -93,8 +96,6 @@ def accept(session: Session, task: Task, kind: str, target_id: str, data: FlUpda
     bound = _examples_bound(session, data.contributors, spec.dataset)
     num_examples = min(data.num_examples, bound)
     if num_examples < data.num_examples:
-        from cloud.services.tasks import hub_log
-
         hub_log(session, task.id, f"an update from worker {data.worker_id} claimed {data.num_examples} examples; its contributors "
                 f"reported {bound} rows of {spec.dataset}: counted as {bound}", "warning", at, data.worker_id, target_id)  # fmt: skip
     row = FlUpdateRow(
@@ -236,37 +237,28 @@ def _layer(frame: bytes, layer: surgery.DenseLayer, masked: bool = False) -> dic
 # --- rounds ----------------------------------------------------------------------------------------
 
 
-class Driven:
-    """What :func:`drive` did: orders changed, a round closed (the caller looks again at once)."""
-
-    def __init__(self) -> None:
-        self.orders = self.closed = self.changed = False
-
-
-def drive(session: Session, task: Task, at: datetime, put_orders: Any, finish: Any, wait: Any, blobs: Any = None) -> Driven:
-    """Open, close or retry the task's round (see the module docstring). ``put_orders()`` rewrites every active
-    worker's order; ``finish(state, reason)`` ends the task; ``wait(reason)`` records why it waits; ``blobs``: the
-    artefact store (for the held-out set)."""
-    from cloud.services.tasks import active_workers, hub_log
-
-    done = Driven()
+def drive(session: Session, task: Task, at: datetime, driver: Driver, blobs: Any = None) -> Ticked:
+    """Open, close or retry the task's round (see the module docstring), through the scheduler's ``driver``:
+    ``put_orders()`` rewrites every active worker's order, ``finish(state, reason)`` ends the task, ``wait(reason)``
+    records why it waits; ``blobs``: the artefact store (for the held-out set)."""
+    done = Ticked()
     plan = session.get(FlPlan, task.id, with_for_update=True)
     if plan is None:
-        finish(TaskState.FAILED, "the task's federated plan is gone")
+        driver.finish(TaskState.FAILED, "the task's federated plan is gone")
         return done
     spec = spec_of(task)
     if plan.round > spec.rounds:
         if plan.published_artifact_id:
-            finish(TaskState.SUCCEEDED, f"{spec.rounds} rounds done; published {plan.published_artifact_id}")
+            driver.finish(TaskState.SUCCEEDED, f"{spec.rounds} rounds done; published {plan.published_artifact_id}")
         else:
-            wait("publishing the trained model")
+            driver.wait("publishing the trained model")
         return done
     devices = [w for w in active_workers(session, task.id) if w.role != FL_AGGREGATOR]
     if plan.attempt == 0:
         if plan.weights_artifact_id is None:
-            wait(f"storing round {plan.round}'s global layer")
+            driver.wait(f"storing round {plan.round}'s global layer")
             return done
-        _open(session, task, plan, spec, devices, 1, at, done, put_orders, wait)
+        _open(session, task, plan, spec, devices, 1, at, done, driver)
         return done
     contributed = _contributors(session, task.id, plan.round, plan.attempt)
     deadline = utc(plan.deadline_at) or at
@@ -280,7 +272,7 @@ def drive(session: Session, task: Task, at: datetime, put_orders: Any, finish: A
             plan.deadline_at = at + timedelta(seconds=spec.round_timeout_s)
             session.add(plan)
             session.flush()
-            done.orders |= bool(put_orders())
+            done.orders |= bool(driver.put_orders())
             done.changed = True
             hub_log(session, task.id, f"round {plan.round}: {len(dropped)} participants dropped after masking; the {len(contributed)} others reveal their seeds with them", at=at)
             return done
@@ -291,17 +283,15 @@ def drive(session: Session, task: Task, at: datetime, put_orders: Any, finish: A
         hub_log(session, task.id, f"round {plan.round - 1} closed with {len(contributed)} of {len(plan.participants)} participants", at=at)
         return done
     if plan.attempt >= spec.max_round_attempts:
-        finish(TaskState.FAILED, f"round {plan.round} got {len(contributed)} of the k={k} updates needed in each of {plan.attempt} attempts")
+        driver.finish(TaskState.FAILED, f"round {plan.round} got {len(contributed)} of the k={k} updates needed in each of {plan.attempt} attempts")
         return done
     hub_log(session, task.id, f"round {plan.round} attempt {plan.attempt}: {len(contributed)} of the k={k} updates needed by its deadline; running it again", "warning", at)
-    _open(session, task, plan, spec, devices, plan.attempt + 1, at, done, put_orders, wait)
+    _open(session, task, plan, spec, devices, plan.attempt + 1, at, done, driver)
     return done
 
 
 def _open(session: Session, task: Task, plan: FlPlan, spec: FederatedTrainingSpec, devices: list[TaskWorker], attempt: int, at: datetime,
-          done: Driven, put_orders: Any, wait: Any) -> None:  # fmt: skip
-    from cloud.services.tasks import hub_log
-
+          done: Ticked, driver: Driver) -> None:  # fmt: skip
     running = sorted({w.target_id for w in devices if w.state in {s.value for s in WORKER_ACTIVE}})
     if spec.secure_aggregation:  # a participant masks with every other one: it needs the key of their worker as it runs now
         current = {w.target_id: w.id for w in devices}
@@ -309,7 +299,7 @@ def _open(session: Session, task: Task, plan: FlPlan, spec: FederatedTrainingSpe
     if len(running) < spec.min_participants:
         plan.attempt = 0 if attempt == 1 else plan.attempt
         session.add(plan)
-        wait(f"{len(running)} of the {spec.min_participants} participants needed run a worker" + (" and sent their key" if spec.secure_aggregation else ""))
+        driver.wait(f"{len(running)} of the {spec.min_participants} participants needed run a worker" + (" and sent their key" if spec.secure_aggregation else ""))
         return
     plan.attempt, plan.participants = attempt, running
     plan.unmasking, plan.reveals = [], {}
@@ -320,7 +310,7 @@ def _open(session: Session, task: Task, plan: FlPlan, spec: FederatedTrainingSpe
     plan.opened_at, plan.deadline_at = at, at + timedelta(seconds=_timeout(session, task.id, spec))
     session.add(plan)
     session.flush()
-    done.orders |= bool(put_orders())
+    done.orders |= bool(driver.put_orders())
     done.changed = True
     what = f"round {plan.round}/{spec.rounds}" + (f" attempt {attempt}" if attempt > 1 else "")
     hub_log(session, task.id, f"{what} open: {len(running)} participants, {spec.strategy}, deadline in {spec.round_timeout_s:g} s", at=at)
@@ -351,7 +341,7 @@ def _strategy(plan: FlPlan, spec: FederatedTrainingSpec) -> Strategy:
     return strategy_from_spec(spec.strategy, **spec.strategy_params)
 
 
-def _close(session: Session, task: Task, plan: FlPlan, spec: FederatedTrainingSpec, at: datetime, done: Driven, blobs: Any = None) -> None:
+def _close(session: Session, task: Task, plan: FlPlan, spec: FederatedTrainingSpec, at: datetime, done: Ticked, blobs: Any = None) -> None:
     from safetensors.numpy import load, save
 
     layer = surgery.DenseLayer.from_json(plan.layer)
@@ -502,8 +492,6 @@ def _publish(session: Session, signing: Any, blobs: Any, task: Task, plan: FlPla
     from safetensors.numpy import load
 
     from cloud.incremental.results import publish_layer
-    from cloud.services.tasks import hub_log
-
     layer = surgery.DenseLayer.from_json(plan.layer)
     fused = load(plan.weights)
     metadata = {"aisynergy.trained_from": f"{model.name} {model.version}", "aisynergy.task": task.id, "aisynergy.dataset": spec.dataset,

@@ -41,14 +41,9 @@ from cloud.incremental import budgets, surgery
 from cloud.placement import Candidates, installed_model, installed_version, matching_devices
 from cloud.tables import Artifact, Device, FlPlan, FlRoundRow, FlUpdateRow, Task, TaskWorker
 from interfaces.aggregation import strategy_from_spec
-from interfaces.tasks import FL_AGGREGATOR, MAX_FL_UPDATE_BYTES, FederatedTrainingSpec, FlOrder, InputRef, Placement, TaskType
+from interfaces.tasks import FL_AGGREGATOR, MAX_FL_UPDATE_BYTES, FederatedTrainingSpec, FlOrder, InputRef, Placement
 
 log = logging.getLogger("aisynergy.hub.fl")
-TYPE = TaskType.FEDERATED_TRAINING.value
-
-
-def is_fl(task: Task) -> bool:
-    return task.type == TYPE
 
 
 def spec_of(task: Task) -> FederatedTrainingSpec:

@@ -28,6 +28,7 @@ from sqlmodel import Session
 from cloud.incremental import accounting, surgery
 from cloud.incremental.task import reservation
 from cloud.tables import Artifact, PrivacySpendRow, Task, TaskWorker, TrainingPlan, TrainingResult
+from cloud.tasks.rows import hub_log
 from interfaces.deployments import ArtifactCreate, ArtifactFormat, ArtifactKind, parse_version
 from interfaces.tasks import WORKER_ACTIVE, IncrementalTrainingSpec, TrainingOutput, WorkerOutput, WorkerState
 
@@ -37,8 +38,6 @@ MAX_ATTEMPTS = 5
 
 def accept(session: Session, task: Task, worker: TaskWorker, data: WorkerOutput, at: datetime) -> tuple[str, bool]:
     """Keep a worker's trained layer; returns (outcome, wake the scheduler)."""
-    from cloud.services.tasks import hub_log
-
     if session.get(TrainingResult, worker.id) is not None:
         return "duplicate", False
     if WorkerState(worker.state) not in WORKER_ACTIVE:
@@ -107,16 +106,12 @@ def publish(engine: Engine, signing: Any, blobs: Any) -> int:
                     row.error = f"{type(exc).__name__}: {exc}"[:2048]
                     session.add(row)
                     if row.attempts >= MAX_ATTEMPTS:
-                        from cloud.services.tasks import hub_log
-
                         hub_log(session, row.task_id, f"gave up publishing the layer of {row.device_id}: {row.error}", "error", worker_id=worker_id, target_id=row.device_id)
                     session.commit()
     return done
 
 
 def _publish_one(engine: Engine, signing: Any, blobs: Any, worker_id: str) -> Artifact:
-    from cloud.services.tasks import hub_log
-
     with Session(engine, expire_on_commit=False) as session:
         result = session.get(TrainingResult, worker_id)
         assert result is not None

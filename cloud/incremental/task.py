@@ -48,21 +48,16 @@ from cloud.errors import BadRequest, Conflict
 from cloud.incremental import accounting, budgets, surgery
 from cloud.placement import installed_model, installed_version, matching_devices
 from cloud.tables import Artifact, PrivacySpendRow, Task, TaskWorker, TrainingPlan, TrainingResult
+from cloud.tasks.rows import hub_log, retry_of
 from interfaces.deployments import ArtifactKind
 from interfaces.errors import ErrorCode
 from interfaces.privacy import SpendState
 from interfaces.tasks import (
-    MAX_HEAD_BYTES, MAX_TRAINING_STEPS, TASK_ACTIVE, WORKER_FAILURES, IncrementalTrainingSpec, Placement, TaskState, TaskType,
-    TrainingOrder, WorkerState,
+    MAX_HEAD_BYTES, MAX_TRAINING_STEPS, TASK_ACTIVE, WORKER_FAILURES, IncrementalTrainingSpec, Placement, TaskState, TrainingOrder, WorkerState,
 )  # fmt: skip
 
 log = logging.getLogger("aisynergy.hub.training")
-TYPE = TaskType.INCREMENTAL_TRAINING.value
 GAVE_UP = "-"  # TaskWorker.replaced_by: no worker will take over (the scheduler's mark)
-
-
-def is_training(task: Task) -> bool:
-    return task.type == TYPE
 
 
 @dataclass
@@ -270,8 +265,6 @@ def training_order(session: Session, task: Task, worker: TaskWorker, signing: An
 
 def worker_ended(session: Session, task: Task, worker: TaskWorker, state: WorkerState, at: datetime) -> None:
     """Settle the worker's reservation; reserve again on its device for a retry, or give it up (module docstring)."""
-    from cloud.services.tasks import hub_log, retry_of
-
     spend = reservation(session, task.id, worker.target_id, worker.id)
     if spend is None:
         return

@@ -9,61 +9,43 @@ speak for another's worker). In arrival order:
   and a back-off (``RetryPolicy.delay``); the scheduler gives them to another worker. A report for a worker
   that already ended is late news and ignored.
 * ``task.log`` lines and ``task.metrics`` samples are kept once each (by event id and line number).
-* ``fl.update`` (``FlUpdate``), ``fl.key`` (``FlKey``), ``fl.reveal`` (``FlReveal``): a federated round's update, a
-  device's key and a survivor's seeds for secure aggregation, kept or refused by ``cloud.fl.rounds``.
-* ``task.output``: the chunk's outputs are kept if the chunk is ASSIGNED to that worker and the worker is
-  still active; the frame must be safetensors whose tensors all have the chunk's row count first. Any
-  other copy (a duplicate, a late one from a worker that was declared LOST) is refused and counted: no
-  input is ever stored with two outputs. An ``incremental_training`` worker's output is its trained layer
-  (``cloud.incremental.results.accept``); its SUCCEEDED report without one counts as FAILED.
+* ``task.output`` and the updates of a kind (``fl.update``, ``fl.key``, ``fl.reveal``) are the kind's to keep or
+  refuse (``TaskKind.accept``). By default a ``task.output`` is a chunk's outputs (``cloud.tasks.chunks``), kept
+  if the chunk is ASSIGNED to that worker and the worker is still active; the frame must be safetensors whose
+  tensors all have the chunk's row count first. Any other copy (a duplicate, a late one from a worker that was
+  declared LOST) is refused and counted: no input is ever stored with two outputs. An ``incremental_training``
+  worker's output is its trained layer (``cloud.incremental.results.accept``), and its SUCCEEDED report without
+  one counts as FAILED (``TaskKind.success_refused``); a federated round's update, a device's key and a
+  survivor's seeds are ``cloud.fl.rounds``'.
 
 Returns outcome counts (``task_<kind>_<outcome>``) and whether the scheduler should look now.
 """
 
 from __future__ import annotations
 
-import base64
 import logging
 from collections import Counter
-from datetime import datetime, timedelta
+from datetime import datetime
 from typing import Any
 
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
 from sqlalchemy import insert, select
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlmodel import Session
 
 from cloud.services import task_watch
-from cloud.services.tasks import ASSIGNED, DONE, PENDING, decode_chunk, hub_log, move_task, move_worker, retry_of
-from cloud.tables import Task, TaskChunk, TaskLog, TaskMetric, TaskWorker, TrainingResult
-from interfaces.messages import Envelope, EventBody
-from interfaces.tasks import (
-    FL_KEY_EVENT, FL_REVEAL_EVENT, FL_UPDATE_EVENT, TASK_LOG_EVENT, TASK_METRICS_EVENT, TASK_OUTPUT_EVENT, TASK_WORKER_EVENT, WORKER_ACTIVE, FlKey, FlReveal, FlUpdate, TaskState, TaskType, WorkerLog, WorkerMetrics,
-    WorkerOutput,
-    WorkerReport, WorkerState,
-)  # fmt: skip
+from cloud.tables import Task, TaskLog, TaskMetric, TaskWorker
+from cloud.tasks.chunks import release_chunks
+from cloud.tasks.kind import kind_of
+from cloud.tasks.lifecycle import move_task, move_worker
+from cloud.tasks.rows import hub_log
+from interfaces.messages import EVENT_DATA, Envelope, EventBody
+from interfaces.tasks import TASK_EVENTS, WORKER_ACTIVE, TaskState, WorkerLog, WorkerMetrics, WorkerReport, WorkerState
 
 log = logging.getLogger("aisynergy.hub.tasks")
-_MODELS: dict[str, Any] = {
-    TASK_WORKER_EVENT: WorkerReport, TASK_LOG_EVENT: WorkerLog, TASK_METRICS_EVENT: WorkerMetrics, TASK_OUTPUT_EVENT: WorkerOutput, FL_UPDATE_EVENT: FlUpdate,
-    FL_KEY_EVENT: FlKey, FL_REVEAL_EVENT: FlReveal,
-}
+TASK_EVENT_DATA: dict[str, type[BaseModel]] = {t: m for t, m in EVENT_DATA.items() if t in TASK_EVENTS}
+"""the data models of the task events (``interfaces.messages.EVENT_DATA``, the one registry)"""
 Report = tuple[str, str, Envelope[EventBody], datetime]  # target kind, target id, the event, when the hub received it
-
-
-def release_chunks(session: Session, task: Task, worker: TaskWorker, why: str, at: datetime) -> int:
-    """Give a worker's unfinished chunks back (one more attempt each, after the back-off); returns how many."""
-    policy = retry_of(task)
-    chunks = list(session.execute(
-        select(TaskChunk).where(TaskChunk.task_id == task.id, TaskChunk.worker_id == worker.id, TaskChunk.state == ASSIGNED).with_for_update()
-    ).scalars())  # fmt: skip
-    for chunk in chunks:
-        chunk.attempts += 1
-        chunk.state, chunk.worker_id = PENDING, None
-        chunk.not_before = at + timedelta(seconds=policy.delay(chunk.attempts + 1))
-        chunk.last_error = why[:2048]
-        session.add(chunk)
-    return len(chunks)
 
 
 def apply(session: Session, reports: list[Report]) -> tuple[Counter[str], bool]:
@@ -71,7 +53,7 @@ def apply(session: Session, reports: list[Report]) -> tuple[Counter[str], bool]:
     parsed: list[tuple[str, str, Envelope[EventBody], datetime, Any]] = []
     for kind, target_id, message, at in reports:
         try:
-            parsed.append((kind, target_id, message, at, _MODELS[message.body.type].model_validate(message.body.data)))
+            parsed.append((kind, target_id, message, at, TASK_EVENT_DATA[message.body.type].model_validate(message.body.data)))
         except (KeyError, ValidationError) as exc:
             counts[f"task_{message.body.type.split('.')[-1]}_malformed"] += 1
             log.warning("malformed %s report %s from %s: %s", message.body.type, message.id, target_id, str(exc).splitlines()[0])
@@ -99,26 +81,13 @@ def apply(session: Session, reports: list[Report]) -> tuple[Counter[str], bool]:
                 continue
         if isinstance(data, WorkerReport):
             outcome, wake = _report(session, task, worker, data, at)
-            poke |= wake
         elif isinstance(data, WorkerLog):
-            outcome = _log(session, task, worker, message, data)
+            outcome, wake = _log(session, task, worker, message, data), False
         elif isinstance(data, WorkerMetrics):
-            outcome = _metrics(session, task, worker, message, data, at)
-        elif isinstance(data, FlUpdate | FlKey | FlReveal):
-            from cloud.fl import rounds
-
-            if task.type != TaskType.FEDERATED_TRAINING.value:
-                outcome = "refused"
-            elif isinstance(data, FlUpdate):
-                outcome = rounds.accept(session, task, kind, target_id, data, at)
-            elif isinstance(data, FlKey):
-                outcome = rounds.accept_key(session, task, kind, target_id, data)
-            else:
-                outcome = rounds.accept_reveal(session, task, kind, target_id, data, at)
-            poke |= outcome == "accepted"
-        else:
-            outcome, wake = _output(session, task, worker, data, at)
-            poke |= wake
+            outcome, wake = _metrics(session, task, worker, message, data, at), False
+        else:  # an output or an update: the kind's (a chunk's outputs, a trained layer, a round's update, ...)
+            outcome, wake = kind_of(task.type).accept(session, task, worker, kind, target_id, data, at)
+        poke |= wake
         counts[f"task_{name}_{outcome}"] += 1
     return counts, poke
 
@@ -144,8 +113,8 @@ def _report(session: Session, task: Task, worker: TaskWorker, data: WorkerReport
         return "applied", False
     detail = data.detail or data.state.value.lower()
     ended = data.state
-    if ended is WorkerState.SUCCEEDED and task.type == TaskType.INCREMENTAL_TRAINING.value and session.get(TrainingResult, worker.id) is None:
-        ended, detail = WorkerState.FAILED, "reported SUCCEEDED but its trained layer never arrived"
+    if ended is WorkerState.SUCCEEDED and (refused := kind_of(task.type).success_refused(session, task, worker)) is not None:
+        ended, detail = WorkerState.FAILED, refused
     move_worker(session, worker, ended, detail, at)
     level = "info" if ended is WorkerState.SUCCEEDED else "error"
     hub_log(session, task.id, f"worker {worker.id} on {worker.target_id} {ended.value}: {detail}", level, at, worker.id, worker.target_id)
@@ -181,32 +150,3 @@ def _metrics(session: Session, task: Task, worker: TaskWorker, message: Envelope
         worker.last_report_at = at
         session.add(worker)
     return "applied" if _insert_ignoring_duplicates(session, TaskMetric, [row], ["message_id"]) else "duplicate"
-
-
-def _output(session: Session, task: Task, worker: TaskWorker, data: WorkerOutput, at: datetime) -> tuple[str, bool]:
-    if task.type == TaskType.INCREMENTAL_TRAINING.value:
-        from cloud.incremental.results import accept
-
-        return accept(session, task, worker, data, at)
-    chunk = session.get(TaskChunk, (task.id, data.chunk), with_for_update=True)
-    if chunk is None:
-        return "unknown_chunk", False
-    if chunk.state == DONE:
-        return "duplicate", False
-    if chunk.worker_id != worker.id or chunk.state != ASSIGNED or WorkerState(worker.state) not in WORKER_ACTIVE:
-        return "not_owner", False
-    assert task.chunk_size is not None and task.items_total is not None
-    rows = min(task.chunk_size, task.items_total - data.chunk * task.chunk_size)
-    try:
-        frame = base64.b64decode(data.data, validate=True)
-        tensors = decode_chunk(frame)
-        if not tensors or data.items != rows or any(not v.shape or v.shape[0] != rows for v in tensors.values()):
-            raise ValueError(f"expected {rows} rows in every tensor, got {({k: list(v.shape) for k, v in tensors.items()})}")
-    except Exception as exc:  # noqa: BLE001 - binascii, ValueError and safetensors' own error types alike
-        log.warning("refused the output of chunk %s of task %s from %s: %s", data.chunk, task.id, worker.id, exc)
-        return "malformed", False
-    chunk.state, chunk.data, chunk.done_at = DONE, frame, at
-    session.add(chunk)
-    task.chunks_done += 1
-    session.add(task)
-    return "applied", task.chunks_done == task.chunks_total

@@ -18,7 +18,7 @@ from sqlmodel import Session
 from cloud.artifacts import create_artifact
 from cloud.ingest import StatusIngest
 from cloud.scheduler import TaskController
-from cloud.services.tasks import encode_chunk
+from cloud.tasks.chunks import encode_chunk
 from cloud.tables import Artifact, Device, Node, TaskWorker
 from interfaces.auth import Role
 from interfaces.deployments import ArtifactCreate
