@@ -154,6 +154,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.add_middleware(
         RequestGuard, engine=lambda: app.state.engine, max_body_bytes=settings.max_body_bytes, streamed_uploads={API_PREFIX + "/artifacts"},
     )  # fmt: skip
+    app.add_middleware(problems.UnexpectedErrors)  # outside the guard: a failed request frees its Idempotency-Key first
     app.add_middleware(SecurityHeaders)  # outermost: on every response, the guard's refusals too
 
     api = APIRouter(prefix=API_PREFIX)

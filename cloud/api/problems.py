@@ -10,6 +10,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from cloud.errors import ApiError
 from interfaces.errors import PROBLEM_MEDIA_TYPE, ErrorCode, Problem
@@ -86,10 +87,36 @@ def install(app: FastAPI) -> None:
             headers["Allow"] = allowed_methods(request) or headers.get("allow", "")
         return problem_response(problem, headers or None)
 
-    @app.exception_handler(Exception)
-    async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
-        log.exception("unhandled error on %s %s", request.method, request.url.path)
-        return simple_problem(ErrorCode.INTERNAL, 500, "Internal error", "the hub failed to handle this request")
+
+
+class UnexpectedErrors:
+    """ASGI middleware: an exception no handler took becomes a 500 ``internal_error`` problem document, and goes no
+    further. (Starlette's own last-resort handler raises it again after answering, and the server then closes the
+    connection: a client's keep-alive connection would die with its request.) One raised after the answer began
+    (a stream) can only end the connection: it is raised on to the server."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        started = False
+
+        async def watch(message: Message) -> None:
+            nonlocal started
+            if message["type"] == "http.response.start":
+                started = True
+            await send(message)
+
+        try:
+            await self.app(scope, receive, watch)
+        except Exception:
+            log.exception("unhandled error on %s %s", scope.get("method"), scope.get("path"))
+            if started:
+                raise
+            await simple_problem(ErrorCode.INTERNAL, 500, "Internal error", "the hub failed to handle this request", scope.get("path"))(scope, receive, send)
 
 
 # For route declarations: every route may answer with these problem documents.
