@@ -216,6 +216,7 @@ class MqttProbe:
         self.client.on_connect = lambda c, u, f, rc, p: self.events.append(("connect", str(rc)))
         self.client.on_disconnect = lambda c, u, f, rc, p: self.events.append(("disconnect", str(rc)))
         self.client.on_publish = lambda c, u, mid, rc, p: self.events.append(("puback", (mid, str(rc))))
+        self.client.on_subscribe = lambda c, u, mid, codes, p: self.events.append(("suback", (mid, [str(x) for x in codes])))
         self.client.on_message = lambda c, u, m: self.events.append(("message", (m.topic, m.payload)))
         self.port = port
 
@@ -234,8 +235,16 @@ class MqttProbe:
     def publish(self, topic: str, payload: bytes | str, qos: int = 1, retain: bool = False) -> str:
         """Publish and return the broker's PUBACK reason string."""
         info = self.client.publish(topic, payload, qos=qos, retain=retain)
-        wait_for(lambda: any(e[0] == "puback" and e[1][0] == info.mid for e in self.events), 5, what="puback")  # type: ignore[index]
-        return next(e[1][1] for e in self.events if e[0] == "puback" and e[1][0] == info.mid)  # type: ignore[index]
+        return self._ack("puback", info.mid)  # type: ignore[return-value]
+
+    def subscribe(self, topic_filter: str, qos: int = 1) -> list[str]:
+        """Subscribe and return the broker's SUBACK reason strings (``Not authorized`` for a refused filter)."""
+        _, mid = self.client.subscribe(topic_filter, qos=qos)
+        return self._ack("suback", mid)  # type: ignore[return-value]
+
+    def _ack(self, kind: str, mid: int) -> object:
+        wait_for(lambda: any(e[0] == kind and e[1][0] == mid for e in self.events), 30, what=kind)  # type: ignore[index]
+        return next(e[1][1] for e in self.events if e[0] == kind and e[1][0] == mid)  # type: ignore[index]
 
     def close(self) -> None:
         self.client.disconnect()
