@@ -8,7 +8,7 @@ frame of ``device.tensors`` through the link, the tail on the edge, the answer b
 (``device.split.planner.choose``) picks a cut from what a device would know: the parts' profiled latencies
 (``cloud.ml.partition.profile``, the heads' times multiplied by the slowdown, with the device's frame encoding
 and answer decoding; the frame's and the answer's bytes) and the link as ``probe_link`` measured it, as
-``device/tasks/split.py`` calibrates them. The result: the planner's cut and its measured latency, the
+``device/tasks/split/head.py`` calibrates them. The result: the planner's cut and its measured latency, the
 brute-force best, the regret (chosen / best) and the speed-ups edge-only / chosen and device-only / chosen
 (Neurosurgeon, ASPLOS 2017, reports 3.1x on average over cloud-only). For comparison (``frames_only``): the cut
 of a cost model that counts neither the answer's bytes nor the codec (the planner's first version).
@@ -23,7 +23,7 @@ Emulation (adapted from ``tests/ml/test_split_link.py``, copied rather than impo
 * *the device* is this CPU made ``--slowdown`` times slower: after doing its part it sleeps ``slowdown - 1`` times
   the part's profiled time (busy-waiting the last millisecond, so sub-millisecond sleeps are accurate). Its part
   is the head and, unless ``--fast-codec``, encoding the frame (int8 quantisation included) and decoding the
-  answer; the planner, like the product's calibration (``device/tasks/split.py``), knows only the head's time.
+  answer; the planner, like the product's calibration (``device/tasks/split/head.py``), knows only the head's time.
 * *the edge* is a thread of this process on the same CPU, one intra-op thread (as the device's sessions).
 
 Each (model, speed, encoding) measures the options in rounds, a shuffled order each round (``--warmup`` rounds
@@ -75,8 +75,8 @@ from device.tensors import decode_activation, encode_activation
 MODELS = ROOT / "tests" / "fixtures" / "models"
 SPEEDS_MBIT = (1, 5, 20, 100, 1000)
 NEUROSURGEON_MEAN = 3.1  # Kang et al., "Neurosurgeon", ASPLOS 2017: mean latency improvement over cloud-only
-INITIAL_LINK = Link(10e6, 5.0)  # the device's estimate before it measured anything (device/tasks/split.py)
-MAX_PROBE_BYTES = 1 << 20  # as device/tasks/split.py
+INITIAL_LINK = Link(10e6, 5.0)  # the device's estimate before it measured anything (device/tasks/split/head.py)
+MAX_PROBE_BYTES = 1 << 20  # as device/tasks/split/head.py
 SEGMENT = 1448  # bytes of one TCP segment on a 1500-byte MTU: the link's pacing quantum
 
 
@@ -232,7 +232,7 @@ def build_options(path: Path, x: np.ndarray, profile_runs: int, profile_repeats:
 
 def costs_for(options: list[Option], encoding: str, slowdown: float, answer_bytes: int | None = None, codec_factor: float = 0.0) -> list[CutCost]:  # fmt: skip
     """What the planner knows: the device's parts at ``slowdown`` times their profiled time, the edge's parts
-    as profiled, the frame's bytes, and (as ``device/tasks/split.py`` calibrates them) ``answer_bytes`` crossing
+    as profiled, the frame's bytes, and (as ``device/tasks/split/head.py`` calibrates them) ``answer_bytes`` crossing
     back and the device's codec time times ``codec_factor`` in its part. Without those two: the cost model of
     frames only, kept for comparison."""
     costs = []
@@ -420,7 +420,7 @@ def main() -> int:
                 for encoding in encodings:
                     samples = bench.measure(link, encoding, args.runs, args.warmup, args.min_runs, args.prune, args.prune_min_ms, args.seed)  # fmt: skip
                     measured = {k: statistics.median(v) for k, v in samples.items()}
-                    # the planner as device/tasks/split.py calibrates it: frame and answer bytes, the device's codec in its share
+                    # the planner as device/tasks/split/head.py calibrates it: frame and answer bytes, the device's codec in its share
                     plan = choose(costs_for(options, encoding, args.slowdown, answer_bytes, 1.0 if args.fast_codec else args.slowdown), estimate)  # fmt: skip
                     best = min(measured, key=lambda k: measured[k])
                     chosen_ms = measured[plan.cut]

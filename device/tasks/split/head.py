@@ -1,40 +1,8 @@
-"""The ``split_inference`` worker programs (``SplitInferenceSpec`` + the order's ``SplitOrder``), by role.
-
-**tail** (the edge node, one per task): fetches the tails the hub cut (and the whole model, for edge-only), each a
-signed artefact verified like any download, and answers the task's requests on ``infer``
-(:class:`edge.split.TailRouter`): decode the activation frame, run the tail named by the request's cut, send the
-outputs back with its compute time. A probe is answered at once, empty. Metrics: ``requests``, ``errors``,
-``probes``, ``tail_ms_p50``. It runs until its order is withdrawn (the hub withdraws it with the last head).
-
-**head** (each device): checks that the model it runs is the one the hub cut (``base_sha256``, one float32
-input), fetches the heads, then routes every request to that model through itself
-(:meth:`~device.ota.models.ModelHost.set_route`: the ``infer`` command and the application alike):
-
-* the plan's cut: run the head, send the activation (int8 when ``quantize``), the edge answers with the outputs;
-  ``edge``: the raw input crosses; ``device``: the whole model runs here;
-* the edge does not answer within ``timeout_ms`` (or is not connected, or says it cannot): the whole model runs
-  here and the request counts as a **fallback**; for ``retry_after_s`` every request does, then the edge is
-  measured again.
-
-The plan comes from :class:`~device.split.planner.Planner`: at start (and after the edge failed) the worker
-*calibrates*: it times each head (with encoding its frame and decoding the answer) and the whole model here on a
-one-row input, sends each cut's activation to the edge a few times (the edge reports its compute time per cut;
-the answer's size is counted on the link too), and probes the link
-(:func:`~device.split.planner.probe_link`). Every request that crosses refines the link estimate (its time less
-the edge's compute time, its bytes); the planner moves the cut when the link moved by more than a quarter.
-While no request crosses, the link is probed again every ``probe_interval_s``. Until the first calibration
-succeeds, requests run on the device (``device``; not fallbacks: nothing was promised yet). A pinned ``cut``
-skips the planner (the measurements are still reported).
-
-Metrics every ``report_interval_s``: ``requests``, ``errors``, ``split`` (answered through a cut), ``edge``,
-``device``, ``fallbacks``, ``replans``, ``link_mbps``, ``rtt_ms``, ``cut_index`` (-1 device, 0 edge, i the
-i-th part), ``estimate_ms`` (the plan's), ``latency_p50_ms``, ``latency_p99_ms``. Paused, requests run on the
-device the usual way (``local``) until resumed.
-"""
+"""The ``split_inference`` head (each device): calibrates, plans the cut and routes the model's requests through it,
+falling back to the whole model here when the edge does not answer (see :mod:`device.tasks.split`)."""
 
 from __future__ import annotations
 
-import logging
 import math
 import statistics
 import threading
@@ -46,9 +14,10 @@ from typing import TYPE_CHECKING, Any
 from device.split.planner import DEVICE_ONLY, EDGE_ONLY, CutCost, Link, LinkEstimator, Plan, Planner, choose, probe_link
 from device.tasks.programs import require_model
 from device.tasks.serve import percentile
+from device.tasks.split.order import MAX_LATENCIES, open_part, split_order
 from device.tasks.worker import Failed, Rejected, Worker
-from interfaces.infer import InferReply, InferRequest
-from interfaces.tasks import SPLIT_HEAD, SPLIT_TAIL, SplitInferenceSpec, SplitOrder, WorkerAction
+from interfaces.infer import InferRequest
+from interfaces.tasks import SplitInferenceSpec, WorkerAction
 
 if TYPE_CHECKING:
     import numpy as np
@@ -56,123 +25,10 @@ if TYPE_CHECKING:
     from device.ota.models import LoadedModel
     from device.runtime import Runtime
 
-log = logging.getLogger("aisynergy.device.split")
-
 CALIBRATION_RUNS = 5  # timed runs of each part here (after one warm-up); their median counts
 EDGE_RUNS = 3  # requests per cut to the edge at calibration; the median of the edge's compute times counts
 MAX_PROBE_BYTES = 1 << 20
 INITIAL_LINK = Link(10e6, 5.0)  # before anything is measured (never planned with: calibration comes first)
-MAX_LATENCIES = 100_000
-
-
-def run(worker: Worker) -> None:
-    role = worker.order.role
-    if role == SPLIT_HEAD:
-        _Head(worker).run()
-    elif role == SPLIT_TAIL:
-        _tail(worker)
-    else:
-        raise Rejected(f"a split_inference worker is a {SPLIT_HEAD} (device) or a {SPLIT_TAIL} (edge), not {role!r}")
-
-
-def _split_order(worker: Worker) -> SplitOrder:
-    if worker.order.split is None:
-        raise Rejected("a split_inference order must carry its split part (the cut model)")
-    return worker.order.split
-
-
-def _open(worker: Worker, ref: Any, what: str) -> Runtime:
-    from device.runtime import open_model
-
-    path = worker.fetch_inputs(ref)
-    try:
-        return open_model(path, threads=1)
-    except Exception as exc:  # noqa: BLE001 - a file that verified but does not load: the hub cut it wrong
-        raise Rejected(f"the {what} does not load: {exc}") from None
-
-
-# --- the edge ----------------------------------------------------------------------------------------
-
-
-def _tail(worker: Worker) -> None:
-    spec = worker.spec(SplitInferenceSpec)
-    split = _split_order(worker)
-    router = worker.infer
-    if router is None or not hasattr(router, "serve"):
-        raise Rejected("this target serves no split-inference tails (it is not an edge node)")
-    tails: dict[str, Runtime] = {}
-    for part in split.parts:
-        if part.tail is None:
-            raise Rejected(f"the order's part at {part.cut} has no tail")
-        tails[part.cut] = _open(worker, part.tail, f"tail at {part.cut}")
-    if split.whole is not None:
-        tails[EDGE_ONLY] = _open(worker, split.whole, "whole model")
-    stats = _TailStats()
-
-    def answer(request: InferRequest, payload: bytes) -> tuple[InferReply, bytes]:
-        if request.kind == "probe":
-            stats.count(probe=True)
-            return InferReply(status="ok"), b""
-        from safetensors.numpy import save
-
-        from device.tensors import decode_activation
-
-        runner = tails.get(request.cut)
-        if runner is None:
-            stats.count(error=True)
-            return InferReply(status="error", error=f"this edge has no tail at {request.cut!r} for task {worker.task_id}"), b""
-        started = time.perf_counter()
-        try:
-            x = decode_activation(payload)
-            outputs = runner.run({runner.inputs[0].name: x})
-        except Exception as exc:  # noqa: BLE001 - a bad frame or a shape the tail refuses: the device falls back
-            stats.count(error=True)
-            return InferReply(status="error", error=f"{type(exc).__name__}: {exc}"[:500]), b""
-        seconds = time.perf_counter() - started
-        stats.count(seconds=seconds)
-        return InferReply(status="ok", tail_ms=seconds * 1000), save({k: _contiguous(v) for k, v in outputs.items()})
-
-    router.serve(worker.task_id, answer)
-    try:
-        worker.metrics_source(stats.sample, spec.report_interval_s)
-        worker.running()
-        worker.log(f"serving {len(tails)} tails of {spec.model.name} ({', '.join(tails)})")
-        while worker.checkpoint():
-            worker.wait()
-    finally:
-        router.unserve(worker.task_id, answer)
-
-
-def _contiguous(array: Any) -> Any:
-    import numpy as np
-
-    return np.ascontiguousarray(array)
-
-
-class _TailStats:
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self.requests = self.errors = self.probes = 0
-        self._seconds: deque[float] = deque(maxlen=MAX_LATENCIES)
-
-    def count(self, seconds: float | None = None, error: bool = False, probe: bool = False) -> None:
-        with self._lock:
-            self.probes += probe
-            self.requests += not probe
-            self.errors += error
-            if seconds is not None:
-                self._seconds.append(seconds)
-
-    def sample(self) -> dict[str, float]:
-        with self._lock:
-            values = {"requests": self.requests, "errors": self.errors, "probes": self.probes}
-            seconds, self._seconds = sorted(self._seconds), deque(maxlen=MAX_LATENCIES)
-        if seconds:
-            values["tail_ms_p50"] = 1000 * percentile(seconds, 0.5)
-        return values
-
-
-# --- the device --------------------------------------------------------------------------------------
 
 
 @dataclass
@@ -182,13 +38,13 @@ class _Part:
     index: int
 
 
-class _Head:
+class Head:
     """One head worker: its parts, its plan and its route; see the module docstring."""
 
     def __init__(self, worker: Worker) -> None:
         self.worker = worker
         self.spec = worker.spec(SplitInferenceSpec)
-        self.split = _split_order(worker)
+        self.split = split_order(worker)
         self.channel = worker.infer
         if self.channel is None or not hasattr(self.channel, "call"):
             raise Rejected("this target cannot send split-inference requests (it has no infer channel)")
@@ -202,7 +58,7 @@ class _Head:
         for i, part in enumerate(self.split.parts, start=1):
             if part.head is None:
                 raise Rejected(f"the order's part at {part.cut} has no head")
-            self.parts[part.cut] = _Part(part.cut, _open(worker, part.head, f"head at {part.cut}"), i)
+            self.parts[part.cut] = _Part(part.cut, open_part(worker, part.head, f"head at {part.cut}"), i)
         pinned = self.spec.cut
         if pinned is not None and pinned != DEVICE_ONLY and pinned not in self.parts:
             raise Rejected(f"the pinned cut {pinned!r} is not one of the order's parts ({', '.join(p.cut for p in self.split.parts)})")
@@ -474,5 +330,3 @@ class _HeadStats:
             values["latency_p50_ms"] = 1000 * percentile(latencies, 0.50)
             values["latency_p99_ms"] = 1000 * percentile(latencies, 0.99)
         return values
-
-
