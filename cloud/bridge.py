@@ -13,6 +13,9 @@ Acknowledged only once stored: a QoS 1 report that goes to :class:`StatusIngest`
 (``PUBACK``) after the ingest transaction that holds it commits, not on receipt, so a hub killed
 between the two loses nothing: the broker keeps the message in the hub's persistent session and
 redelivers it (events are kept once by their id). Anything else is acknowledged on receipt.
+
+It stays one module: the connection loop, its incoming queue, the routing of what arrives, the acknowledgements
+after commit and the command round trips share one client and its connection generation.
 """
 
 from __future__ import annotations

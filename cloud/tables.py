@@ -1,4 +1,8 @@
-"""Database tables (SQLModel). The schema is created and upgraded by Alembic (cloud/migrations)."""
+"""Database tables (SQLModel). The schema is created and upgraded by Alembic (cloud/migrations).
+
+The whole schema stays in one module on purpose: the migrations and ``SQLModel.metadata`` see every table
+at once, and each table's foreign keys and indexes read next to the tables they name.
+"""
 
 from __future__ import annotations
 

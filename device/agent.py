@@ -49,6 +49,10 @@ they are answered while a handler is busy); the application's command handlers r
 sender publishes the stored events. Other QoS 1 messages (state, reported, command answers) published while
 disconnected wait in memory (``max_queued``) and leave in order after the reconnect; the reported status is
 published again on every connect.
+
+It stays one module: the agent's parts (commands, outbox, heartbeats, desired store, session plan, updater, task
+host, channels) live in modules of their own; what is here is their wiring and paho's callbacks, which share one
+client, its lock and its connection state.
 """
 
 from __future__ import annotations

@@ -19,6 +19,9 @@ waits (429 ``too_many_requests`` with ``Retry-After``; nothing forwarded to the 
 was given before it sends its token (:mod:`device.enrol`).
 
 Runs a stdlib ``ThreadingHTTPServer`` in a thread of its own; ``on_enrolled`` is called from it.
+
+It stays one module: the forwarding, the failure limit, the TLS set-up and the artefact routes are the one HTTPS
+server's, and share its handler.
 """
 
 from __future__ import annotations

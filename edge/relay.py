@@ -23,6 +23,9 @@ The hub never touches device topics; it talks to the edge under the edge's own s
                    heartbeat      forwarded while the upstream is connected, dropped otherwise
 
 Device envelopes travel upstream unchanged. The downstream broker's ACL delivers only our devices.
+
+It stays one module: both directions share the edge's store, its outbox and the two clients (hub and devices),
+and the ordering rules above hold only across all of them.
 """
 
 from __future__ import annotations

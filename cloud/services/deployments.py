@@ -29,6 +29,9 @@ Rules:
   deployment's state refuses is a 409 ``illegal_transition`` with ``current_state``.
 
 Batch releases, time-outs and the failure threshold belong to the rollout controller alone.
+
+It stays one module: creation, reading, actions and progress reports apply the rules above to the same rows
+(deployments, executions and their orders), and the rules read best in one place.
 """
 
 from __future__ import annotations

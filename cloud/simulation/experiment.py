@@ -55,6 +55,8 @@ in this process, but on the clock they overlap: party k's round starts when it h
 task's time T is when the last party holds the final model; a party's **communication share** is its simulated
 upload + download time / T, and the headline is the largest share (the slowest link), as the seed reports for its
 slowest participant.
+
+It stays one module: the four arms share the configuration, the parties' data and the clock defined above.
 """
 
 from __future__ import annotations
