@@ -448,6 +448,43 @@ class TaskCreate(_In):
         return self
 
 
+class InferenceTaskCreate(TaskCreate):
+    type: Literal[TaskType.INFERENCE]
+    spec: InferenceSpec  # type: ignore[assignment]
+
+
+class BatchInferenceTaskCreate(TaskCreate):
+    type: Literal[TaskType.BATCH_INFERENCE]
+    spec: BatchInferenceSpec  # type: ignore[assignment]
+
+
+class SplitInferenceTaskCreate(TaskCreate):
+    type: Literal[TaskType.SPLIT_INFERENCE]
+    spec: SplitInferenceSpec  # type: ignore[assignment]
+
+
+class IncrementalTrainingTaskCreate(TaskCreate):
+    type: Literal[TaskType.INCREMENTAL_TRAINING]
+    spec: IncrementalTrainingSpec  # type: ignore[assignment]
+
+
+class FederatedTrainingTaskCreate(TaskCreate):
+    type: Literal[TaskType.FEDERATED_TRAINING]
+    spec: FederatedTrainingSpec  # type: ignore[assignment]
+
+
+TaskCreateBody = Annotated[
+    InferenceTaskCreate | BatchInferenceTaskCreate | SplitInferenceTaskCreate | IncrementalTrainingTaskCreate | FederatedTrainingTaskCreate,
+    Field(discriminator="type"),
+]
+"""``POST /tasks``: a :class:`TaskCreate` whose ``spec`` is its type's (one variant per type, told apart by
+``type``), so the OpenAPI shows each type's fields and a client can generate code from it."""
+TASK_CREATE_VARIANTS: dict[TaskType, type[TaskCreate]] = {
+    TaskType.INFERENCE: InferenceTaskCreate, TaskType.BATCH_INFERENCE: BatchInferenceTaskCreate, TaskType.SPLIT_INFERENCE: SplitInferenceTaskCreate,
+    TaskType.INCREMENTAL_TRAINING: IncrementalTrainingTaskCreate, TaskType.FEDERATED_TRAINING: FederatedTrainingTaskCreate,
+}  # fmt: skip
+
+
 class TaskProgress(BaseModel):
     items_total: int | None = Field(default=None, description="sharded types: inputs in all")
     items_done: int | None = None

@@ -67,3 +67,27 @@ def test_the_branch_finder_finds_a_branch() -> None:
         assert len(_type_branches(sample)) == 3
     finally:
         sample.unlink()
+
+
+def test_a_task_s_body_is_one_variant_per_type_with_that_type_s_spec() -> None:
+    from interfaces.tasks import TASK_CREATE_VARIANTS
+
+    assert set(TASK_CREATE_VARIANTS) == set(TASK_TYPES)
+    for task_type, variant in TASK_CREATE_VARIANTS.items():
+        assert variant.model_fields["spec"].annotation is TASK_TYPES[task_type].spec
+
+
+def test_the_openapi_shows_each_type_s_fields_for_post_tasks() -> None:
+    import json
+
+    spec = json.loads((ROOT / "interfaces" / "openapi.json").read_text())
+    body = spec["paths"]["/api/v1/tasks"]["post"]["requestBody"]["content"]["application/json"]["schema"]
+    assert body["discriminator"]["propertyName"] == "type"
+    mapping = body["discriminator"]["mapping"]
+    assert set(mapping) == {t.value for t in TaskType}
+    schemas = spec["components"]["schemas"]
+    for task_type, ref in mapping.items():
+        variant = schemas[ref.rsplit("/", 1)[-1]]
+        assert variant["properties"]["type"]["const"] == task_type
+        spec_ref = variant["properties"]["spec"]["$ref"].rsplit("/", 1)[-1]
+        assert spec_ref == TASK_TYPES[TaskType(task_type)].spec.__name__  # type: ignore[union-attr]

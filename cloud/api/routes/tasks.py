@@ -22,7 +22,7 @@ from cloud.tables import ApiToken
 from interfaces.errors import ErrorCode
 from interfaces.pagination import Page
 from interfaces.strict import INT64_MAX
-from interfaces.tasks import TASK_FINAL, TaskAction, TaskCreate, TaskDetail, TaskLogLine, TaskMetrics, TaskOutputs, TaskPublic, TaskState, TaskType, WorkerPublic
+from interfaces.tasks import TASK_FINAL, TaskAction, TaskCreateBody, TaskDetail, TaskLogLine, TaskMetrics, TaskOutputs, TaskPublic, TaskState, TaskType, WorkerPublic
 
 router = APIRouter(prefix="/tasks", tags=["tasks"], responses=PROBLEM_RESPONSES)
 SSE_MEDIA_TYPE = "text/event-stream"
@@ -37,7 +37,7 @@ def _wake(request: Request) -> None:
 
 
 @router.post("", status_code=status.HTTP_201_CREATED)
-def create_task(body: TaskCreate, request: Request, session: SessionDep, _: Operator, __: IdempotencyKey = None) -> TaskDetail:
+def create_task(body: TaskCreateBody, request: Request, session: SessionDep, _: Operator, __: IdempotencyKey = None) -> TaskDetail:
     """Create a task; the scheduler places its workers at once (or when started, if ``start`` is false)."""
     task = service.create(session, body, request.app.state.blobs, request.app.state.signing)
     _wake(request)
