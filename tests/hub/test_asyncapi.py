@@ -23,6 +23,7 @@ from interfaces.messages import (
     FlUpdateBody,
     HeartbeatBody,
     ReportedBody,
+    HubStateBody,
     StateBody,
     envelope,
 )  # fmt: skip
@@ -49,6 +50,7 @@ ORDER = WorkerOrder(
 )
 SAMPLES: dict[type[BaseModel], BaseModel] = {
     StateBody: StateBody(state=ConnectionState.OFFLINE, agent_version="probe/1", reason="shutdown"),
+    HubStateBody: HubStateBody(state=ConnectionState.ONLINE, signing_key_id="0123456789abcdef"),
     HeartbeatBody: HeartbeatBody(seq=3, agent_version="probe/1", uptime_s=12.5, resources=RESOURCES),
     DesiredBody: DesiredBody(version=4, spec={"sampling_hz": 10}, tasks=[ORDER], tasks_version=2),
     ReportedBody: ReportedBody(version=4, status={"sampling_hz": 10}),
