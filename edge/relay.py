@@ -24,8 +24,9 @@ The hub never touches device topics; it talks to the edge under the edge's own s
 
 Device envelopes travel upstream unchanged. The downstream broker's ACL delivers only our devices.
 
-It stays one module: both directions share the edge's store, its outbox and the two clients (hub and devices),
-and the ordering rules above hold only across all of them.
+The commands are relayed by :class:`edge.relay_commands.CommandRelay`. The rest stays one module: documents and
+reports in both directions share the edge's store, its outbox and the two clients (hub and devices), and the
+ordering rules above hold only across all of them.
 """
 
 from __future__ import annotations
@@ -33,30 +34,24 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
-import math
 import sqlite3
 import threading
 import time
-import uuid
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 import aiomqtt
-from paho.mqtt.packettypes import PacketTypes
-from paho.mqtt.properties import Properties
 from pydantic import ValidationError
 
 from device.rejections import Rejections
 from edge.link import Link
+from edge.relay_commands import CommandRelay, payload_bytes
 from edge.store import EdgeStore, LearnedFrom, OutboxRow, Scope
 from interfaces.deployments import DeploymentOrder
 from interfaces.tasks import WorkerOrder
 from interfaces.messages import (
     MAX_MESSAGE_BYTES,
-    CommandError,
-    CommandResultBody,
     ConnectionState,
     Envelope,
     EventBody,
@@ -65,7 +60,6 @@ from interfaces.messages import (
     envelope,
 )
 from interfaces.topics import (
-    DEVICE_CMD,
     DEVICE_CMD_REPLY,
     DEVICE_DESIRED,
     DEVICE_EVENTS,
@@ -76,7 +70,6 @@ from interfaces.topics import (
     HUB_STATE,
     NODE_EVENTS,
     RELAY_CMD,
-    RELAY_CMD_REPLY,
     RELAY_DESIRED,
     RELAY_EVENTS,
     RELAY_HEARTBEAT,
@@ -104,28 +97,6 @@ RESEND_DELIVERED_S = 10.0  # what the broker acknowledged this long before a ses
 DESIRED_RETRY_S = 1.0  # a desired document the store could not take is tried again after this
 RESEND_DELIVERED_MAX = 20_000  # ... at most this many messages (the newest), so a burst does not fill the memory
 
-def _bytes(payload: object) -> bytes:
-    return bytes(payload) if isinstance(payload, (bytes, bytearray)) else str(payload or "").encode()
-
-
-@dataclass(frozen=True)
-class _Command:
-    """A hub command on its way to a device, and what its answer needs to find the way back."""
-
-    device_id: str
-    request_id: str
-    name: str
-    payload: bytes
-    deadline: float  # event loop time
-    response_topic: str
-    correlation: bytes | None
-
-
-@dataclass(frozen=True)
-class _Pending:
-    command: _Command
-    answer: asyncio.Future[bytes]
-
 
 class DeviceRelay:
     """Relays between the upstream and the downstream link; see the module docstring."""
@@ -148,6 +119,7 @@ class DeviceRelay:
         self.node_id = node_id
         self.up, self.down = up, down
         self.rejections = Rejections(log)
+        self.commands = CommandRelay(node_id, up, down, self._knows, self.rejections)
         self.dropped = 0  # messages for the hub refused because the outbox was full
         self._store = store
         self._window = outbox_window
@@ -171,8 +143,6 @@ class DeviceRelay:
         self.on_hub_signing_key: Callable[[str], None] | None = None
         """Told the key id the hub announces in its retained state (the artefact cache catches up after a
         rotation); called on the relay's loop, so it must not block."""
-        self._pending: dict[bytes, _Pending] = {}
-        self._commands: set[asyncio.Task[None]] = set()
         self._background: set[asyncio.Task[None]] = set()
         self._staged: list[tuple[str, bytes, int, bool]] = []  # accepted, not yet committed to the outbox
         self._staged_seq: dict[str, int] = {}  # device id -> highest event seq among the staged messages
@@ -195,19 +165,19 @@ class DeviceRelay:
         self._committer: asyncio.Task[None] | None = None
         self._commit_scheduled = False
         up.route(RELAY_DESIRED, self._on_relay_desired, node_id=node_id)
-        up.route(RELAY_CMD, self._on_relay_command, node_id=node_id)
+        up.route(RELAY_CMD, self.commands.on_relay_command, node_id=node_id)
         up.route(HUB_STATE, self._on_hub_state)
         up.during_session(self._pump_outbox)
         up.during_session(self._pump_states)
         for device_topic, relay_topic in QUEUED.items():
             down.route(device_topic, functools.partial(self._on_device_message, device_topic, relay_topic))
         down.route(DEVICE_HEARTBEAT, self._on_device_heartbeat)
-        down.route(DEVICE_CMD_REPLY, self._on_device_reply)
+        down.route(DEVICE_CMD_REPLY, self.commands.on_device_reply)
         down.during_session(self._republish_desired)
 
     async def close(self) -> None:
         """Cancel the commands still waiting for a device, and the pending re-deliveries."""
-        tasks = [*self._commands, *self._background, *([self._acker] if self._acker is not None else [])]
+        tasks = [*self.commands.tasks, *self._background, *([self._acker] if self._acker is not None else [])]
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
@@ -224,7 +194,7 @@ class DeviceRelay:
         in one transaction and relays it; a device's newer document replaces its older one still waiting (the
         document is the whole desired state; the retained message downstream is the newest one either way).
         """
-        device_id, payload = ids["device_id"], _bytes(message.payload)
+        device_id, payload = ids["device_id"], payload_bytes(message.payload)
         if payload:
             try:
                 request = RELAY_DESIRED.payload.model_validate_json(payload)
@@ -307,106 +277,6 @@ class DeviceRelay:
         if documents:
             log.info("republished %s stored desired documents downstream", len(documents))
 
-    # ---- hub -> device: commands --------------------------------------------------------------------
-    async def _on_relay_command(self, client: aiomqtt.Client, message: aiomqtt.Message, ids: dict[str, str]) -> None:
-        device_id, payload = ids["device_id"], _bytes(message.payload)
-        response_topic = getattr(message.properties, "ResponseTopic", None) or RELAY_CMD_REPLY.topic(
-            node_id=self.node_id, device_id=device_id
-        )
-        correlation = getattr(message.properties, "CorrelationData", None)
-        deadline = asyncio.get_running_loop().time()
-        try:
-            request = RELAY_CMD.payload.model_validate_json(payload)
-        except ValidationError as exc:
-            self.rejections.count()
-            log.warning("rejected a malformed command for %s: %s errors", device_id, exc.error_count())
-            failure = CommandResultBody(
-                ok=False, error_code=CommandError.VALIDATION_FAILED.value, error=str(exc)[:2048]
-            )
-            await self._answer(response_topic, correlation, self._result(failure, None))
-            return
-        if not self._knows(device_id):
-            log.info("command %s (%s) for unknown device %s refused", request.body.name, request.id, device_id)
-            failure = CommandResultBody(
-                ok=False, error_code=CommandError.UNKNOWN_DEVICE, error=f"{device_id!r} is not a device of {self.node_id!r}"
-            )
-            await self._answer(response_topic, correlation, self._result(failure, request.id))
-            return
-        deadline += request.body.timeout_s
-        command = _Command(device_id, request.id, request.body.name, payload, deadline, response_topic, correlation)
-        task = asyncio.create_task(self._relay_command(command))
-        self._commands.add(task)
-        task.add_done_callback(self._commands.discard)
-
-    async def _relay_command(self, command: _Command) -> None:
-        """Forward ``command`` with our correlation id, wait for the device, answer the hub in any case."""
-        loop = asyncio.get_running_loop()
-        ours = uuid.uuid4().bytes
-        pending = _Pending(command, loop.create_future())
-        self._pending[ours] = pending
-        props = Properties(PacketTypes.PUBLISH)
-        props.ResponseTopic = DEVICE_CMD_REPLY.topic(device_id=command.device_id)
-        props.CorrelationData = ours
-        props.MessageExpiryInterval = max(1, math.ceil(command.deadline - loop.time()))  # no stale command runs
-        what = f"command {command.name} ({command.request_id}) for {command.device_id}"
-        try:
-            try:
-                topic = DEVICE_CMD.topic(device_id=command.device_id)
-                await self.down.publish(topic, command.payload, qos=DEVICE_CMD.qos, properties=props)
-            except aiomqtt.MqttError as exc:
-                log.warning("%s not delivered: %s", what, exc)
-                error = f"the devices' broker cannot be reached: {exc}"[:2048]
-                await self._fail(command, CommandResultBody(ok=False, error_code=CommandError.DOWNSTREAM_UNAVAILABLE, error=error))
-                return
-            log.info("%s forwarded", what)
-            try:
-                answer = await asyncio.wait_for(pending.answer, max(0.0, command.deadline - loop.time()))
-            except TimeoutError:
-                log.warning("%s: no answer in time", what)
-                error = f"{command.device_id!r} did not answer in time"
-                await self._fail(
-                    command, CommandResultBody(ok=False, error_code=CommandError.TIMEOUT.value, error=error)
-                )
-                return
-            await self._answer(command.response_topic, command.correlation, answer)
-        finally:
-            self._pending.pop(ours, None)
-
-    async def _fail(self, command: _Command, failure: CommandResultBody) -> None:
-        await self._answer(command.response_topic, command.correlation, self._result(failure, command.request_id))
-
-    async def _on_device_reply(self, client: aiomqtt.Client, message: aiomqtt.Message, ids: dict[str, str]) -> None:
-        device_id, payload = ids["device_id"], _bytes(message.payload)
-        correlation = getattr(message.properties, "CorrelationData", None)
-        pending = self._pending.get(bytes(correlation)) if correlation else None
-        if pending is None or pending.command.device_id != device_id or pending.answer.done():
-            log.info("dropping a late or unexpected command answer from %s", device_id)
-            return
-        try:
-            DEVICE_CMD_REPLY.payload.model_validate_json(payload)
-        except ValidationError as exc:
-            self.rejections.count()
-            log.warning(
-                "%s answered command %s with a malformed result: %s errors",
-                device_id,
-                pending.command.request_id,
-                exc.error_count(),
-            )
-            failure = CommandResultBody(ok=False, error_code=CommandError.INVALID_REPLY, error=str(exc)[:2048])
-            payload = self._result(failure, pending.command.request_id)
-        pending.answer.set_result(payload)
-
-    def _result(self, body: CommandResultBody, request_id: str | None) -> bytes:
-        return envelope(self.node_id, body, reply_to=request_id).model_dump_json().encode()
-
-    async def _answer(self, topic: str, correlation: bytes | None, payload: bytes) -> None:
-        props = Properties(PacketTypes.PUBLISH)
-        if correlation is not None:
-            props.CorrelationData = correlation
-        try:
-            await self.up.publish(topic, payload, qos=RELAY_CMD_REPLY.qos, properties=props)
-        except aiomqtt.MqttError as exc:
-            log.warning("a command answer for %s is lost: %s", topic, exc)
 
     # ---- device -> hub ------------------------------------------------------------------------------
     async def _on_device_message(
@@ -417,7 +287,7 @@ class DeviceRelay:
         message: aiomqtt.Message,
         ids: dict[str, str],
     ) -> None:
-        device_id, payload = ids["device_id"], _bytes(message.payload)
+        device_id, payload = ids["device_id"], payload_bytes(message.payload)
         if not payload:
             log.debug("ignoring an empty message on %s", message.topic.value)
             return
@@ -507,7 +377,7 @@ class DeviceRelay:
             await self._publish_down(DEVICE_DESIRED.topic(device_id=device_id), stored.payload)
 
     async def _on_device_heartbeat(self, client: aiomqtt.Client, message: aiomqtt.Message, ids: dict[str, str]) -> None:
-        device_id, payload = ids["device_id"], _bytes(message.payload)
+        device_id, payload = ids["device_id"], payload_bytes(message.payload)
         if not self.up.connected.is_set():
             log.debug("upstream down: heartbeat of %s dropped", device_id)
             return
@@ -619,7 +489,7 @@ class DeviceRelay:
         """The hub says whether it is subscribed; a broker acknowledgement only means delivered to the hub
         while it is (a broker that restarted keeps no promise for the hub's session before it is back)."""
         try:
-            body = Envelope[HubStateBody].model_validate_json(_bytes(message.payload)).body
+            body = Envelope[HubStateBody].model_validate_json(payload_bytes(message.payload)).body
         except ValidationError:
             body = None
         online = body is not None and body.state is ConnectionState.ONLINE
