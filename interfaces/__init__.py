@@ -3,5 +3,7 @@
 Pure data: this package performs no I/O and imports nothing of the project's other packages.
 """
 
-PROTOCOL_VERSION = 1
+from typing import Final
+
+PROTOCOL_VERSION: Final = 1
 API_PREFIX = "/api/v1"

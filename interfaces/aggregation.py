@@ -214,13 +214,13 @@ def _number(name: str, value: Any, *, low: float, high: float = math.inf, low_op
     """``value`` as a float in the interval given (ValueError otherwise)."""
     if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)):
         raise ValueError(f"{name} must be a number, got {value!r}")
-    value = float(value)
-    below = value <= low if low_open else value < low
-    above = value >= high if high_open else value > high
-    if not math.isfinite(value) or below or above:
+    number = float(value)
+    below = number <= low if low_open else number < low
+    above = number >= high if high_open else number > high
+    if not math.isfinite(number) or below or above:
         interval = f"{'(' if low_open else '['}{low:g}, {high:g}{')' if high_open else ']'}"
-        raise ValueError(f"{name} must be a finite number in {interval}, got {value!r}")
-    return value
+        raise ValueError(f"{name} must be a finite number in {interval}, got {number!r}")
+    return number
 
 
 # --------------------------------------------------------------------------------------------------- strategies

@@ -148,7 +148,8 @@ def _channel_id(topic: Topic[Any]) -> str:
 
 
 def _body(topic: Topic[Any]) -> type[BaseModel]:
-    return topic.payload.model_fields["body"].annotation  # type: ignore[return-value]
+    body: type[BaseModel] = topic.payload.model_fields["body"].annotation
+    return body
 
 
 def _channel(topic: Topic[Any]) -> str:
@@ -160,7 +161,8 @@ def _message_id(topic: Topic[Any]) -> str:
     """An envelope's is its body's ``kind`` (``state``, ``events.ack``), a frame's its channel (``infer.reply``)."""
     if topic.binary:
         return _channel(topic).replace("/", ".")
-    return _body(topic).KIND  # type: ignore[attr-defined]
+    kind: str = _body(topic).KIND  # type: ignore[attr-defined]
+    return kind
 
 
 def _reply_topic(topic: Topic[Any]) -> Topic[Any] | None:

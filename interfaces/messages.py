@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from datetime import UTC, datetime
 from enum import StrEnum
-from typing import Annotated, Any, ClassVar, Generic, Literal, TypeVar
+from typing import Annotated, Any, ClassVar, Generic, Literal, TypeVar, cast
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -191,9 +191,8 @@ HUB_SRC = "hub"
 
 def envelope(src: str, body: B, reply_to: str | None = None) -> Envelope[B]:
     """Wrap ``body`` in a fresh envelope from ``src``."""
-    return Envelope[type(body)](  # type: ignore[index]
-        id=new_id("m"), ts=datetime.now(UTC), src=src, kind=body.KIND, reply_to=reply_to, body=body
-    )
+    model: type[Envelope[B]] = cast(Any, Envelope)[type(body)]
+    return model(id=new_id("m"), ts=datetime.now(UTC), src=src, kind=body.KIND, reply_to=reply_to, body=body)
 
 
 EVENT_DATA: dict[str, type[BaseModel]] = {

@@ -33,6 +33,7 @@ State machines (the transitions below are the only legal moves)::
 
 from __future__ import annotations
 
+import builtins
 from dataclasses import dataclass
 from datetime import datetime
 from enum import StrEnum
@@ -393,7 +394,7 @@ class RetryPolicy(_In):
 
     def delay(self, attempt: int) -> float:
         """Seconds to wait before attempt number ``attempt`` (2, 3, ...)."""
-        return min(self.max_backoff_s, self.backoff_s * 2 ** max(0, attempt - 2))
+        return float(min(self.max_backoff_s, self.backoff_s * 2 ** max(0, attempt - 2)))
 
 
 @dataclass(frozen=True)
@@ -401,7 +402,7 @@ class TaskTypeInfo:
     """What the scheduler needs to know of a task type."""
 
     type: TaskType
-    spec: type[BaseModel] | None
+    spec: builtins.type[BaseModel] | None
     """the spec model; None: not runnable on this version"""
     placement: Literal["each", "shards"]
     """each: one worker per placed target; shards: the inputs are split in chunks over the placed targets"""

@@ -10,7 +10,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 from enum import StrEnum
-from typing import Generic, TypeVar
+from typing import Any, Generic, TypeVar
 
 from pydantic import BaseModel
 
@@ -113,7 +113,7 @@ class Topic(Generic[P]):
         return match.groupdict() if match else None
 
 
-def _pair(channel: Channel, body: type[BaseModel], up: bool, qos: int, retain: bool, what: str) -> tuple[Topic, Topic]:
+def _pair(channel: Channel, body: type[BaseModel], up: bool, qos: int, retain: bool, what: str) -> tuple[Topic[Any], Topic[Any]]:
     node = Topic(
         f"{PREFIX}/{Tier.NODE}/{{node_id}}/{channel}",
         Envelope[body],  # type: ignore[valid-type]
@@ -143,7 +143,7 @@ NODE_EVENTS, DEVICE_EVENTS = _pair(Channel.EVENTS, EventBody, True, 1, False, "t
 
 DEVICE_EVENTS_ACK = Topic(
     f"{PREFIX}/{Tier.DEVICE}/{{device_id}}/{Channel.EVENTS_ACK}",
-    Envelope[EventsAckBody],  # type: ignore[valid-type]
+    Envelope[EventsAckBody],
     Direction.EDGE_TO_DEVICE,
     1,
     False,
@@ -171,7 +171,7 @@ DEVICE_INFER_REPLY = Topic(
 
 DEVICE_FL = Topic(
     f"{PREFIX}/{Tier.DEVICE}/{{device_id}}/{Channel.FL}",
-    Envelope[FlUpdateBody],  # type: ignore[valid-type]
+    Envelope[FlUpdateBody],
     Direction.DEVICE_TO_EDGE,
     1,
     False,
@@ -179,7 +179,7 @@ DEVICE_FL = Topic(
 )
 
 
-def _relay(channel: Channel, body: type[BaseModel], up: bool, qos: int, retain: bool, what: str) -> Topic:
+def _relay(channel: Channel, body: type[BaseModel], up: bool, qos: int, retain: bool, what: str) -> Topic[Any]:
     """A device's channel relayed by its edge under the edge's own subtree (so the edge's ACL suffices)."""
     return Topic(
         f"{PREFIX}/{Tier.NODE}/{{node_id}}/{Tier.DEVICE}/{{device_id}}/{channel}",
@@ -201,14 +201,14 @@ RELAY_EVENTS = _relay(Channel.EVENTS, EventBody, True, 1, False, "a device's eve
 
 HUB_STATE = Topic(
     f"{PREFIX}/hub/state",
-    Envelope[HubStateBody],  # type: ignore[valid-type]
+    Envelope[HubStateBody],
     Direction.HUB_TO_EDGE,
     1,
     True,
     "retained online/offline of the hub (offline is its last will); edges deliver stored reports only while it is online",
 )
 
-TOPICS: tuple[Topic, ...] = (
+TOPICS: tuple[Topic[Any], ...] = (
     HUB_STATE,
     NODE_STATE, NODE_HEARTBEAT, NODE_DESIRED, NODE_REPORTED, NODE_CMD, NODE_CMD_REPLY, NODE_EVENTS,
     DEVICE_STATE, DEVICE_HEARTBEAT, DEVICE_DESIRED, DEVICE_REPORTED, DEVICE_CMD, DEVICE_CMD_REPLY, DEVICE_EVENTS, DEVICE_EVENTS_ACK,
@@ -241,7 +241,7 @@ def topic_table_markdown() -> str:
         if t.binary:
             payload = f"safetensors bytes; user properties `{t.payload.__name__}`"
         else:
-            payload = f"`Envelope[{t.payload.model_fields['body'].annotation.__name__}]`"  # type: ignore[union-attr]
+            payload = f"`Envelope[{t.payload.model_fields['body'].annotation.__name__}]`"
         lines.append(f"| `{t.pattern}` | {payload} | {t.direction} | {t.qos} | {'yes' if t.retain else 'no'} | {t.description} |")
     lines += [
         "",

@@ -35,6 +35,7 @@ from interfaces.deployments import (
 )
 from interfaces.infer import InferReply, InferRequest
 from interfaces.messages import (
+    HubStateBody,
     EVENT_DATA,
     CommandBody,
     CommandResultBody,
@@ -142,7 +143,7 @@ def _doc(model: BaseModel) -> dict[str, Any]:
 
 # (name of the committed schema, the model that reads it, a valid document)
 CHANNELS: list[tuple[str, type[BaseModel], dict[str, Any]]] = [
-    ("hub-state", HUB_STATE.payload, _doc(envelope("hub", StateBody(state=ConnectionState.ONLINE, agent_version="1", reason="up")))),
+    ("hub-state", HUB_STATE.payload, _doc(envelope("hub", HubStateBody(state=ConnectionState.ONLINE, agent_version="1", reason="up", signing_key_id="0123456789abcdef")))),
     ("state", NODE_STATE.payload, _doc(envelope("n-1", StateBody(state=ConnectionState.OFFLINE, agent_version="1", reason="will")))),
     ("heartbeat", NODE_HEARTBEAT.payload, _doc(envelope("n-1", HeartbeatBody(seq=12, agent_version="1.0", uptime_s=3.5, resources=_resources())))),
     ("desired", NODE_DESIRED.payload, _doc(envelope("hub", _desired()))),
