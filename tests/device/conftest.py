@@ -288,7 +288,7 @@ class EdgeObserver:
                 ack = envelope("edge", EventsAckBody(seq=seq)).model_dump_json().encode()
                 client.publish(DEVICE_EVENTS_ACK.topic(device_id=self.device_id), ack, qos=DEVICE_EVENTS_ACK.qos)
 
-    def expect(self, channel: str, timeout: float = 10.0, **body: object) -> tuple[mqtt.MQTTMessage, dict]:
+    def expect(self, channel: str, timeout: float = 60.0, **body: object) -> tuple[mqtt.MQTTMessage, dict]:
         """The earliest message on ``channel`` not returned before whose body contains ``body``."""
         deadline = time.monotonic() + timeout
         with self._arrived:

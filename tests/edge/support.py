@@ -166,7 +166,7 @@ def listening(port: int) -> bool:
         return s.connect_ex(("127.0.0.1", port)) == 0
 
 
-def wait_until(predicate: Callable[[], object], timeout: float = 10.0, what: str = "condition") -> object:
+def wait_until(predicate: Callable[[], object], timeout: float = 60.0, what: str = "condition") -> object:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if result := predicate():
@@ -296,7 +296,7 @@ class Peer:
             self._on_message(self, message)
 
     def expect(
-        self, topic: str, timeout: float = 10.0, where: Callable[[mqtt.MQTTMessage], bool] = lambda m: True
+        self, topic: str, timeout: float = 60.0, where: Callable[[mqtt.MQTTMessage], bool] = lambda m: True
     ) -> mqtt.MQTTMessage:
         """Take the oldest message on ``topic`` that satisfies ``where``, waiting for it if need be; the
         others stay for later calls."""

@@ -32,7 +32,7 @@ def test_a_publish_whose_session_ends_answers_not_connected_at_once(tmp_path: Pa
     async def scenario() -> tuple[float, BaseException | None]:
         stop = asyncio.Event()
         running = asyncio.create_task(link.run(stop))
-        await asyncio.wait_for(link.connected.wait(), 10)
+        await asyncio.wait_for(link.connected.wait(), 60)
         await link.publish(f"synergy/v1/nodes/{NODE}/events", b"{}", qos=1)  # a PUBACK comes
         assert broker.process is not None
         os.kill(broker.process.pid, signal.SIGSTOP)  # the broker stops answering, the TCP connection stays

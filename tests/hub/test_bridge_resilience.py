@@ -27,9 +27,11 @@ def test_an_unexpected_error_on_a_connection_attempt_does_not_end_the_bridge(hub
 
     async def scenario() -> bool:
         task = asyncio.create_task(bridge.run())
-        for _ in range(500):
-            if len(calls) >= 3:
-                break
+        deadline = asyncio.get_running_loop().time() + 60
+        def counted() -> bool:
+            return len(calls) >= 3 and bridge.counters["unexpected_errors"] >= 3 and bridge.counters["connection_errors"] >= 3
+
+        while not counted() and not task.done() and asyncio.get_running_loop().time() < deadline:
             await asyncio.sleep(0.01)
         alive = not task.done()
         task.cancel()

@@ -61,11 +61,11 @@ def test_a_node_heartbeat_with_a_wrong_type_is_refused_counted_answered_and_chan
     node = _node(hub, tmp_path)
     probe = MqttProbe(node, broker.port).connect()
     request.addfinalizer(probe.close)
-    wait_for(probe.connected, 10, what="the node connected")
+    wait_for(probe.connected, 60, what="the node connected")
     online = envelope(node.node_id, StateBody(state=ConnectionState.ONLINE, agent_version="good")).model_dump_json()
     assert probe.publish(NODE_STATE.topic(node_id=node.node_id), online, retain=True) == "Success"
     probe.publish(NODE_HEARTBEAT.topic(node_id=node.node_id), good_heartbeat(node.node_id, 1, 7.5))
-    wait_for(lambda: _status(hub, node.node_id)["uptime_s"] == 7.5, 10, what="the good heartbeat stored")
+    wait_for(lambda: _status(hub, node.node_id)["uptime_s"] == 7.5, 60, what="the good heartbeat stored")
     before, dropped_before = _status(hub, node.node_id), _dropped(hub)
 
     # Execute: the four heartbeats of the report, on the node's own heartbeat topic
@@ -73,7 +73,7 @@ def test_a_node_heartbeat_with_a_wrong_type_is_refused_counted_answered_and_chan
         probe.publish(NODE_HEARTBEAT.topic(node_id=node.node_id), wrong_heartbeat(node.node_id, path, raw_value))
 
     # Assert: one message_rejected event each, recorded by the hub on the node, naming the topic and the field
-    events = wait_for(lambda: (found := _rejections(hub, node.node_id)) and len(found) >= len(WRONG) and found, 15, what="four rejections")
+    events = wait_for(lambda: (found := _rejections(hub, node.node_id)) and len(found) >= len(WRONG) and found, 60, what="four rejections")
     assert [(e["source"], e["severity"], e["data"]["topic"]) for e in events] == [("hub", "error", NODE_HEARTBEAT.topic(node_id=node.node_id))] * 4  # type: ignore[union-attr]
     assert [e["data"]["rejected_total"] for e in events] == [1, 2, 3, 4]  # type: ignore[union-attr]
     for event, (_path, _raw, field) in zip(events, WRONG, strict=True):  # type: ignore[arg-type]
@@ -85,7 +85,7 @@ def test_a_node_heartbeat_with_a_wrong_type_is_refused_counted_answered_and_chan
 
     # the next good heartbeat is taken as before
     probe.publish(NODE_HEARTBEAT.topic(node_id=node.node_id), good_heartbeat(node.node_id, 2, 8.5))
-    wait_for(lambda: _status(hub, node.node_id)["uptime_s"] == 8.5, 10, what="the next good heartbeat stored")
+    wait_for(lambda: _status(hub, node.node_id)["uptime_s"] == 8.5, 60, what="the next good heartbeat stored")
 
 
 @pytest.mark.parametrize(

@@ -29,13 +29,13 @@ def test_hub_serves_without_broker_then_connects_and_reconnects(tmp_path: Path, 
             agent = start([*AISYNERGY, "edge", "run", "--hub", hub.url, "--node-id", node_id, "--bootstrap-token",
                            reg.json()["bootstrap_token"], "--data-dir", str(tmp_path / "agent")], tmp_path / "agent.log")  # fmt: skip
             with hub.client("viewer") as api:
-                wait_for(lambda: api.get(f"/nodes/{node_id}/status").json()["state"] == "ONLINE", 20, what="ONLINE")
+                wait_for(lambda: api.get(f"/nodes/{node_id}/status").json()["state"] == "ONLINE", 60, what="ONLINE")
 
             # the broker restarts: hub and agent reconnect, the node is ONLINE again
             stop(broker.proc)
-            wait_for(lambda: not hub.health()["mqtt"]["connected"], 10, what="hub notices the broker is gone")
+            wait_for(lambda: not hub.health()["mqtt"]["connected"], 60, what="hub notices the broker is gone")
             with hub.client("viewer") as api:  # no heartbeats reach the hub: missed-heartbeat liveness
-                wait_for(lambda: api.get(f"/nodes/{node_id}/status").json()["state"] == "OFFLINE", 10, what="OFFLINE during outage")
+                wait_for(lambda: api.get(f"/nodes/{node_id}/status").json()["state"] == "OFFLINE", 60, what="OFFLINE during outage")
             broker = start_broker(data, port)
             wait_for(lambda: hub.health()["mqtt"]["connected"], 60, interval=0.2, what="hub reconnects")
             with hub.client("viewer") as api:

@@ -48,10 +48,10 @@ def test_node_cannot_publish_or_read_another_nodes_topics(broker: Broker, hub: H
     # Prepare: two enrolled nodes, both online
     a, b = _node(hub, "node-a", tmp_path), _node(hub, "node-b", tmp_path)
     probe_a, probe_b = MqttProbe(a, broker.port).connect(), MqttProbe(b, broker.port).connect()
-    wait_for(lambda: probe_a.connected() and probe_b.connected(), 10, what="both connected")
+    wait_for(lambda: probe_a.connected() and probe_b.connected(), 60, what="both connected")
     _online(probe_a, a.node_id, 1.0)
     _online(probe_b, b.node_id, 2.0)
-    wait_for(lambda: _status(hub, b.node_id)["uptime_s"] == 2.0, 5, what="B online")
+    wait_for(lambda: _status(hub, b.node_id)["uptime_s"] == 2.0, 60, what="B online")
     before = _status(hub, b.node_id)
     probe_a.client.subscribe(f"synergy/v1/nodes/{b.node_id}/#", qos=1)
 
@@ -62,7 +62,7 @@ def test_node_cannot_publish_or_read_another_nodes_topics(broker: Broker, hub: H
     reason_hb = probe_a.publish(NODE_HEARTBEAT.topic(node_id=b.node_id), forged_hb)
     # B keeps publishing its own heartbeats; A must not receive them
     probe_b.publish(NODE_HEARTBEAT.topic(node_id=b.node_id), envelope(b.node_id, HeartbeatBody(seq=2, agent_version="probe", uptime_s=3.0, resources=RESOURCES)).model_dump_json())
-    wait_for(lambda: _status(hub, b.node_id)["uptime_s"] == 3.0, 5, what="B's own heartbeat")
+    wait_for(lambda: _status(hub, b.node_id)["uptime_s"] == 3.0, 60, what="B's own heartbeat")
 
     # Assert: the broker refused A, the hub's view of B is B's own
     assert reason_state == "Not authorized"
@@ -79,9 +79,9 @@ def test_deleted_node_is_cut_off_and_refused(broker: Broker, hub: Hub, tmp_path:
     # Prepare: an online node
     node = _node(hub, "node-doomed", tmp_path)
     probe = MqttProbe(node, broker.port).connect()
-    wait_for(probe.connected, 10, what="connected")
+    wait_for(probe.connected, 60, what="connected")
     _online(probe, node.node_id, 1.0)
-    wait_for(lambda: _status(hub, node.node_id)["state"] == "ONLINE", 5, what="ONLINE")
+    wait_for(lambda: _status(hub, node.node_id)["state"] == "ONLINE", 60, what="ONLINE")
 
     # Execute: an admin deletes it
     with hub.client("admin") as api:
@@ -89,11 +89,11 @@ def test_deleted_node_is_cut_off_and_refused(broker: Broker, hub: Hub, tmp_path:
         assert api.get(f"/nodes/{node.node_id}").status_code == 404
 
     # Assert: its open connection is denied everything once the broker reloads ...
-    wait_for(lambda: probe.publish(NODE_HEARTBEAT.topic(node_id=node.node_id), b"{}") == "Not authorized", 10, interval=0.3, what="open connection denied")
+    wait_for(lambda: probe.publish(NODE_HEARTBEAT.topic(node_id=node.node_id), b"{}") == "Not authorized", 60, interval=0.3, what="open connection denied")
     probe.close()
     # ... and a new connection with the revoked certificate fails the TLS handshake
     again = MqttProbe(node, broker.port).connect()
-    wait_for(lambda: any(e[0] in ("refused", "disconnect") for e in again.events), 10, what="refusal")
+    wait_for(lambda: any(e[0] in ("refused", "disconnect") for e in again.events), 60, what="refusal")
     assert not again.connected()
     again.client.loop_stop()
     # ... and re-enrolling a deleted node is refused
@@ -113,7 +113,7 @@ def test_broker_refuses_clients_without_a_hub_certificate(broker: Broker, hub: H
 
     # Execute / Assert: TLS refuses it
     probe = MqttProbe(rogue, broker.port).connect()
-    wait_for(lambda: any(e[0] in ("refused", "disconnect") for e in probe.events), 10, what="refusal")
+    wait_for(lambda: any(e[0] in ("refused", "disconnect") for e in probe.events), 60, what="refusal")
     assert not probe.connected()
     probe.client.loop_stop()
 

@@ -5,7 +5,6 @@ brokers, the edge; the device runs in the test process."""
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -43,30 +42,30 @@ def test_a_node_and_a_device_due_for_renewal_renew_at_start_and_connect_with_the
     node = NodeIdentityStore(stack.data / "edge")
     node_first = node.load_enrolment()
     dev = stack.add_device("cam-renewing")
-    wait_for(lambda: stack.device_state(dev.device_id) == "ONLINE", 30, what="device ONLINE")
+    wait_for(lambda: stack.device_state(dev.device_id) == "ONLINE", 60, what="device ONLINE")
     device_first = dev.identity.load_enrolment()
     assert _get(stack, f"/nodes/{stack.node_id}")["certificate_serial"] == node_first.serial
 
     # Execute: the edge restarts
     assert stack.edge is not None
     stop(stack.edge)
-    wait_for(lambda: _get(stack, f"/nodes/{stack.node_id}/status")["state"] == "OFFLINE", 20, what="node OFFLINE")
+    wait_for(lambda: _get(stack, f"/nodes/{stack.node_id}/status")["state"] == "OFFLINE", 60, what="node OFFLINE")
     stack.start_edge()
 
     # Assert: a new serial at the hub and on disk, and the node online with it
-    wait_for(lambda: _get(stack, f"/nodes/{stack.node_id}")["certificate_serial"] != node_first.serial, 30, what="node renewed")
-    wait_for(lambda: _get(stack, f"/nodes/{stack.node_id}/status")["state"] == "ONLINE", 30, what="node ONLINE again")
+    wait_for(lambda: _get(stack, f"/nodes/{stack.node_id}")["certificate_serial"] != node_first.serial, 60, what="node renewed")
+    wait_for(lambda: _get(stack, f"/nodes/{stack.node_id}/status")["state"] == "ONLINE", 60, what="node ONLINE again")
     node_now = node.load_enrolment()
     assert node_now.serial == _get(stack, f"/nodes/{stack.node_id}")["certificate_serial"]
     assert node_now.certificate_sha256 == fingerprint(node.cert_path.read_text())
 
     # Execute: the device restarts (it renews through the edge's listener)
     dev.stop()
-    wait_for(lambda: stack.device_state(dev.device_id) == "OFFLINE", 20, what="device OFFLINE")
+    wait_for(lambda: stack.device_state(dev.device_id) == "OFFLINE", 60, what="device OFFLINE")
     again = stack.restart_device(dev)
 
     # Assert: renewed, its new certificate on disk, online with it; both renewals recorded on the node
-    wait_for(lambda: stack.device_state(again.device_id) == "ONLINE", 30, what="device ONLINE again")
+    wait_for(lambda: stack.device_state(again.device_id) == "ONLINE", 60, what="device ONLINE again")
     device_now = again.identity.load_enrolment()
     assert device_now.serial != device_first.serial
     assert device_now.certificate_sha256 == fingerprint(again.identity.cert_path.read_text())
@@ -89,12 +88,12 @@ def test_a_running_device_renews_when_its_periodic_check_finds_the_certificate_d
             device_id = api.post("/devices", json={"node_id": s.node_id, "name": "cam-long-running", "model": "test-board"}).json()["id"]
             issued = api.post(f"/devices/{device_id}/bootstrap-token", json={}).json()
         acl = s.data / "devices-broker" / "acl"
-        wait_for(lambda: acl.exists() and device_id in acl.read_text(), 10, what="the devices' broker knows the device")
+        wait_for(lambda: acl.exists() and device_id in acl.read_text(), 60, what="the devices' broker knows the device")
         dev = Device(device_id, s.data / "cam-long-running", enrol_url=s.enrol_url, bootstrap_token=issued["bootstrap_token"],
                      ca_sha256=issued["ca_sha256"], tls_server_name=issued["tls_server_name"], renewal_check_s=0.5)  # fmt: skip
         s.devices.append(dev)
         dev.start()
-        wait_for(lambda: s.device_state(device_id) == "ONLINE", 30, what="device ONLINE")
+        wait_for(lambda: s.device_state(device_id) == "ONLINE", 60, what="device ONLINE")
         first = dev.identity.load_enrolment()
         assert not renewal.due(first)
 
@@ -103,13 +102,24 @@ def test_a_running_device_renews_when_its_periodic_check_finds_the_certificate_d
         monkeypatch.setattr(renewal, "_now", lambda: later)
 
         # Assert: renewed in the running agent
-        wait_for(lambda: dev.identity.load_enrolment().serial != first.serial, 30, what="the running device renewed")
+        wait_for(lambda: dev.identity.load_enrolment().serial != first.serial, 60, what="the running device renewed")
 
-        # Execute: the clock back to now (a renewed certificate has 365 days again: not due)
-        monkeypatch.setattr(renewal, "_now", lambda: datetime.now(UTC))
-        time.sleep(1.5)  # three more checks
+        # Execute: the clock back to now (a renewed certificate has 365 days again: not due); the agent's periodic
+        # check reads the clock, so counting the reads counts the checks
+        looked: list[datetime] = []
+
+        def clock() -> datetime:
+            looked.append(datetime.now(UTC))
+            return looked[-1]
+
+        def checks(n: int) -> None:
+            since = len(looked)
+            wait_for(lambda: len(looked) >= since + n, 60, what=f"{n} more checks of the running agent")
+
+        monkeypatch.setattr(renewal, "_now", clock)
+        checks(3)
         settled = dev.identity.load_enrolment()
-        time.sleep(1.5)
+        checks(3)
 
         # Assert: stored, recorded by the hub, and not renewed again once not due
         now = dev.identity.load_enrolment()
