@@ -168,14 +168,14 @@ def test_a_restarted_agent_restores_the_model_it_installed_at_start(
             with Device(device_id, store.data_dir):
                 edge.publish(DEVICE_DESIRED.topic(device_id=device_id), envelope("edge", body).model_dump_json().encode(), retain=True)
                 wait_for(lambda: any(b["type"] == EXECUTION_EVENT and b["data"]["state"] == "ACTIVE" for b in edge.bodies("events")), 30, what="ACTIVE")
-                edge.expect("reported", timeout=10, version=1)
+                edge.expect("reported", timeout=60, version=1)
 
             # Execute
             restarted = Device(device_id, store.data_dir)
             restarted.start()
             try:
                 serving = restarted.models.get()  # start() returned: the model is loaded already
-                _, report = edge.expect("reported", timeout=10, version=1)
+                _, report = edge.expect("reported", timeout=60, version=1)
             finally:
                 restarted.stop()
         finally:

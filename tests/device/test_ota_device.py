@@ -51,10 +51,10 @@ def test_an_order_in_the_desired_document_installs_and_serves_a_model(
             # Execute
             desire(1, 1, [v1])
             active = _progress(edge, v1.execution_id, "ACTIVE")
-            _, report = edge.expect("reported", timeout=10, version=1)
+            _, report = edge.expect("reported", timeout=60, version=1)
             desire(1, 2, [v2])  # only the orders change
             _progress(edge, v2.execution_id, "ACTIVE")
-            _, second = edge.expect("reported", timeout=10, version=1)
+            _, second = edge.expect("reported", timeout=60, version=1)
             edge.command(CommandBody(name="infer", args={"inputs": {"x": x.tolist()}}), b"c-infer")
             _, answer = edge.expect("cmd/reply", ok=True)
             edge.command(CommandBody(name="models"), b"c-models")

@@ -64,7 +64,7 @@ class Hub:
         self.client.subscribe(own_subtree(Tier.NODE, node_id), qos=1)
         self.client.loop_start()
 
-    def expect(self, channel: str, timeout: float = 10.0, **body: object) -> tuple[mqtt.MQTTMessage, dict]:
+    def expect(self, channel: str, timeout: float = 60.0, **body: object) -> tuple[mqtt.MQTTMessage, dict]:
         """The next message on ``channel`` whose body contains ``body``."""
         deadline = time.monotonic() + timeout
         while (left := deadline - time.monotonic()) > 0:

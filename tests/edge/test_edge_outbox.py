@@ -109,7 +109,7 @@ def test_events_during_an_upstream_outage_arrive_once_and_in_order(
     # Assert: everything once, in order; the node itself is back online
     received = []
     while not set(EVENTS[5:]) <= {m.payload for m in received}:
-        received.append(hub.expect(events_topic, timeout=15))
+        received.append(hub.expect(events_topic, timeout=60))
     # The broker may hand the hub again, flagged DUP, what it took before the outage without the hub's
     # PUBACK, and the edge sends first again what the broker acknowledged just before the session ended (a
     # broker that dies loses what it still held for the hub); the hub drops both by envelope id. After
@@ -165,7 +165,7 @@ def test_a_gateway_rebooted_during_an_outage_still_serves_its_devices(
     wait_until(lambda: outbox_rows(node_dir) == 3, what="3 messages in the outbox")
     up.start()
     events_topic = RELAY_EVENTS.topic(node_id=NODE, device_id=DEVICE)
-    assert [hub.expect(events_topic, timeout=15).payload for _ in range(3)] == EVENTS[:3]
+    assert [hub.expect(events_topic, timeout=60).payload for _ in range(3)] == EVENTS[:3]
     assert stop_edge(edge) == 0
 
 
@@ -208,8 +208,8 @@ def test_a_device_state_goes_ahead_of_the_events_queued_meanwhile_and_only_its_n
 
     # Assert: the newest state arrives first, alone; then every event in order
     events_topic, state_topic = RELAY_EVENTS.topic(node_id=NODE, device_id=DEVICE), RELAY_STATE.topic(node_id=NODE, device_id=DEVICE)
-    assert hub.expect(state_topic, timeout=15).payload == states[-1]
-    assert [hub.expect(events_topic, timeout=15).payload for _ in EVENTS] == EVENTS
+    assert hub.expect(state_topic, timeout=60).payload == states[-1]
+    assert [hub.expect(events_topic, timeout=60).payload for _ in EVENTS] == EVENTS
     assert hub.drain(state_topic, quiet_s=0.5) == []
     mine = [topic for topic in arrived if topic in (events_topic, state_topic)]
     assert mine[0] == state_topic and mine.count(state_topic) == 1
@@ -244,6 +244,6 @@ def test_a_state_not_yet_relayed_when_the_edge_is_killed_reaches_the_hub_after_i
     up.start()
 
     # Assert: the device's broker still holds the state (retained) and hands it to the new edge
-    assert hub.expect(RELAY_STATE.topic(node_id=NODE, device_id=DEVICE), timeout=15).payload == state
-    assert hub.expect(RELAY_EVENTS.topic(node_id=NODE, device_id=DEVICE), timeout=15).payload == EVENTS[0]
+    assert hub.expect(RELAY_STATE.topic(node_id=NODE, device_id=DEVICE), timeout=60).payload == state
+    assert hub.expect(RELAY_EVENTS.topic(node_id=NODE, device_id=DEVICE), timeout=60).payload == EVENTS[0]
     assert stop_edge(edge) == 0
