@@ -13,16 +13,16 @@ from cloud.cli.task.client import download_outputs, input_format, upload_inputs
 from cloud.cli.task.options import DURATION, build_task_body, load_spec
 from cloud.cli.task.sse import LogFollower
 from cloud.cli.task.view import (
-    _console,
-    _echo_json,
-    _number,
-    _print,
-    _report_final,
-    _table,
-    _values,
-    _when,
+    echo_json,
     format_log_line,
+    format_number,
+    format_time,
+    format_values,
+    make_console,
+    make_table,
+    print_table,
     progress_summary,
+    report_final,
     watch_task,
 )
 from interfaces.pagination import MAX_LIMIT
@@ -91,12 +91,12 @@ def create(hub: _Hub, task_type: str, spec_text: str | None, model: str | None, 
         body["spec"]["inputs"] = artifact_id
     doc = hub.call("POST", "/tasks", json=body)
     if as_json and not watch:
-        _echo_json(doc)
+        echo_json(doc)
         return
     if not as_json:
         click.echo(f"{doc['id']} {doc['state']}" + (" (held: aisynergy task start " + doc["id"] + ")" if doc.get("held") else ""))
     if watch:
-        _report_final(watch_task(hub, doc["id"], live=not as_json), as_json)
+        report_final(watch_task(hub, doc["id"], live=not as_json), as_json)
 
 
 @task.command()
@@ -105,7 +105,7 @@ def create(hub: _Hub, task_type: str, spec_text: str | None, model: str | None, 
 @click.pass_obj
 def watch(hub: _Hub, task_id: str, as_json: bool) -> None:
     """Live progress until the task is final; exit 0 only if it SUCCEEDED."""
-    _report_final(watch_task(hub, task_id, live=not as_json), as_json)
+    report_final(watch_task(hub, task_id, live=not as_json), as_json)
 
 
 @task.command(name="list")
@@ -127,12 +127,12 @@ def list_(hub: _Hub, state: str | None, task_type: str | None, limit: int, as_js
         if not cursor or (limit and len(items) >= limit):
             break
     if as_json:
-        _echo_json(items)
+        echo_json(items)
         return
-    table = _table("ID", "NAME", "TYPE", "STATE", "PROGRESS", "CREATED")
+    table = make_table("ID", "NAME", "TYPE", "STATE", "PROGRESS", "CREATED")
     for t in items:
-        table.add_row(t["id"], t.get("name") or "", t["type"], t["state"] + (" (held)" if t.get("held") else ""), progress_summary(t.get("progress")), _when(t.get("created_at")))
-    _console().print(table)
+        table.add_row(t["id"], t.get("name") or "", t["type"], t["state"] + (" (held)" if t.get("held") else ""), progress_summary(t.get("progress")), format_time(t.get("created_at")))
+    make_console().print(table)
     if cursor:
         click.echo("(more tasks: --limit 0 lists all)", err=True)
 
@@ -145,10 +145,10 @@ def get(hub: _Hub, task_id: str, as_json: bool) -> None:
     """Show a task: spec, placement, progress and its history."""
     doc = hub.call("GET", f"/tasks/{task_id}")
     if as_json:
-        _echo_json(doc)
+        echo_json(doc)
         return
-    console = _console()
-    about = _table("", "")
+    console = make_console()
+    about = make_table("", "")
     about.show_header = False
     about.columns[0].style = "bold"
     retry = doc.get("retry") or {}
@@ -159,16 +159,16 @@ def get(hub: _Hub, task_id: str, as_json: bool) -> None:
         ("placement", json.dumps({k: v for k, v in (doc.get("placement") or {}).items() if v not in (None, [])}, ensure_ascii=False)),
         ("timeouts", f"task {doc.get('timeout_s') or 'none'} s, worker {doc.get('worker_timeout_s')} s, heartbeat {doc.get('heartbeat_s')} s"),
         ("retry", f"{retry.get('max_attempts')} attempts, backoff {retry.get('backoff_s')} s (max {retry.get('max_backoff_s')} s)"),
-        ("created", _when(doc.get("created_at"))), ("started", _when(doc.get("started_at"))), ("finished", _when(doc.get("finished_at"))),
-        ("deadline", _when(doc.get("deadline_at"))),
+        ("created", format_time(doc.get("created_at"))), ("started", format_time(doc.get("started_at"))), ("finished", format_time(doc.get("finished_at"))),
+        ("deadline", format_time(doc.get("deadline_at"))),
     ):  # fmt: skip
         about.add_row(key, str(value))
-    _print(console, about, f"{doc['id']}  {doc['state']}")
+    print_table(console, about, f"{doc['id']}  {doc['state']}")
     if doc.get("history"):
-        history = _table("AT", "FROM", "TO", "REASON")
+        history = make_table("AT", "FROM", "TO", "REASON")
         for h in doc["history"]:
-            history.add_row(_when(h.get("at")), h.get("from_state") or "-", h["to_state"], h.get("reason") or "")
-        _print(console, history, "history", first=False)
+            history.add_row(format_time(h.get("at")), h.get("from_state") or "-", h["to_state"], h.get("reason") or "")
+        print_table(console, history, "history", first=False)
 
 
 @task.command()
@@ -181,14 +181,14 @@ def workers(hub: _Hub, task_id: str, as_json: bool) -> None:
     if isinstance(items, dict):  # tolerate a page
         items = items.get("items", [])
     if as_json:
-        _echo_json(items)
+        echo_json(items)
         return
-    table = _table("WORKER", "TARGET", "ROLE", "STATE", "ATTEMPT", "ITEMS", "LAST REPORT", "DETAIL")
+    table = make_table("WORKER", "TARGET", "ROLE", "STATE", "ATTEMPT", "ITEMS", "LAST REPORT", "DETAIL")
     for w in items:
         done, assigned = w.get("items_done"), w.get("items_assigned")
         share = "-" if done is None and assigned is None else f"{done or 0}/{assigned if assigned is not None else '?'}"
-        table.add_row(w["id"], f"{w['target_kind']} {w['target_id']}", w.get("role", ""), w["state"], str(w.get("attempt", "")), share, _when(w.get("last_report_at")), w.get("detail") or "")
-    _console().print(table)
+        table.add_row(w["id"], f"{w['target_kind']} {w['target_id']}", w.get("role", ""), w["state"], str(w.get("attempt", "")), share, format_time(w.get("last_report_at")), w.get("detail") or "")
+    make_console().print(table)
 
 
 @task.command()
@@ -234,22 +234,22 @@ def metrics(hub: _Hub, task_id: str, series: bool, worker_id: str | None, as_jso
     params: dict[str, Any] = {"series": "true" if series else "false", **({"worker": worker_id} if worker_id else {})}
     doc = hub.call("GET", f"/tasks/{task_id}/metrics", params=params)
     if as_json:
-        _echo_json(doc)
+        echo_json(doc)
         return
-    console = _console()
-    totals = _table("METRIC", "TOTAL")
+    console = make_console()
+    totals = make_table("METRIC", "TOTAL")
     for key, value in sorted((doc.get("totals") or {}).items()):
-        totals.add_row(key, _number(value))
-    _print(console, totals, f"{doc['task_id']} totals")
-    samples = _table("WORKER", "TARGET", "AT", "VALUES")
+        totals.add_row(key, format_number(value))
+    print_table(console, totals, f"{doc['task_id']} totals")
+    samples = make_table("WORKER", "TARGET", "AT", "VALUES")
     for wid, s in sorted((doc.get("workers") or {}).items()):
-        samples.add_row(wid, s.get("target_id", ""), _when(s.get("ts")), _values(s.get("values")))
-    _print(console, samples, "latest sample per worker", first=False)
+        samples.add_row(wid, s.get("target_id", ""), format_time(s.get("ts")), format_values(s.get("values")))
+    print_table(console, samples, "latest sample per worker", first=False)
     if series:
-        table = _table("AT", "WORKER", "VALUES")
+        table = make_table("AT", "WORKER", "VALUES")
         for s in doc.get("series") or []:
-            table.add_row(_when(s.get("ts")), s.get("worker_id", ""), _values(s.get("values")))
-        _print(console, table, "series", first=False)
+            table.add_row(format_time(s.get("ts")), s.get("worker_id", ""), format_values(s.get("values")))
+        print_table(console, table, "series", first=False)
 
 
 @task.command()
@@ -266,16 +266,16 @@ def outputs(hub: _Hub, task_id: str, out: str | None, as_json: bool) -> None:
         return
     doc = hub.call("GET", f"/tasks/{task_id}/outputs")
     if as_json:
-        _echo_json(doc)
+        echo_json(doc)
         return
     total = doc.get("items_total")
     click.echo(f"{doc['task_id']} {doc['state']}  {'complete' if doc.get('complete') else 'incomplete'}"
                + (f"  {doc.get('items_done') or 0}/{total} items" if total is not None else ""))  # fmt: skip
     if doc.get("tensors"):
-        table = _table("TENSOR", "DTYPE", "SHAPE")
+        table = make_table("TENSOR", "DTYPE", "SHAPE")
         for t in doc["tensors"]:
             table.add_row(t["name"], t["dtype"], "x".join(str(d) for d in t["shape"]) or "scalar")
-        _console().print(table)
+        make_console().print(table)
     for artifact_id in doc.get("artifacts") or []:
         click.echo(f"artifact {artifact_id}")
     if doc.get("content_url") and doc.get("complete"):
@@ -290,7 +290,7 @@ def _action(action: TaskAction, doc: str) -> None:
     def command(hub: _Hub, task_id: str, as_json: bool) -> None:
         result = hub.call("POST", f"/tasks/{task_id}/{action.value}")
         if as_json:
-            _echo_json(result)
+            echo_json(result)
         else:
             click.echo(f"{result['id']} {result['state']}" + (f": {result['reason']}" if result.get("reason") else ""))
 
@@ -311,6 +311,6 @@ def delete(hub: _Hub, task_id: str, as_json: bool) -> None:
     """Delete a task that is not active (with its workers, logs, metrics and outputs)."""
     hub.call("DELETE", f"/tasks/{task_id}")
     if as_json:
-        _echo_json({"id": task_id, "deleted": True})
+        echo_json({"id": task_id, "deleted": True})
     else:
         click.echo(f"{task_id} deleted")

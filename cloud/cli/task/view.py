@@ -18,7 +18,7 @@ from interfaces.tasks import TaskState, WorkerState
 FINAL = frozenset(s.value for s in (TaskState.SUCCEEDED, TaskState.FAILED, TaskState.CANCELED, TaskState.TIMED_OUT))
 
 
-def _when(value: str | None) -> str:
+def format_time(value: str | None) -> str:
     if not value:
         return "-"
     try:
@@ -53,7 +53,7 @@ def progress_summary(progress: dict[str, Any] | None) -> str:
     return ", ".join(parts)
 
 
-def _console() -> Any:
+def make_console() -> Any:
     from rich.console import Console
 
     console = Console(highlight=False)
@@ -62,7 +62,7 @@ def _console() -> Any:
     return console
 
 
-def _table(*columns: str) -> Any:
+def make_table(*columns: str) -> Any:
     from rich.table import Table
 
     table = Table(*columns, box=None, pad_edge=False, header_style="bold")
@@ -71,7 +71,7 @@ def _table(*columns: str) -> Any:
     return table
 
 
-def _print(console: Any, table: Any, title: str | None = None, first: bool = True) -> None:
+def print_table(console: Any, table: Any, title: str | None = None, first: bool = True) -> None:
     """A table, under a title line of its own (a table's title would wrap at the table's width)."""
     if not first:
         console.print()
@@ -80,7 +80,7 @@ def _print(console: Any, table: Any, title: str | None = None, first: bool = Tru
     console.print(table)
 
 
-def _echo_json(doc: Any) -> None:
+def echo_json(doc: Any) -> None:
     click.echo(json.dumps(doc, indent=2, ensure_ascii=False))
 
 
@@ -158,7 +158,7 @@ def watch_task(hub: _Hub, task_id: str, *, live: bool = True, follower: LogFollo
         return follow()
     from rich.live import Live
 
-    console = _console()
+    console = make_console()
     with Live(view, console=console, refresh_per_second=4, transient=False, vertical_overflow="visible" if not console.is_terminal else "ellipsis"):
         final = follow()
     if not console.is_terminal:
@@ -166,19 +166,19 @@ def watch_task(hub: _Hub, task_id: str, *, live: bool = True, follower: LogFollo
     return final
 
 
-def _report_final(doc: dict[str, Any], as_json: bool) -> None:
+def report_final(doc: dict[str, Any], as_json: bool) -> None:
     """Print the final task; exit 1 unless it SUCCEEDED."""
     if as_json:
-        _echo_json(doc)
+        echo_json(doc)
     else:
         click.echo(f"{doc['id']} {doc['state']}" + (f": {doc['reason']}" if doc.get("reason") else ""))
     if doc.get("state") != TaskState.SUCCEEDED.value:
         raise SystemExit(1)
 
 
-def _number(value: Any) -> str:
+def format_number(value: Any) -> str:
     return f"{value:.6g}" if isinstance(value, float) else str(value)
 
 
-def _values(values: dict[str, Any] | None) -> str:
-    return " ".join(f"{k}={_number(v)}" for k, v in sorted((values or {}).items()))
+def format_values(values: dict[str, Any] | None) -> str:
+    return " ".join(f"{k}={format_number(v)}" for k, v in sorted((values or {}).items()))
