@@ -82,7 +82,7 @@ class NodeDeployments:
         self,
         node_id: str,
         data_dir: Path,
-        signing_key: Ed25519PublicKey | None,
+        signing_key: TrustedKeys | Ed25519PublicKey | None,
         hub_url: str | None,
         send_up: SendUp,
         signing_key_source: Callable[[], TrustedKeys | Ed25519PublicKey | None] | None = None,

@@ -79,7 +79,7 @@ class Updater:
     def __init__(
         self,
         data_dir: str | Path,
-        signing_key: Ed25519PublicKey | str | bytes | None,
+        signing_key: TrustedKeys | Ed25519PublicKey | str | bytes | None,
         artifact_base_url: str | None,
         emit_progress: ProgressSink,
         firmware: FirmwareSlots | None = None,
