@@ -46,7 +46,7 @@ KEY_FILE = "signing.key"
 PUBLIC_FILE = "signing.pub"
 NEXT_KEY_FILE = "signing.key.next"  # the key a rotation hands over to, until the hand-over is recorded
 KEYRING_FILE = "signing-keyring.json"  # the retired public keys and the transitions between keys
-LOCK_FILE = ".signing.lock"
+LOCK_FILE = "signing.lock"  # held while the keys are read or rotated (kept: it is the lock, not a temporary file)
 
 
 class TokenRejected(ValueError):
