@@ -114,7 +114,7 @@ class Hub:
         return f"http://127.0.0.1:{self.port}"
 
     def client(self, role: str = "admin") -> httpx.Client:
-        return httpx.Client(base_url=self.url + "/api/v1", headers={"Authorization": f"Bearer {self.tokens[role]}"}, timeout=10)
+        return httpx.Client(base_url=self.url + "/api/v1", headers={"Authorization": f"Bearer {self.tokens[role]}"}, timeout=30)
 
     def health(self) -> dict | None:
         try:

@@ -55,7 +55,7 @@ class DevStack:
             device_id = api.post("/devices", json={"node_id": self.node_id, "name": name, "model": "test-board"}).json()["id"]
             issued = api.post(f"/devices/{device_id}/bootstrap-token", json={}).json()
         acl = self.data / "devices-broker" / "acl"  # the broker reloads its access file a moment after the hub writes it
-        wait_for(lambda: acl.exists() and device_id in acl.read_text(), 10, what="the devices' broker knows the device")
+        wait_for(lambda: acl.exists() and device_id in acl.read_text(), 60, what="the devices' broker knows the device")
         time.sleep(0.3)
         dev = Device(device_id, self.data / name, enrol_url=self.enrol_url, bootstrap_token=issued["bootstrap_token"],
                      ca_sha256=issued["ca_sha256"], tls_server_name=issued["tls_server_name"])  # fmt: skip

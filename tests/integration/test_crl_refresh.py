@@ -28,7 +28,7 @@ def test_an_expired_crl_is_signed_again_at_start_and_the_hub_and_a_node_connect(
             hub = start_hub(data, sqlite_url, broker.url, wait_mqtt=False)
 
             # Assert: the CRL is fresh again, the broker reloaded it, the hub and a new node connect
-            wait_for(lambda: (ca.crl_next_update() or expired) > dt.datetime.now(dt.UTC) + dt.timedelta(days=29), 20,
+            wait_for(lambda: (ca.crl_next_update() or expired) > dt.datetime.now(dt.UTC) + dt.timedelta(days=29), 60,
                      what="the CRL signed again")  # fmt: skip
             wait_for(lambda: (hub.health() or {}).get("mqtt", {}).get("connected"), 30, what="the hub connected")
             with hub.client("operator") as api:

@@ -109,7 +109,7 @@ def _restore_key(stack: DevStack, dev: Any) -> Any:
 
 def _restart(stack: DevStack, dev: Any) -> Any:
     new = stack.restart_device(dev)  # appended to stack.devices: the fleet stays 20 devices
-    wait_for(lambda: new.connected, 20, what=f"{dev.device_id} reconnected")
+    wait_for(lambda: new.connected, 60, what=f"{dev.device_id} reconnected")
     return new
 
 

@@ -47,4 +47,4 @@ def test_a_model_deployed_to_an_edge_node_is_installed_and_answers_infer(stack: 
             node = api.get(f"/nodes/{stack.node_id}/twin").json()
         return node.get("reported", {}).get("installed", {}).get("model", {}).get("version") == "1.0.0"
 
-    wait_for(reports_it, 15, what="the node's reported document listing mlp 1.0.0")
+    wait_for(reports_it, 60, what="the node's reported document listing mlp 1.0.0")

@@ -109,10 +109,9 @@ def test_hierarchical_fedavg_with_secure_aggregation_survives_a_participant_that
     stopped.stop()
     choreography.stopped.set()
     back = stack.restart_device(stopped)
-    wait_for(lambda: api(stack, "GET", f"/tasks/{task['id']}", "viewer")["state"] in FINAL, 180, interval=0.3, what="the task final")
+    done = wait_for(lambda: (t := api(stack, "GET", f"/tasks/{task['id']}", "viewer"))["state"] in FINAL and t, 180, interval=0.3, what="the task final")
 
     # Assert: it succeeded and published a model that does better than the cloud's on the devices' images
-    done = api(stack, "GET", f"/tasks/{task['id']}", "viewer")
     assert done["state"] == "SUCCEEDED", done
     history = rounds()
     assert [r["round"] for r in history] == list(range(1, ROUNDS + 1))

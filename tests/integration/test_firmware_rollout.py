@@ -33,7 +33,7 @@ class FirmwareDevice:
         # as on a real site, the device starts after the brokers' access lists know it: Mosquitto 2.0.11 can
         # cut off a client that connects in the instant before the reload that adds its entry
         acl = stack.data / "devices-broker" / "acl"
-        wait_for(lambda: acl.exists() and self.device_id in acl.read_text(), 10, what="the devices' broker knows the device")
+        wait_for(lambda: acl.exists() and self.device_id in acl.read_text(), 60, what="the devices' broker knows the device")
         time.sleep(0.3)  # the reload follows the file
         self.args = [*AISYNERGY, "device", "run", "--device-id", self.device_id, "--data-dir", str(self.data_dir),
                      *stack.enrolment_args(issued),
@@ -114,7 +114,7 @@ def test_firmware_delta_boots_the_new_slot_a_damaged_image_is_rejected_a_kill_du
     try:
         _upload(stack, SAMPLES / "sensor-fw-1.0.0.fw", "1.0.0")
         v110 = _upload(stack, SAMPLES / "sensor-fw-1.1.0.fw", "1.1.0")
-        wait_for(lambda: (device.installed_firmware() or {}).get("version") == "1.0.0", 20, what="factory firmware reported")
+        wait_for(lambda: (device.installed_firmware() or {}).get("version") == "1.0.0", 60, what="factory firmware reported")
 
         # Execute: 1.1.0 -> a delta, installed into slot b, the agent re-executes and confirms
         first = _wait_deployment(stack, _deploy(stack, v110, device.device_id))
@@ -124,8 +124,8 @@ def test_firmware_delta_boots_the_new_slot_a_damaged_image_is_rejected_a_kill_du
         assert first["state"] == "SUCCEEDED", execution
         assert execution["delta"] is True
         assert [t["to_state"] for t in execution["history"]][-2:] == ["INSTALLING", "ACTIVE"]
-        wait_for(lambda: (device.installed_firmware() or {}).get("version") == "1.1.0", 20, what="1.1.0 reported")
-        assert device.installed_firmware()["slot"] == "b"  # type: ignore[index]
+        installed = wait_for(lambda: (f := device.installed_firmware() or {}).get("version") == "1.1.0" and f, 60, what="1.1.0 reported")
+        assert installed["slot"] == "b"  # type: ignore[index]
         delta_used = _progress(stack, device.device_id, execution["id"])
         assert any(p.get("via_delta") for p in delta_used), delta_used
 
@@ -154,8 +154,8 @@ def test_firmware_delta_boots_the_new_slot_a_damaged_image_is_rejected_a_kill_du
         assert execution["state"] == "ROLLED_BACK", execution
         assert second["state"] in {"FAILED", "ROLLED_BACK"}
         assert [t["to_state"] for t in execution["history"]][-3:] == ["FAILED", "ROLLING_BACK", "ROLLED_BACK"]
-        wait_for(lambda: (device.installed_firmware() or {}).get("version") == "1.1.0", 20, what="1.1.0 reported again")
-        assert device.installed_firmware()["slot"] == "b"  # type: ignore[index]
+        installed = wait_for(lambda: (f := device.installed_firmware() or {}).get("version") == "1.1.0" and f, 60, what="1.1.0 reported again")
+        assert installed["slot"] == "b"  # type: ignore[index]
     finally:
         device.stop()
 

@@ -54,7 +54,7 @@ def test_cloud_train_then_dp_fine_tune_on_the_device_then_infer(stack: DevStack,
     device_id = api(stack, "POST", "/devices", json={"node_id": stack.node_id, "name": "cam-1", "model": "test-board"})["id"]
     issued = api(stack, "POST", f"/devices/{device_id}/bootstrap-token", json={})
     acl = stack.data / "devices-broker" / "acl"
-    wait_for(lambda: acl.exists() and device_id in acl.read_text(), 10, what="the devices' broker knows the device")
+    wait_for(lambda: acl.exists() and device_id in acl.read_text(), 60, what="the devices' broker knows the device")
     time.sleep(0.3)
     proc = start([*AISYNERGY, "device", "run", "--device-id", device_id, "--data-dir", str(stack.data / "cam-1"), *stack.enrolment_args(issued),
                   "--dataset", f"camera={tmp_path / 'camera.npz'}"], stack.data / "cam-1.log")  # fmt: skip
@@ -69,15 +69,14 @@ def test_cloud_train_then_dp_fine_tune_on_the_device_then_infer(stack: DevStack,
 
         # 2. the hub knows how many rows the device keeps, never the rows; an operator sets the budget
         twin = lambda: api(stack, "GET", f"/devices/{device_id}/twin", "viewer")["reported"].get("datasets", {})  # noqa: E731
-        wait_for(lambda: twin().get("camera", {}).get("rows") == ROWS, 30, what="the dataset reported")
-        assert twin() == {"camera": {"rows": ROWS, "shape": [64], "dtype": "float32"}}
+        reported = wait_for(lambda: (t := twin()).get("camera", {}).get("rows") == ROWS and t, 60, what="the dataset reported")
+        assert reported == {"camera": {"rows": ROWS, "shape": [64], "dtype": "float32"}}
         api(stack, "PUT", f"/devices/{device_id}/privacy-budgets/camera", json={"epsilon": 10.0, "delta": 1e-5})
 
         # 3. DP incremental training on the device
         spec = {"model": {"name": "digits"}, "dataset": "camera", "steps": 100, "batch_size": 64, "learning_rate": 0.5, "clip_norm": 1.0, "noise_multiplier": 1.0}
         task = api(stack, "POST", "/tasks", json={"type": "incremental_training", "spec": spec, "placement": {"ids": [device_id]}, "heartbeat_s": 0.5})
-        wait_for(lambda: api(stack, "GET", f"/tasks/{task['id']}", "viewer")["state"] in FINAL, 120, interval=0.2, what="the training task final")
-        done = api(stack, "GET", f"/tasks/{task['id']}", "viewer")
+        done = wait_for(lambda: (t := api(stack, "GET", f"/tasks/{task['id']}", "viewer"))["state"] in FINAL and t, 120, interval=0.2, what="the training task final")
         assert done["state"] == "SUCCEEDED", done
         outputs = api(stack, "GET", f"/tasks/{task['id']}/outputs", "viewer")
         assert outputs["complete"] and len(outputs["artifacts"]) == 1

@@ -50,8 +50,13 @@ def test_split_inference_answers_like_the_whole_model_and_falls_back_on_the_devi
     task = api(stack, "POST", "/tasks", json={"type": "split_inference", "spec": spec, "placement": {"ids": [dev.device_id]}, "heartbeat_s": 0.5})
     assert task["spec"]["model"]["version"] == "1.0.0"
     workers = lambda: api(stack, "GET", f"/tasks/{task['id']}/workers", "viewer")  # noqa: E731
-    wait_for(lambda: sorted((w["role"], w["state"]) for w in workers()) == [("head", "RUNNING"), ("tail", "RUNNING")], 60, what="head and tail RUNNING")
-    (tail,) = [w for w in workers() if w["role"] == "tail"]
+
+    def both_running() -> list[dict[str, Any]] | None:
+        ws = workers()
+        return ws if sorted((w["role"], w["state"]) for w in ws) == [("head", "RUNNING"), ("tail", "RUNNING")] else None
+
+    placed = wait_for(both_running, 60, what="head and tail RUNNING")
+    (tail,) = [w for w in placed if w["role"] == "tail"]  # type: ignore[attr-defined]
     assert tail["target_id"] == stack.node_id
     # the head calibrated against the edge: its metrics say which cut the planner took
     wait_for(lambda: "estimate_ms" in _metrics(stack, task["id"], "head"), 60, what="the head calibrated")
@@ -69,8 +74,7 @@ def test_split_inference_answers_like_the_whole_model_and_falls_back_on_the_devi
     routes = {a.route for a in answers}
     assert routes and routes <= {"device", "edge"} | {r for r in routes if r.startswith("split:")}, routes
     assert "fallback" not in routes
-    wait_for(lambda: _metrics(stack, task["id"], "head").get("requests", 0) >= 20, 20, what="the head's request count")
-    head = _metrics(stack, task["id"], "head")
+    head = wait_for(lambda: (m := _metrics(stack, task["id"], "head")).get("requests", 0) >= 20 and m, 60, what="the head's request count")
     assert head["fallbacks"] == 0 and head["split"] + head["edge"] + head["device"] >= 20, head
 
     # Execute 2: the task stopped (SUCCEEDED, its tail withdrawn with it); the next ones pin the plan, so that
@@ -84,8 +88,8 @@ def test_split_inference_answers_like_the_whole_model_and_falls_back_on_the_devi
 
     def stop(task_id: str) -> None:
         api(stack, "POST", f"/tasks/{task_id}/stop")
-        wait_for(lambda: api(stack, "GET", f"/tasks/{task_id}", "viewer")["state"] == "SUCCEEDED", 30, what="the task stopped")
-        wait_for(lambda: not dev.models.routed("digits"), 10, what="the head's route removed")
+        wait_for(lambda: api(stack, "GET", f"/tasks/{task_id}", "viewer")["state"] == "SUCCEEDED", 60, what="the task stopped")
+        wait_for(lambda: not dev.models.routed("digits"), 60, what="the head's route removed")
 
     stop(task["id"])
     assert {w["state"] for w in workers()} == {"SUCCEEDED"}

@@ -109,7 +109,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
             with hub.client("operator") as api:
                 device_id = api.post("/devices", json={"node_id": node_id, "name": f"saf-{i}", "model": "board"}).json()["id"]
                 issued = api.post(f"/devices/{device_id}/bootstrap-token", json={}).json()
-            wait_for(lambda: acl.exists() and device_id in acl.read_text(), 10, what="the broker knows the device")
+            wait_for(lambda: acl.exists() and device_id in acl.read_text(), 60, what="the broker knows the device")
             emitter = Emitter(device_id, data / device_id, data / f"{device_id}.seqs", data / f"{device_id}.log")
             emitter.start(f"https://127.0.0.1:{enrol_port}", issued)
             s.emitters.append(emitter)

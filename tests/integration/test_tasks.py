@@ -41,7 +41,7 @@ class DeviceProcess:
             issued = api.post(f"/devices/{self.device_id}/bootstrap-token", json={}).json()
         # as on a real site, the device starts after the devices' broker's access list knows it (see test_firmware_rollout)
         acl = stack.data / "devices-broker" / "acl"
-        wait_for(lambda: acl.exists() and self.device_id in acl.read_text(), 10, what="the devices' broker knows the device")
+        wait_for(lambda: acl.exists() and self.device_id in acl.read_text(), 60, what="the devices' broker knows the device")
         time.sleep(0.3)
         self.log = stack.data / f"{name}.log"
         self.args = [*AISYNERGY, "device", "run", "--device-id", self.device_id, "--data-dir", str(stack.data / name),
@@ -114,8 +114,7 @@ def _get(stack: DevStack, path: str) -> Any:
 
 
 def _wait_final(stack: DevStack, task_id: str, timeout: float = 120) -> dict[str, Any]:
-    wait_for(lambda: _get(stack, f"/tasks/{task_id}")["state"] in FINAL, timeout, interval=0.2, what=f"task {task_id} final")
-    return _get(stack, f"/tasks/{task_id}")  # type: ignore[no-any-return]
+    return wait_for(lambda: (t := _get(stack, f"/tasks/{task_id}"))["state"] in FINAL and t, timeout, interval=0.2, what=f"task {task_id} final")  # type: ignore[return-value]
 
 
 def _direct(inputs: np.ndarray) -> np.ndarray:
