@@ -36,7 +36,6 @@ def parse_size(text: str) -> int:
     return int(float(match.group(1)) * _UNITS[match.group(2).lower()])
 
 
-
 @dataclass
 class _Download:
     done: threading.Event = field(default_factory=threading.Event)

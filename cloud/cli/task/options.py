@@ -25,7 +25,6 @@ _FLAG_OF = {
 }  # fmt: skip
 
 
-
 def parse_duration(text: str) -> float:
     """Seconds from ``90``, ``90s``, ``1.5m``, ``2h``, ``1d``, ``500ms``."""
     m = _DURATION.match(text)
