@@ -104,6 +104,7 @@ def out_of_spec(tmp_path: Path) -> Iterator[Running]:
         stop(broker.proc)
 
 
+@pytest.mark.timeout(2 * SUITE_TIMEOUT_S + 300)  # both runs, and starting both systems, on a busy machine
 def test_suite_passes_on_our_stack_and_fails_exactly_the_broken_clause_of_a_hub_out_of_spec(our_stack: Running, out_of_spec: Running, tmp_path: Path) -> None:
     # Execute: the whole suite against both systems at once (the cases mostly wait on the systems)
     ours, broken = _start_suite(our_stack, tmp_path / "ours"), _start_suite(out_of_spec, tmp_path / "broken")
