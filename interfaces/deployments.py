@@ -29,6 +29,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from interfaces.selectors import SELECTOR_PATTERN
 from interfaces.strict import BY_VALUE, INT64_MAX, Timestamp, WireModel
 from interfaces.text import NoNul
 
@@ -248,12 +249,23 @@ class TargetKind(StrEnum):
     NODE = "node"
 
 
+_EXACTLY_ONE_TARGET = [
+    {"required": ["ids"], "properties": {"ids": {"type": "array"}, "selector": {"type": "null"}}},
+    {"required": ["selector"], "properties": {"selector": {"type": "string"}, "ids": {"type": "null"}}},
+]
+"""The JSON Schema of the validator's rule: exactly one of ``ids`` and ``selector`` (the other absent or null)."""
+
+
 class DeploymentTarget(_In):
     """Which targets: explicit ``ids`` or a label ``selector`` (resolved once, when the deployment is created)."""
 
+    model_config = ConfigDict(json_schema_extra={"oneOf": _EXACTLY_ONE_TARGET})
+
     kind: TargetKind = TargetKind.DEVICE
-    ids: list[Annotated[str, Field(min_length=1, max_length=64)]] | None = Field(default=None, min_length=1, max_length=10_000)
-    selector: str | None = Field(default=None, min_length=1, max_length=4096)
+    ids: list[Annotated[str, Field(min_length=1, max_length=64)]] | None = Field(
+        default=None, min_length=1, max_length=10_000, json_schema_extra={"uniqueItems": True}
+    )
+    selector: str | None = Field(default=None, min_length=1, max_length=4096, json_schema_extra={"pattern": SELECTOR_PATTERN})  # checked by the parser: 400 invalid_selector
 
     @model_validator(mode="after")
     def _one_of(self) -> DeploymentTarget:
@@ -264,17 +276,31 @@ class DeploymentTarget(_In):
         return self
 
 
+def _type_required(schema: dict[str, Any]) -> None:
+    # Python code may leave out ``type`` (it has a default), JSON may not: the union is told apart by it
+    schema["required"] = ["type", *(name for name in schema.get("required", ()) if name != "type")]
+
+
+_TAGGED = ConfigDict(json_schema_extra=_type_required)
+
+
 class AllAtOnce(_In):
+    model_config = _TAGGED
+
     type: Literal["all_at_once"] = "all_at_once"
 
 
 class Rolling(_In):
+    model_config = _TAGGED
+
     type: Literal["rolling"] = "rolling"
     batch_size: int = Field(ge=1, le=10_000)
 
 
 class Canary(_In):
     """``percent`` of the targets first (at least one); when they are all ACTIVE, the rest by ``then``."""
+
+    model_config = _TAGGED
 
     type: Literal["canary"] = "canary"
     percent: float = Field(gt=0, le=100)

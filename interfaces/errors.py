@@ -62,7 +62,7 @@ class Problem(BaseModel):
 
     model_config = ConfigDict(extra="allow")
 
-    type: str = Field(description="urn:aisynergy:error:<code>")
+    type: str = Field(description="urn:aisynergy:error:<code>", pattern=r"^urn:aisynergy:error:[a-z_]+$")
     title: str
     status: int
     code: ErrorCode

@@ -11,11 +11,17 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 from interfaces.lifecycle import AdminState, NodeState
 from interfaces.messages import Health
 from interfaces.resources import Resources
-from interfaces.selectors import validate_labels
+from interfaces.selectors import LABEL_KEY_PATTERN, LABEL_VALUE_PATTERN, MAX_LABELS, validate_labels
 from interfaces.strict import INT64_MAX, JsonObject
 from interfaces.text import NoNul
 
-Labels = Annotated[dict[str, str], AfterValidator(validate_labels)]
+_LABELS_SCHEMA = {
+    "maxProperties": MAX_LABELS,
+    "propertyNames": {"pattern": LABEL_KEY_PATTERN, "maxLength": 253},
+    "additionalProperties": {"type": "string", "pattern": LABEL_VALUE_PATTERN},
+}
+Labels = Annotated[dict[str, str], AfterValidator(validate_labels), Field(json_schema_extra=_LABELS_SCHEMA)]
+"""Kubernetes-style labels; the JSON Schema states the rules ``validate_labels`` holds."""
 Name = Annotated[str, Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9][A-Za-z0-9 _.:-]*$")]
 Description = Annotated[str, Field(max_length=1024)]
 

@@ -11,14 +11,13 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
 
-from fastapi import APIRouter, FastAPI, Request
-from fastapi.responses import PlainTextResponse
+from fastapi import APIRouter, FastAPI, Request, Response
 from sqlalchemy import text
 from sqlalchemy.engine import Engine
 from sqlmodel import Session
 
 from cloud import lease
-from cloud.api import problems
+from cloud.api import problems, spec
 from cloud.api.guards import IdempotentReplay, RequestGuard, SecurityHeaders, purge_idempotency, replay_response
 from cloud.api.routes import artifacts, deployments, devices, nodes, privacy
 from cloud.api.routes import tasks as task_routes
@@ -165,13 +164,14 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     api.include_router(deployments.router)
     api.include_router(task_routes.router)
 
-    @api.get("/ca.crt", response_class=PlainTextResponse, tags=["pki"], openapi_extra={"security": []})
-    def ca_certificate(request: Request) -> PlainTextResponse:
+    @api.get("/ca.crt", response_class=Response, tags=["pki"], openapi_extra={"security": []}, responses=spec.pem_response("PEM"))
+    def ca_certificate(request: Request) -> Response:
         """The hub CA certificate (PEM) that signs node and broker certificates."""
-        return PlainTextResponse(request.app.state.ca.ca_pem, media_type="application/x-pem-file")
+        return Response(request.app.state.ca.ca_pem, media_type=spec.PEM_MEDIA_TYPE)
 
     app.include_router(api)
     app.include_router(metrics_router())  # GET /metrics beside /healthz (viewer token)
+    spec.install(app)
 
     @app.get("/healthz", tags=["meta"])
     def healthz(request: Request) -> dict[str, Any]:

@@ -17,6 +17,7 @@ from cloud.errors import Forbidden, Unauthenticated
 from cloud.pki import CertificateAuthority
 from interfaces.auth import Role
 from interfaces.pagination import DEFAULT_LIMIT, MAX_LIMIT
+from interfaces.selectors import SELECTOR_PATTERN
 
 
 def get_db(request: Request) -> Iterator[Session]:
@@ -105,7 +106,8 @@ async def idempotency_key(
 IdempotencyKey = Annotated[str | None, Depends(idempotency_key)]
 Limit = Annotated[int, Query(ge=1, le=MAX_LIMIT, description="page size")]
 Cursor = Annotated[str | None, Query(max_length=128, description="next_cursor of the previous page")]
-Selector = Annotated[str | None, Query(max_length=4096, description="label selector, e.g. zone=a,tier!=x,gpu,!legacy")]
+# The pattern documents the grammar; the route's parser checks it (400 invalid_selector, not a 422 of the schema).
+Selector = Annotated[str | None, Query(max_length=4096, description="label selector, e.g. zone=a,tier!=x,gpu,!legacy", json_schema_extra={"pattern": SELECTOR_PATTERN})]
 DEFAULT_PAGE = DEFAULT_LIMIT
 
 

@@ -21,6 +21,7 @@ from python_multipart.multipart import parse_options_header
 from sqlmodel import Session
 
 from cloud.api.deps import DEFAULT_PAGE, Cursor, IdempotencyKey, Limit, Operator, SessionDep, SettingsDep, Viewer, _bearer, require
+from cloud.api import spec
 from cloud.api.problems import PROBLEM_RESPONSES, problem_response
 from cloud.artifacts import (
     CHUNK, DELTA_RETRY_AFTER_S, BlobStore, DeltaBusy, artifact_to_wire, create_artifact, delete_artifact, ensure_absent, get_artifact,
@@ -193,6 +194,7 @@ def _store(request: Request, body: ArtifactCreate, writer: Any) -> ArtifactPubli
 _UPLOAD_SCHEMA = {
     "type": "object",
     "required": [FILE_FIELD, "kind", "name", "version", "format"],
+    "additionalProperties": False,
     "properties": {
         FILE_FIELD: {"type": "string", "format": "binary", "description": "the artefact's bytes"},
         "kind": {"type": "string", "enum": [k.value for k in ArtifactKind]},
@@ -330,7 +332,7 @@ def serve_blob(request: Request, blobs: BlobStore, sha256: str, media_type: str,
     return StreamingResponse(_chunks(blobs, sha256, start, end - start + 1), status_code=status.HTTP_206_PARTIAL_CONTENT, media_type=media_type, headers=headers)
 
 
-@router.get("/artifacts/{artifact_id}/content", response_class=Response, responses=_RANGE_RESPONSES | {200: {"content": {"application/octet-stream": {}}, "description": "The artefact's bytes"}})
+@router.get("/artifacts/{artifact_id}/content", response_class=Response, responses=_RANGE_RESPONSES | {200: spec.bytes_response("application/octet-stream", "The artefact's bytes")})
 def artifact_content(artifact_id: str, request: Request, session: SessionDep, grant: DownloadAccess) -> Response:
     """The artefact's bytes (HTTP Range: one ``bytes=a-b``, ``a-`` or ``-n`` range; several ranges get the whole
     content). Authorised by a viewer bearer token or the ``X-Download-Token`` of a deployment order."""
@@ -341,7 +343,7 @@ def artifact_content(artifact_id: str, request: Request, session: SessionDep, gr
 
 
 @router.get("/artifacts/{artifact_id}/delta", response_class=Response, responses=_RANGE_RESPONSES | {
-    200: {"content": {DELTA_MEDIA_TYPE: {}}, "description": "A bsdiff4 patch"},
+    200: spec.bytes_response(DELTA_MEDIA_TYPE, "A bsdiff4 patch"),
     503: {"model": Problem, "content": {"application/problem+json": {}}, "description": "Busy computing other patches (Retry-After)"},
 })
 def artifact_delta(
@@ -385,12 +387,12 @@ def delete_one_artifact(artifact_id: str, request: Request, session: SessionDep,
 # --- the signing key -------------------------------------------------------------------------------
 
 
-@router.get("/signing-key.pub", response_class=Response, tags=["pki"], openapi_extra={"security": []}, responses={200: {"content": {"application/x-pem-file": {}}, "description": "PEM"}})
+@router.get("/signing-key.pub", response_class=Response, tags=["pki"], openapi_extra={"security": []}, responses=spec.pem_response("PEM"))
 def signing_key(request: Request) -> Response:
     """The hub's Ed25519 public key (PEM) that signs artefact manifests and download tokens; ``X-Key-Id`` is the
     ``key_id`` of the manifests it signs. Targets pin it at enrolment (``signing_key_pem``)."""
     signing: SigningKey = request.app.state.signing
-    return Response(signing.public_pem, media_type="application/x-pem-file", headers={"X-Key-Id": signing.key_id})
+    return Response(signing.public_pem, media_type=spec.PEM_MEDIA_TYPE, headers={"X-Key-Id": signing.key_id})
 
 
 @router.get("/signing-key/transitions", response_model=KeyTransitions, tags=["pki"], openapi_extra={"security": []})

@@ -14,12 +14,12 @@ from fastapi.sse import format_sse_event
 from sqlmodel import Session
 
 from cloud.api.deps import DEFAULT_PAGE, Cursor, IdempotencyKey, Limit, Operator, SessionDep, Viewer, poke_desired
+from cloud.api import spec
 from cloud.api.problems import PROBLEM_RESPONSES
-from cloud.errors import BadRequest, NotFound, TooManyRequests
+from cloud.errors import NotFound, TooManyRequests
 from cloud.services import task_watch
 from cloud.services import tasks as service
 from cloud.tables import ApiToken
-from interfaces.errors import ErrorCode
 from interfaces.pagination import Page
 from interfaces.strict import INT64_MAX
 from interfaces.tasks import TASK_FINAL, TaskAction, TaskCreateBody, TaskDetail, TaskLogLine, TaskMetrics, TaskOutputs, TaskPublic, TaskState, TaskType, WorkerPublic
@@ -127,7 +127,7 @@ def task_outputs(task_id: str, session: SessionDep, _: Viewer) -> TaskOutputs:
     return service.outputs(session, task_id)
 
 
-@router.get("/{task_id}/outputs/content", response_class=Response, responses={200: {"content": {"application/octet-stream": {}}, "description": "a safetensors file"}})
+@router.get("/{task_id}/outputs/content", response_class=Response, responses={200: spec.bytes_response("application/octet-stream", "a safetensors file")})
 def task_outputs_content(task_id: str, session: SessionDep, _: Viewer) -> Response:
     """Every output in input order as one safetensors file (one tensor per model output); 409 while incomplete."""
     data = service.gather(session, task_id)
@@ -144,27 +144,20 @@ def _lines_and_state(engine: Any, task_id: str, after: int, limit: int) -> tuple
         return lines, snapshot
 
 
-def _last_event_id(header: str | None, after: int) -> int:
-    if header is None:
-        return after
-    try:
-        value = int(header)
-    except ValueError:
-        raise BadRequest("Last-Event-ID must be a log line id (an integer)", code=ErrorCode.VALIDATION_FAILED) from None
-    if value > INT64_MAX:
-        raise BadRequest(f"Last-Event-ID must be a log line id (at most {INT64_MAX})", code=ErrorCode.VALIDATION_FAILED)
-    return max(value, 0)
+LogCursor = Annotated[int, Query(ge=0, le=INT64_MAX, description="only lines with a larger id")]
+LastEventId = Annotated[int | None, Header(alias="Last-Event-ID", ge=0, le=INT64_MAX, description="the id of the last line a stream sent (an SSE reconnect): resume after it; wins over after")]
 
 
 @router.get(
     "/{task_id}/logs",
+    response_model=Page[TaskLogLine],
     responses={200: {"content": {SSE_MEDIA_TYPE: {"schema": {"type": "string"}, "example": 'event: log\nid: 42\ndata: {"id": 42, ...}\n\n'}},
                      "description": "a page of lines, or with Accept: text/event-stream a stream of them"},
                429: PROBLEM_RESPONSES[409] | {"description": "The token holds as many log streams as it may"}},
 )  # fmt: skip
 async def task_logs(
-    task_id: str, request: Request, caller: Viewer, after: Annotated[int, Query(ge=0, le=INT64_MAX, description="only lines with a larger id")] = 0, limit: Limit = DEFAULT_PAGE,
-    accept: Annotated[str | None, Header()] = None, last_event_id: Annotated[str | None, Header(alias="Last-Event-ID", max_length=32)] = None,
+    task_id: str, request: Request, caller: Viewer, after: LogCursor = 0, limit: Limit = DEFAULT_PAGE,
+    accept: Annotated[str | None, Header()] = None, last_event_id: LastEventId = None,
 ) -> Any:  # fmt: skip
     """The task's log lines (its workers' and the hub's), oldest first.
 
@@ -178,7 +171,7 @@ async def task_logs(
     this hub are sent at once; those another replica writes within ``sse_poll_s`` (2 s).
     """
     engine = request.app.state.engine
-    start = _last_event_id(last_event_id, after)
+    start = after if last_event_id is None else last_event_id
     lines, snapshot = await run_in_threadpool(_lines_and_state, engine, task_id, start, limit)
     if snapshot is None:
         raise NotFound(f"task {task_id} does not exist")
