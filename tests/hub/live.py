@@ -8,13 +8,13 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 import uvicorn
-from fastapi import FastAPI
+from starlette.types import ASGIApp
 
 from tests.support import free_port
 
 
 @contextmanager
-def serve(app: FastAPI) -> Iterator[str]:
+def serve(app: ASGIApp) -> Iterator[str]:
     """Serve ``app`` (whose lifespan already ran, e.g. under ``running_hub``); yields its base URL."""
     port = free_port()
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, lifespan="off", log_level="warning", timeout_keep_alive=60))
