@@ -27,7 +27,7 @@ from datetime import datetime
 from enum import StrEnum
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, JsonValue, model_validator
 
 from interfaces.selectors import SELECTOR_PATTERN
 from interfaces.strict import BY_VALUE, INT64_MAX, Timestamp, WireModel
@@ -249,7 +249,7 @@ class TargetKind(StrEnum):
     NODE = "node"
 
 
-_EXACTLY_ONE_TARGET = [
+_EXACTLY_ONE_TARGET: list[JsonValue] = [
     {"required": ["ids"], "properties": {"ids": {"type": "array"}, "selector": {"type": "null"}}},
     {"required": ["selector"], "properties": {"selector": {"type": "string"}, "ids": {"type": "null"}}},
 ]

@@ -288,7 +288,7 @@ def metrics(session: Session, task_id: str, series: bool, worker_id: str | None,
     samples: list[MetricSample] = []
     if series:  # no sample newer than the latest ones read above: the two views agree
         newest = max((m.id for m in latest.values() if m.id is not None), default=0)
-        query = select(TaskMetric).where(TaskMetric.task_id == task.id, TaskMetric.id <= newest)  # type: ignore[operator]
+        query = select(TaskMetric).where(TaskMetric.task_id == task.id, TaskMetric.id <= newest)  # type: ignore[arg-type,operator]
         if worker_id:
             query = query.where(TaskMetric.worker_id == worker_id)
         rows = list(session.execute(query.order_by(TaskMetric.id.desc()).limit(limit)).scalars())  # type: ignore[union-attr]
