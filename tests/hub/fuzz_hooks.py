@@ -107,7 +107,7 @@ def before_call(context: Any, case: Any, kwargs: dict[str, Any]) -> None:
     for name in list(headers):
         value = headers[name]
         if name.lower() == "idempotency-key" and isinstance(value, str) and _VALID_KEY.match(value):
-            headers[name] = f"{value[:240]}.{next(_sequence)}"
+            headers[name] = f"{value[:230]}.{os.getpid()}.{next(_sequence)}"  # unique across runs on one hub too
 
 
 _NEAR_INT64 = 2**63 - 1024
