@@ -78,7 +78,10 @@ PublicKey = Annotated[str, Field(min_length=44, max_length=44, description="base
 
 
 class _In(NoNul):
-    model_config = ConfigDict(extra="forbid")
+    """Base of the REST models: no coercion (JSON as sent: ``0`` is no boolean, ``"3"`` no number); an enum field
+    is ``BY_VALUE``, so that Python code and stored documents may give its value."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
 
 
 # --- states ----------------------------------------------------------------------------------------
@@ -356,22 +359,25 @@ class FederatedTrainingSpec(_In):
 
 
 class AcceleratorRequest(_In):
-    type: AcceleratorType
+    type: Annotated[AcceleratorType, BY_VALUE]
     count: int = Field(default=1, ge=1, le=1024)
     purpose: Literal["training", "inference"] | None = Field(default=None, description="a card whose purpose is declared must match (or be 'both')")
-    min_memory_bytes: int | None = Field(default=None, ge=0, description="per accelerator")
+    min_memory_bytes: int | None = Field(default=None, ge=0, le=INT64_MAX, description="per accelerator")
 
 
 class Placement(_In):
     """Where workers may run. Targets must be ONLINE, their node (for a device: its edge) UNLOCKED."""
 
-    target: TargetKind = TargetKind.DEVICE
+    # the validator's rule in the JSON Schema: not both ids and selector (max_nodes >= min_nodes is not expressible)
+    model_config = ConfigDict(extra="forbid", strict=True, json_schema_extra={"not": {"required": ["ids", "selector"], "properties": {"ids": {"type": "array"}, "selector": {"type": "string"}}}})
+
+    target: Annotated[TargetKind, BY_VALUE] = TargetKind.DEVICE
     selector: str | None = Field(default=None, max_length=4096, description="label selector; none: every target of the kind")
     ids: list[Id] | None = Field(default=None, min_length=1, max_length=10_000)
     min_nodes: int = Field(default=1, ge=1, le=10_000, description="the task waits in PENDING until this many targets qualify")
     max_nodes: int | None = Field(default=None, ge=1, le=10_000)
     accelerators: list[AcceleratorRequest] = Field(default_factory=list, max_length=8, description="every one must be free on a target (standard 7.3.2)")
-    min_memory_bytes: int | None = Field(default=None, ge=0, description="available memory a target must report")
+    min_memory_bytes: int | None = Field(default=None, ge=0, le=INT64_MAX, description="available memory a target must report")
     capability_weighted: bool = Field(default=True, description="sharded types: a target's share of the inputs follows its free compute (standard 7.2 d 4)")
 
     @model_validator(mode="after")
@@ -433,7 +439,7 @@ TASK_TYPES: dict[TaskType, TaskTypeInfo] = {
 
 class TaskCreate(_In):
     name: str = Field(default="", max_length=128)
-    type: TaskType
+    type: Annotated[TaskType, BY_VALUE]
     spec: JsonObject = Field(description="the type's spec (InferenceSpec, BatchInferenceSpec, ...); its workers' orders carry it on MQTT")
     placement: Placement = Field(default_factory=Placement)
     timeout_s: int | None = Field(default=None, ge=1, le=30 * 86400, description="running time (paused time excluded) before TIMED_OUT; none: no limit")
