@@ -13,6 +13,7 @@ import pytest
 
 from cloud.filemodes import secure_data_dir
 from tests.hub.conftest import hub_settings, running_hub
+from tests.support import wait_for
 
 
 def _mode(path: Path) -> int:
@@ -57,6 +58,9 @@ def test_modes_an_earlier_version_left_open_are_narrowed_at_start(tmp_path: Path
     settings = hub_settings(data_dir, f"sqlite:///{data_dir / 'hub.db'}")
     for _hub in running_hub(settings):
         pass
+    # the last connection to close removes -wal and -shm (SQLite): once they are gone no connection of that hub
+    # is left to remove the ones made below while the next one starts
+    wait_for(lambda: not (data_dir / "hub.db-wal").exists() and not (data_dir / "hub.db-shm").exists(), 60, what="the first hub's connections closed")
     (data_dir / "hub.db-wal").touch()
     (data_dir / "hub.db-shm").touch()
     expected = _private_paths(data_dir)
