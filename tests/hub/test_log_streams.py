@@ -3,7 +3,6 @@ ends, and new lines wake the stream instead of a database poll every fraction of
 
 from __future__ import annotations
 
-import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -11,7 +10,6 @@ from typing import Any
 
 import httpx
 import pytest
-import uvicorn
 from sqlmodel import Session
 
 from cloud.api.routes import tasks as task_routes
@@ -22,8 +20,8 @@ from interfaces import API_PREFIX
 from interfaces.auth import Role
 from interfaces.errors import PROBLEM_MEDIA_TYPE
 from tests.hub.conftest import hub_settings, running_hub
+from tests.hub.live import serve
 from tests.hub.tasks_support import TaskFleet
-from tests.support import free_port
 
 STREAMS_PER_TOKEN, POLL_S = 2, 60.0
 
@@ -51,19 +49,8 @@ def served(sqlite_url: str, tmp_path: Path) -> Iterator[Served]:
         hub.app.state.wake_scheduler = lambda: None
         blobs = hub.app.state.blobs
         fleet = TaskFleet(hub, blobs, TaskController(hub.engine, hub.app.state.signing, blobs=blobs), StatusIngest(hub.engine))
-        port = free_port()
-        server = uvicorn.Server(uvicorn.Config(hub.app, host="127.0.0.1", port=port, lifespan="off", log_level="warning"))
-        thread = threading.Thread(target=server.run, daemon=True)
-        thread.start()
-        deadline = time.monotonic() + 30
-        while not server.started:
-            assert time.monotonic() < deadline and thread.is_alive(), "the server did not start"
-            time.sleep(0.02)
-        try:
-            yield Served(fleet, f"http://127.0.0.1:{port}")
-        finally:
-            server.should_exit = True
-            thread.join(30)
+        with serve(hub.app) as url:
+            yield Served(fleet, url)
 
 
 def running_task(fleet: TaskFleet) -> tuple[dict[str, Any], dict[str, Any]]:
