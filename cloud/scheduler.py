@@ -52,7 +52,7 @@ from cloud.convert import utc
 from cloud.lease import drive_each
 from cloud.tables import Task, TaskChunk, TaskWorker, WorkerTransitionRow
 from cloud.tasks.chunks import PENDING, assign, pending_chunks, release_chunks
-from cloud.tasks.kind import ActiveWorker, Ticked, all_kinds, kind_of, node_roles
+from cloud.tasks.kind import Ticked, all_kinds, kind_of, node_roles
 from cloud.tasks.lifecycle import active_workers, finish, move_task, move_worker
 from cloud.tasks.orders import build_order, put_worker_order, withdraw_worker_order
 from cloud.tasks.rows import hub_log, placement_of, retry_of, spec_of, target_table, type_info
@@ -153,7 +153,7 @@ class TaskController:
                 or any(states.get((w.target_kind, w.target_id)) in gone or at - (utc(w.last_report_at) or utc(w.created_at)) > silent for w in active)
                 or (t.chunks_total is not None and (t.chunks_done == t.chunks_total or t.id in waiting_chunks))
                 or (t.chunks_total is None and (t.id in to_replace or not any(w.role not in companions for w in active)))
-                or kind_of(t.type).is_due([ActiveWorker(w.role, w.target_id) for w in active], node_of)
+                or kind_of(t.type).is_due(active, node_of)
                 or t.id in kinds_due
             ):  # fmt: skip
                 due.append(t.id)
@@ -335,7 +335,6 @@ class TaskController:
 
     def _tick_kind(self, session: Session, task: Task, at: datetime) -> None:
         """The kind's own step for an active, placed, unpaused task (a federated round: ``cloud.fl.rounds``)."""
-        session.flush()
         done: Ticked = kind_of(task.type).tick(session, task, at, _Driving(self, session, task, at))
         self._orders |= done.orders
         self._changed |= done.changed

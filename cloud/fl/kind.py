@@ -85,7 +85,8 @@ class FederatedTraining(TaskKind):
         return rounds.round_due(session, at)
 
     def tick(self, session: Session, task: Task, at: datetime, driver: Driver) -> Ticked:
-        """Open, close or retry the round (``cloud.fl.rounds.drive``)."""
+        """Open, close or retry the round (``cloud.fl.rounds.drive``), on the drive's changes so far."""
+        session.flush()
         return rounds.drive(session, task, at, driver, driver.blobs)
 
 

@@ -85,9 +85,8 @@ class Ticked:
     """a round closed: the scheduler prepares and drives the task again in the same tick"""
 
 
-@dataclass
-class ActiveWorker:
-    """An active worker as the scheduler's ``due`` sees it (``role``, ``target_id``)."""
+class ActiveWorker(Protocol):
+    """An active worker as the scheduler's ``due`` reads it (a row of its query)."""
 
     role: str
     target_id: str
