@@ -34,6 +34,7 @@ from sqlmodel import Session
 
 from cloud.api.deps import Viewer
 from cloud.api.problems import PROBLEM_RESPONSES
+from cloud.api.state import HubState, hub_state
 
 PREFIX = "aisynergy"
 _NAME_BAD = re.compile(r"[^a-zA-Z0-9_]")
@@ -63,37 +64,25 @@ def _counter_families(component: str, counters: Mapping[str, Any], what: str) ->
 
 
 class HubCollector:
-    """A prometheus_client custom collector over one hub app's database and in-memory counters."""
+    """A prometheus_client custom collector over one hub's database and in-memory counters."""
 
-    def __init__(self, app: FastAPI) -> None:
-        self.app = app
+    def __init__(self, state: HubState) -> None:
+        self.state = state
 
     def describe(self) -> Iterable[Metric]:
         return []  # names are not fixed up front (counter keys appear as they are first incremented)
 
     def collect(self) -> Iterator[Metric]:
-        state = self.app.state
-        engine = getattr(state, "engine", None)
-        if engine is not None:
-            with Session(engine) as session:
-                yield from self._gauges(session)
-        bridge = getattr(state, "bridge", None)
-        if bridge is not None:
-            connected = getattr(bridge, "connected", None)
-            if connected is not None:
-                yield GaugeMetricFamily(f"{PREFIX}_mqtt_connected", "1 while the hub's MQTT bridge is connected to the broker", value=int(connected.is_set()))
-            yield from _counter_families("mqtt", getattr(bridge, "counters", {}), "MQTT bridge")
-        ingest = getattr(state, "ingest", None)
-        if ingest is not None:
-            backlog = getattr(ingest, "backlog", None)
-            if isinstance(backlog, int | float):
-                yield GaugeMetricFamily(f"{PREFIX}_ingest_backlog", "status reports buffered in memory, not yet written to the database", value=backlog)
-            yield from _counter_families("ingest", getattr(ingest, "counters", {}), "status ingest")
-        for component, what in (("rollout", "rollout controller"), ("scheduler", "task scheduler")):
-            holder = getattr(state, component, None)
-            counters = getattr(holder, "counters", None)
-            if isinstance(counters, Mapping):
-                yield from _counter_families(component, counters, what)
+        state = self.state
+        with Session(state.engine) as session:
+            yield from self._gauges(session)
+        if state.bridge is not None:
+            yield GaugeMetricFamily(f"{PREFIX}_mqtt_connected", "1 while the hub's MQTT bridge is connected to the broker", value=int(state.bridge.connected.is_set()))
+            yield from _counter_families("mqtt", state.bridge.counters, "MQTT bridge")
+        yield GaugeMetricFamily(f"{PREFIX}_ingest_backlog", "status reports buffered in memory, not yet written to the database", value=state.ingest.backlog)
+        yield from _counter_families("ingest", state.ingest.counters, "status ingest")
+        yield from _counter_families("rollout", state.rollout.counters, "rollout controller")
+        yield from _counter_families("scheduler", state.scheduler.counters, "task scheduler")
 
     def _gauges(self, session: Session) -> Iterator[Metric]:
         from cloud import tables
@@ -135,15 +124,16 @@ def _grouped(session: Session, table: Any, name: str, documentation: str, labels
 
 def registry_for(app: FastAPI) -> CollectorRegistry:
     """The app's own registry (made on first use) holding its ``HubCollector``: no process-global state."""
-    registry = getattr(app.state, "metrics_registry", None)
+    state = hub_state(app)
+    registry = state.metrics_registry
     if registry is None:
         with _REGISTRY_LOCK:
-            registry = getattr(app.state, "metrics_registry", None)
+            registry = state.metrics_registry
             if registry is None:
                 registry = CollectorRegistry(auto_describe=False)
-                registry.register(HubCollector(app))  # type: ignore[arg-type]
-                app.state.metrics_registry = registry
-    return registry  # type: ignore[no-any-return]
+                registry.register(HubCollector(state))
+                state.metrics_registry = registry
+    return registry
 
 
 def metrics_router() -> APIRouter:

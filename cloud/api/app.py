@@ -21,6 +21,7 @@ from cloud.api import problems, spec
 from cloud.api.guards import IdempotentReplay, RequestGuard, SecurityHeaders, purge_idempotency, replay_response
 from cloud.api.routes import artifacts, deployments, devices, nodes, privacy
 from cloud.api.routes import tasks as task_routes
+from cloud.api.state import HubState, attach, hub_state
 from cloud.artifacts import FileBlobStore
 from cloud.auth import TokenCache
 from cloud.bridge import MqttBridge
@@ -87,10 +88,9 @@ def _housekeeping_tick(engine: Engine, settings: Settings, ca: CertificateAuthor
         revocation.publish_crl(session, ca)
 
 
-def _poke(app: FastAPI) -> None:
-    bridge = getattr(app.state, "bridge", None)
-    if bridge is not None:
-        bridge.poke_desired()
+def _poke(state: HubState) -> None:
+    if state.bridge is not None:
+        state.bridge.poke_desired()
 
 
 def create_app(settings: Settings | None = None) -> FastAPI:
@@ -103,32 +103,38 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         await asyncio.to_thread(secure_data_dir, settings.data_dir, settings.pki_dir, settings.data_dir / "artifacts")
         await asyncio.to_thread(upgrade, settings.database_url)
         engine = make_engine(settings.database_url)
-        app.state.engine = engine
-        app.state.token_cache = TokenCache(settings.token_cache_ttl_s)
-        app.state.ca = await asyncio.to_thread(CertificateAuthority.load_or_create, settings.pki_dir)
-        app.state.signing = await asyncio.to_thread(SigningKey.load_or_create, settings.pki_dir)
-        app.state.blobs = await asyncio.to_thread(FileBlobStore, settings.data_dir / "artifacts")
+        token_cache = TokenCache(settings.token_cache_ttl_s)
+        ca = await asyncio.to_thread(CertificateAuthority.load_or_create, settings.pki_dir)
+        signing = await asyncio.to_thread(SigningKey.load_or_create, settings.pki_dir)
+        blobs = await asyncio.to_thread(FileBlobStore, settings.data_dir / "artifacts")
         ingest = StatusIngest(engine)
-        app.state.ingest = ingest
+        wake, loop = asyncio.Event(), asyncio.get_running_loop()
+
+        def wake_scheduler() -> None:
+            loop.call_soon_threadsafe(wake.set)
+
+        state = HubState(
+            settings=settings, engine=engine, token_cache=token_cache, ca=ca, signing=signing, blobs=blobs, ingest=ingest,
+            rollout=RolloutController(engine, signing, blobs, on_change=lambda: _poke(state)),
+            scheduler=TaskController(engine, signing, on_change=lambda: _poke(state), blobs=blobs),
+            wake_scheduler=wake_scheduler,
+        )  # fmt: skip
+        ingest.on_tasks_changed = state.wake_scheduler
+        if settings.enable_mqtt:
+            state.bridge = MqttBridge(settings.broker_url, settings.pki_dir, settings.mqtt_client_id, ingest, DesiredPublisher(engine))
+            state.bridge.signing_key_id = lambda: state.signing.key_id
+        attach(app, state)
         tasks = [
             asyncio.create_task(_every(settings.heartbeat_flush_interval_s, ingest.flush), name="ingest"),
             asyncio.create_task(_every(settings.liveness_check_interval_s, _liveness_tick, engine, settings, holder), name="liveness"),
-            asyncio.create_task(_every(3600, _housekeeping_tick, engine, settings, app.state.ca), name="housekeeping"),
-        ]
-        rollout = RolloutController(engine, app.state.signing, app.state.blobs, on_change=lambda: _poke(app))
-        app.state.rollout = rollout
-        tasks.append(asyncio.create_task(_every(settings.rollout_interval_s, _rollout_tick, engine, settings, holder, rollout), name="rollout"))
-        scheduler = TaskController(engine, app.state.signing, on_change=lambda: _poke(app), blobs=app.state.blobs)
-        app.state.scheduler = scheduler
-        wake, loop = asyncio.Event(), asyncio.get_running_loop()
-        app.state.wake_scheduler = lambda: loop.call_soon_threadsafe(wake.set)
-        ingest.on_tasks_changed = app.state.wake_scheduler
-        tasks.append(asyncio.create_task(_every_or_woken(settings.scheduler_interval_s, wake, _scheduler_tick, engine, settings, holder, scheduler), name="scheduler"))
-        if settings.enable_mqtt:
-            bridge = MqttBridge(settings.broker_url, settings.pki_dir, settings.mqtt_client_id, ingest, DesiredPublisher(engine))
-            bridge.signing_key_id = lambda: app.state.signing.key_id
-            app.state.bridge = bridge
-            tasks.append(asyncio.create_task(bridge.run(), name="mqtt"))
+            asyncio.create_task(_every(3600, _housekeeping_tick, engine, settings, ca), name="housekeeping"),
+            asyncio.create_task(_every(settings.rollout_interval_s, _rollout_tick, engine, settings, holder, state.rollout), name="rollout"),
+            asyncio.create_task(
+                _every_or_woken(settings.scheduler_interval_s, wake, _scheduler_tick, engine, settings, holder, state.scheduler), name="scheduler",
+            ),
+        ]  # fmt: skip
+        if state.bridge is not None:
+            tasks.append(asyncio.create_task(state.bridge.run(), name="mqtt"))
         log.info("hub ready: database %s, broker %s", engine.url.render_as_string(hide_password=True), settings.broker_url)
         try:
             yield
@@ -147,11 +153,10 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         summary="Cloud-edge-device collaboration interfaces (GB/T 45401.2 §8)",
         lifespan=lifespan,
     )
-    app.state.settings = settings
     problems.install(app)
     app.add_exception_handler(IdempotentReplay, replay_response)
     app.add_middleware(
-        RequestGuard, engine=lambda: app.state.engine, max_body_bytes=settings.max_body_bytes, streamed_uploads={API_PREFIX + "/artifacts"},
+        RequestGuard, engine=lambda: hub_state(app).engine, max_body_bytes=settings.max_body_bytes, streamed_uploads={API_PREFIX + "/artifacts"},
     )  # fmt: skip
     app.add_middleware(problems.UnexpectedErrors)  # outside the guard: a failed request frees its Idempotency-Key first
     app.add_middleware(SecurityHeaders)  # outermost: on every response, the guard's refusals too
@@ -167,7 +172,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     @api.get("/ca.crt", response_class=Response, tags=["pki"], openapi_extra={"security": []}, responses=spec.pem_response("PEM"))
     def ca_certificate(request: Request) -> Response:
         """The hub CA certificate (PEM) that signs node and broker certificates."""
-        return Response(request.app.state.ca.ca_pem, media_type=spec.PEM_MEDIA_TYPE)
+        return Response(hub_state(request).ca.ca_pem, media_type=spec.PEM_MEDIA_TYPE)
 
     app.include_router(api)
     app.include_router(metrics_router())  # GET /metrics beside /healthz (viewer token)
@@ -176,15 +181,16 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     @app.get("/healthz", tags=["meta"])
     def healthz(request: Request) -> dict[str, Any]:
         """Liveness of the hub, its database and its broker connection."""
-        with request.app.state.engine.connect() as conn:
+        state = hub_state(request)
+        with state.engine.connect() as conn:
             conn.execute(text("SELECT 1"))
-        bridge = getattr(request.app.state, "bridge", None)
+        bridge = state.bridge
         return {
             "status": "ok",
             "version": VERSION,
             "database": "ok",
             "mqtt": {"connected": bool(bridge and bridge.connected.is_set()), **(dict(bridge.counters) if bridge else {})},
-            "ingest": {"backlog": request.app.state.ingest.backlog, **dict(request.app.state.ingest.counters)},
+            "ingest": {"backlog": state.ingest.backlog, **dict(state.ingest.counters)},
         }
 
     return app

@@ -6,7 +6,8 @@ import time
 
 from fastapi import Request
 
-from cloud.bridge import BrokerUnavailable, CommandTimeout, MqttBridge
+from cloud.api.state import hub_state
+from cloud.bridge import BrokerUnavailable, CommandTimeout
 from cloud.errors import ApiError, Conflict
 from interfaces.errors import ErrorCode
 from interfaces.lifecycle import CONNECTED_STATES, NodeState
@@ -17,7 +18,7 @@ from interfaces.nodes import CommandRequest, CommandResult
 async def send(request: Request, state: str, topic: str, reply_topic: str, body: CommandRequest) -> CommandResult:
     if NodeState(state) not in CONNECTED_STATES:
         raise Conflict(f"the target is {state}, not connected", code=ErrorCode.TARGET_OFFLINE, current_state=state)
-    bridge: MqttBridge | None = getattr(request.app.state, "bridge", None)
+    bridge = hub_state(request).bridge
     if bridge is None:
         raise ApiError("this hub runs without MQTT", code=ErrorCode.BROKER_UNAVAILABLE, status=503)
     command = CommandBody(name=body.name, args=body.args, timeout_s=body.timeout_s)

@@ -11,7 +11,8 @@ from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from sqlmodel import Session
 
 from cloud.api.guards import SLOT_KEY, IdempotencySlot
-from cloud.auth import TokenCache, TokenIdentity
+from cloud.api.state import hub_state
+from cloud.auth import TokenIdentity
 from cloud.config import Settings
 from cloud.errors import Forbidden, Unauthenticated
 from cloud.pki import CertificateAuthority
@@ -21,16 +22,16 @@ from interfaces.selectors import SELECTOR_PATTERN
 
 
 def get_db(request: Request) -> Iterator[Session]:
-    with Session(request.app.state.engine, expire_on_commit=False) as session:
+    with Session(hub_state(request).engine, expire_on_commit=False) as session:
         yield session
 
 
 def get_settings(request: Request) -> Settings:
-    return request.app.state.settings  # type: ignore[no-any-return]
+    return hub_state(request).settings
 
 
 def get_ca(request: Request) -> CertificateAuthority:
-    return request.app.state.ca  # type: ignore[no-any-return]
+    return hub_state(request).ca
 
 
 T = TypeVar("T")
@@ -46,11 +47,12 @@ def require(role: Role) -> Callable[..., Awaitable[TokenIdentity]]:
     async def dependency(request: Request, credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)]) -> TokenIdentity:
         if credentials is None or credentials.scheme.lower() != "bearer":
             raise Unauthenticated("a bearer token is required")
-        cache: TokenCache = request.app.state.token_cache
+        state = hub_state(request)
+        cache = state.token_cache
         # a cached token costs no thread hop; a miss reads the database in a worker thread
         token = cache.cached(credentials.credentials)
         if token is None:
-            engine = request.app.state.engine
+            engine = state.engine
             token = await run_in_threadpool(cache.lookup, lambda: Session(engine), credentials.credentials)
         if token is None:
             raise Unauthenticated("the bearer token is not valid")
@@ -113,12 +115,12 @@ DEFAULT_PAGE = DEFAULT_LIMIT
 
 def read_one(request: Request, getter: Callable[[Session, str], T], key: str) -> T:
     """Run ``getter(session, key)`` with a session of its own (for async routes, in a worker thread)."""
-    with Session(request.app.state.engine, expire_on_commit=False) as session:
+    with Session(hub_state(request).engine, expire_on_commit=False) as session:
         return getter(session, key)
 
 
 def poke_desired(request: Request) -> None:
     """A desired document changed: let the bridge publish it now (it also catches up on its own)."""
-    bridge = getattr(request.app.state, "bridge", None)
+    bridge = hub_state(request).bridge
     if bridge is not None:
         bridge.poke_desired()

@@ -12,6 +12,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from cloud.api.state import hub_state
 from cloud.errors import ApiError
 from interfaces.errors import PROBLEM_MEDIA_TYPE, ErrorCode, Problem
 
@@ -46,11 +47,12 @@ HTTP_METHODS = frozenset({"get", "put", "post", "delete", "options", "head", "pa
 def allowed_methods(request: Request) -> str:
     """Every method the API answers on this path (RFC 9110 15.5.6: a 405 lists them all in Allow), from the
     app's OpenAPI paths; the router names only the first route whose path matched."""
-    table = getattr(request.app.state, "allowed_methods", None)
+    state = hub_state(request)
+    table = state.allowed_methods
     if table is None:
         table = [(re.compile("^" + re.sub(r"\\\{[^/]+?\\\}", "[^/]+", re.escape(path)) + "$"), {m.upper() for m in ops if m in HTTP_METHODS})
                  for path, ops in request.app.openapi().get("paths", {}).items()]  # fmt: skip
-        request.app.state.allowed_methods = table
+        state.allowed_methods = table
     methods = set().union(*(ops for pattern, ops in table if pattern.match(request.url.path)))
     return ", ".join(sorted(methods))
 

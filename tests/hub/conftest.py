@@ -7,7 +7,6 @@ per role; ``snapshot`` reads every row of every table so a test can prove a refu
 from __future__ import annotations
 
 import time
-
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -22,6 +21,7 @@ from sqlalchemy.engine import Engine
 from sqlmodel import Session
 
 from cloud.api.app import create_app
+from cloud.api.state import HubState, hub_state
 from cloud.auth import create_api_token
 from cloud.config import Settings
 from cloud.pki import make_csr, new_private_key
@@ -69,12 +69,17 @@ class HubUnderTest:
     tokens: dict[Role, str] = field(default_factory=dict)
 
     @property
+    def state(self) -> HubState:
+        """The app's shared state (blob store, signing key, controllers, ...)."""
+        return hub_state(self.app)
+
+    @property
     def engine(self) -> Engine:
-        return self.app.state.engine  # type: ignore[no-any-return]
+        return self.state.engine
 
     @property
     def settings(self) -> Settings:
-        return self.app.state.settings  # type: ignore[no-any-return]
+        return self.state.settings
 
     def auth(self, role: Role = Role.ADMIN) -> dict[str, str]:
         return {"Authorization": f"Bearer {self.tokens[role]}"}
@@ -117,11 +122,11 @@ def running_hub(settings: Settings) -> Iterator[HubUnderTest]:
     app = create_app(settings)
     with TestClient(app, raise_server_exceptions=False) as client:
         hub = HubUnderTest(app, client)
-        rollout, deadline = app.state.rollout, time.monotonic() + 30
+        rollout, deadline = hub.state.rollout, time.monotonic() + 30
         while rollout.counters["ticks"] < 1:  # the rollout loop's start-up tick is over before a test writes
             assert time.monotonic() < deadline, "the rollout loop never ticked"
             time.sleep(0.01)
-        with Session(app.state.engine) as session:
+        with Session(hub.engine) as session:
             for role in Role:
                 _, hub.tokens[role] = create_api_token(session, role, name=f"test-{role.value}")
         yield hub

@@ -12,7 +12,7 @@ from typing import Any
 from sqlalchemy import select, update
 from sqlmodel import Session
 
-from cloud.artifacts import FileBlobStore, create_artifact, installed_of
+from cloud.artifacts import create_artifact, installed_of
 from cloud.ingest import StatusIngest
 from cloud.rollout import RolloutController
 from cloud.tables import Artifact, Device, Execution, Node
@@ -114,6 +114,5 @@ def running_fleet(database_url: str, tmp_path: Path) -> Iterator[Fleet]:
     """The hub with its background rollout loop slowed to once an hour (``hub_settings``): the test ticks
     the controller itself."""
     for hub in running_hub(hub_settings(tmp_path, database_url)):
-        background = hub.app.state.rollout
-        blobs = getattr(hub.app.state, "blobs", None) or FileBlobStore(tmp_path / "blobs")
-        yield Fleet(hub, blobs, RolloutController(hub.engine, background.signing, blobs), StatusIngest(hub.engine))
+        blobs = hub.state.blobs
+        yield Fleet(hub, blobs, RolloutController(hub.engine, hub.state.rollout.signing, blobs), StatusIngest(hub.engine))

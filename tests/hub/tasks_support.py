@@ -202,11 +202,11 @@ class TaskFleet:
 def running_task_fleet(database_url: str, tmp_path: Path) -> Iterator[TaskFleet]:
     """The hub with its background scheduler slowed to once an hour: the test ticks a controller itself."""
     for hub in running_hub(hub_settings(tmp_path, database_url, scheduler_interval_s=3600)):
-        background, deadline = hub.app.state.scheduler, time.monotonic() + 30
+        background, deadline = hub.state.scheduler, time.monotonic() + 30
         while background.counters["ticks"] < 1:  # its start-up tick is over before a test writes
             assert time.monotonic() < deadline, "the scheduler loop never ticked"
             time.sleep(0.01)
-        hub.app.state.wake_scheduler = lambda: None  # API calls must not wake the background loop mid-test
-        blobs = hub.app.state.blobs
-        yield TaskFleet(hub, blobs, TaskController(hub.engine, hub.app.state.signing, blobs=blobs), StatusIngest(hub.engine))
+        hub.state.wake_scheduler = lambda: None  # API calls must not wake the background loop mid-test
+        blobs = hub.state.blobs
+        yield TaskFleet(hub, blobs, TaskController(hub.engine, hub.state.signing, blobs=blobs), StatusIngest(hub.engine))
 

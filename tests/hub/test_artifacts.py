@@ -359,7 +359,7 @@ def test_download_tokens(hub: HubUnderTest) -> None:
     # Prepare
     created = stored(hub)
     other = stored(hub, os.urandom(10), version="9.9")
-    signing = hub.app.state.signing
+    signing = hub.state.signing
     path = f"/artifacts/{created['id']}/content"
     good = signing.issue_download_token(created["id"], created["sha256"], "d-target", ttl_s=60)
     expired = signing.issue_download_token(created["id"], created["sha256"], "d-target", ttl_s=-1)
@@ -391,7 +391,7 @@ def test_delta_patches_the_base_into_the_target(hub: HubUnderTest) -> None:
     target = bytes(target) + b"tail"
     old = stored(hub, base, version="1.0.0")
     new = stored(hub, target, version="1.0.1")
-    token = hub.app.state.signing.issue_download_token(new["id"], new["sha256"], "d-target", ttl_s=60, base_sha256=old["sha256"])
+    token = hub.state.signing.issue_download_token(new["id"], new["sha256"], "d-target", ttl_s=60, base_sha256=old["sha256"])
 
     # Execute
     r = hub.get(f"/artifacts/{new['id']}/delta", None, params={"from": old["sha256"]}, headers={DOWNLOAD_TOKEN_HEADER: token})
@@ -436,7 +436,7 @@ def test_concurrent_delta_offers_record_one_row(hub: HubUnderTest) -> None:
         with Session(hub.engine, expire_on_commit=False) as session:
             target = session.get(Artifact, new["id"])
             assert target is not None
-            offers.append(offer_delta(session, hub.app.state.blobs, old["sha256"], target))
+            offers.append(offer_delta(session, hub.state.blobs, old["sha256"], target))
             session.commit()
 
     # Execute
@@ -452,7 +452,7 @@ def test_concurrent_delta_offers_record_one_row(hub: HubUnderTest) -> None:
     with Session(hub.engine) as session:
         rows = session.exec(select(ArtifactDelta)).all()
     assert len(rows) == 1 and rows[0].sha256 == offers[0].sha256
-    assert hub.app.state.blobs.exists(offers[0].sha256)
+    assert hub.state.blobs.exists(offers[0].sha256)
 
 
 def test_a_delta_recorded_by_another_process_wins_and_keeps_the_callers_work(hub: HubUnderTest, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -464,7 +464,7 @@ def test_a_delta_recorded_by_another_process_wins_and_keeps_the_callers_work(hub
     base = os.urandom(32 * 1024)
     old = stored(hub, base, version="1.0.0")
     new = stored(hub, base + b"x", version="1.0.1")
-    theirs = hub.app.state.blobs.put_bytes(b"their patch")
+    theirs = hub.state.blobs.put_bytes(b"their patch")
     with Session(hub.engine) as session:
         session.add(ArtifactDelta(base_sha256=old["sha256"], target_sha256=new["sha256"], sha256=theirs[0], size=theirs[1], created_at=datetime.now(UTC)))
         session.commit()
@@ -481,7 +481,7 @@ def test_a_delta_recorded_by_another_process_wins_and_keeps_the_callers_work(hub
         ))  # fmt: skip
         target = session.get(Artifact, new["id"])
         assert target is not None
-        offer = offer_delta(session, hub.app.state.blobs, old["sha256"], target)
+        offer = offer_delta(session, hub.state.blobs, old["sha256"], target)
         session.commit()
 
     # Assert

@@ -23,7 +23,7 @@ def test_an_unexpected_error_on_a_connection_attempt_does_not_end_the_bridge(hub
 
     monkeypatch.setattr(bridge_module, "tls_context", failing)
     monkeypatch.setattr(bridge_module, "reconnect_delay", lambda attempt, cap: 0.01)
-    bridge = MqttBridge("mqtts://127.0.0.1:1", tmp_path, "hub-test", hub.app.state.ingest)
+    bridge = MqttBridge("mqtts://127.0.0.1:1", tmp_path, "hub-test", hub.state.ingest)
 
     async def scenario() -> bool:
         task = asyncio.create_task(bridge.run())

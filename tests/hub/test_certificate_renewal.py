@@ -48,7 +48,7 @@ def _hub_events(hub: HubUnderTest, node_id: str, type: str) -> list[dict[str, An
 
 
 def _ca(hub: HubUnderTest) -> CertificateAuthority:
-    return hub.app.state.ca  # type: ignore[no-any-return]
+    return hub.state.ca
 
 
 def test_a_node_renews_with_its_certificate_and_key_and_the_old_one_stays_valid(hub: HubUnderTest) -> None:

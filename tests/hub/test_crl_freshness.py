@@ -6,7 +6,7 @@ import datetime as dt
 
 from sqlmodel import Session
 
-from cloud.pki import CRL_REFRESH_BEFORE, CRL_VALIDITY, CertificateAuthority
+from cloud.pki import CRL_REFRESH_BEFORE, CRL_VALIDITY
 from cloud.services import revocation
 from tests.hub.conftest import HubUnderTest
 
@@ -17,7 +17,7 @@ def _now() -> dt.datetime:
 
 def test_a_crl_signed_31_days_ago_is_signed_again_and_a_fresh_one_is_left_alone(hub: HubUnderTest) -> None:
     # Prepare: the hub's CA with a CRL as if written 31 days ago (expired a day ago)
-    ca: CertificateAuthority = hub.app.state.ca
+    ca = hub.state.ca
     ca.write_crl([], now=_now() - dt.timedelta(days=31))
     expired = ca.crl_next_update()
     assert expired is not None and expired < _now()
@@ -35,7 +35,7 @@ def test_a_crl_signed_31_days_ago_is_signed_again_and_a_fresh_one_is_left_alone(
 
 def test_the_crl_is_signed_again_once_less_than_the_margin_is_left(hub: HubUnderTest) -> None:
     # Prepare: a CRL signed now
-    ca: CertificateAuthority = hub.app.state.ca
+    ca = hub.state.ca
     ca.write_crl([])
     signed_at = _now()
     just_before = signed_at + CRL_VALIDITY - CRL_REFRESH_BEFORE - dt.timedelta(hours=1)
@@ -59,7 +59,7 @@ def test_revoked_serials_survive_the_re_signing(hub: HubUnderTest) -> None:
     node_id = node["node"]["id"]
     assert hub.enrol(node_id, node["bootstrap_token"]).status_code in (200, 201)
     assert hub.request("DELETE", f"/nodes/{node_id}").status_code in (200, 204)
-    ca: CertificateAuthority = hub.app.state.ca
+    ca = hub.state.ca
     before = ca.revoked_serials()
     assert before  # the node's certificate is revoked
     with Session(hub.engine) as session:

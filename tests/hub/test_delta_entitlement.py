@@ -138,7 +138,7 @@ def test_a_burst_of_distinct_bases_computes_at_most_the_cap_and_the_rest_is_503(
     assert len(served) == deltas.MAX_CONCURRENT_DELTAS
     for sha, r in served.items():
         assert r.status_code == 200, r.text
-        assert bsdiff4.patch(artifacts.read_blob(hub.app.state.blobs, sha), r.content) == target_bytes
+        assert bsdiff4.patch(artifacts.read_blob(hub.state.blobs, sha), r.content) == target_bytes
     assert {b for b, _ in _recorded_bases(hub)} == set(served)
 
 

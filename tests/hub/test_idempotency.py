@@ -101,7 +101,7 @@ def test_a_revoked_token_gets_no_replay(hub: HubUnderTest) -> None:
         assert token is not None
         token_id = token.id
         revoke_api_token(session, token_id)
-    hub.app.state.token_cache.forget(token_id)
+    hub.state.token_cache.forget(token_id)
 
     # Execute
     again = hub.request("POST", "/devices", Role.OPERATOR, json=body, headers=key)

@@ -46,9 +46,9 @@ def served(sqlite_url: str, tmp_path: Path) -> Iterator[Served]:
     """The hub app behind uvicorn on a free port (a real server: streams run side by side)."""
     settings = hub_settings(tmp_path, sqlite_url, scheduler_interval_s=3600, sse_streams_per_token=STREAMS_PER_TOKEN, sse_token_check_s=0.2, sse_poll_s=POLL_S)
     for hub in running_hub(settings):
-        hub.app.state.wake_scheduler = lambda: None
-        blobs = hub.app.state.blobs
-        fleet = TaskFleet(hub, blobs, TaskController(hub.engine, hub.app.state.signing, blobs=blobs), StatusIngest(hub.engine))
+        hub.state.wake_scheduler = lambda: None
+        blobs = hub.state.blobs
+        fleet = TaskFleet(hub, blobs, TaskController(hub.engine, hub.state.signing, blobs=blobs), StatusIngest(hub.engine))
         with serve(hub.app) as url:
             yield Served(fleet, url)
 

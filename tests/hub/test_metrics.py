@@ -7,11 +7,13 @@ import threading
 from collections.abc import Iterator
 from pathlib import Path
 from types import SimpleNamespace
+from typing import cast
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from cloud import tables
+from cloud.bridge import MqttBridge
 from interfaces.auth import Role
 from interfaces.deployments import DeploymentState, ExecutionState
 from interfaces.lifecycle import AdminState, NodeState
@@ -118,22 +120,17 @@ def test_task_gauges_follow_the_task_tables(mhub: HubUnderTest) -> None:
 
 
 def test_counters_come_from_the_components(mhub: HubUnderTest) -> None:
-    # Prepare: the test hub runs without MQTT and (maybe) without a scheduler: stand-ins with known counters
-    state = mhub.app.state
+    # Prepare: the test hub runs without MQTT: a stand-in bridge with known counters
+    state = mhub.state
     connected = threading.Event()
-    had_scheduler = hasattr(state, "scheduler")
-    state.bridge = SimpleNamespace(connected=connected, counters={"messages_received": 5, "dropped_invalid": 2})
-    if not had_scheduler:
-        state.scheduler = SimpleNamespace(counters={"ticks": 7, "workers_placed": 3})
+    state.bridge = cast(MqttBridge, SimpleNamespace(connected=connected, counters={"messages_received": 5, "dropped_invalid": 2}))
     try:
         # Act
         samples, types = scrape(mhub)
         connected.set()
         again, _ = scrape(mhub)
     finally:
-        del state.bridge
-        if not had_scheduler:
-            del state.scheduler
+        state.bridge = None
 
     # Assert
     assert samples[("aisynergy_mqtt_messages_received_total", ())] == 5
@@ -141,13 +138,9 @@ def test_counters_come_from_the_components(mhub: HubUnderTest) -> None:
     assert types["aisynergy_mqtt_messages_received"] == "counter"
     assert samples[("aisynergy_mqtt_connected", ())] == 0
     assert again[("aisynergy_mqtt_connected", ())] == 1
-    if not had_scheduler:
-        assert samples[("aisynergy_scheduler_ticks_total", ())] == 7
-        assert samples[("aisynergy_scheduler_workers_placed_total", ())] == 3
-    else:
-        for key, value in dict(state.scheduler.counters).items():
-            assert samples[(f"aisynergy_scheduler_{key}_total", ())] <= value
-            assert types[f"aisynergy_scheduler_{key}"] == "counter"
+    for key, value in dict(state.scheduler.counters).items():
+        assert samples[(f"aisynergy_scheduler_{key}_total", ())] <= value
+        assert types[f"aisynergy_scheduler_{key}"] == "counter"
     rollout = state.rollout.counters
     for key in ("ticks", "released", "timed_out", "rollback_orders"):
         assert samples[(f"aisynergy_rollout_{key}_total", ())] <= rollout[key]  # read at scrape time; ticks only grow
@@ -166,4 +159,4 @@ def test_no_bridge_no_mqtt_metrics_and_metrics_is_documented(mhub: HubUnderTest)
     assert not [name for name, _ in samples if name.startswith("aisynergy_mqtt_")]
     assert "get" in doc["paths"]["/metrics"]
     assert doc["paths"]["/metrics"]["get"]["security"]  # a bearer token
-    assert mhub.app.state.metrics_registry is not None  # one registry per app, made on the first scrape
+    assert mhub.state.metrics_registry is not None  # one registry per app, made on the first scrape

@@ -40,11 +40,11 @@ def clock(monkeypatch: pytest.MonkeyPatch) -> _Clock:
 @pytest.fixture
 def fed(hub: HubUnderTest, tmp_path: Path) -> Iterator[MqttBridge]:
     """A bridge over the hub's own ingest, fed by hand (``dispatch`` is what the MQTT loop calls)."""
-    yield MqttBridge("mqtt://127.0.0.1:1", tmp_path, "hub-test", hub.app.state.ingest)
+    yield MqttBridge("mqtt://127.0.0.1:1", tmp_path, "hub-test", hub.state.ingest)
 
 
 def _events(hub: HubUnderTest, node_id: str, **params: Any) -> list[dict[str, Any]]:
-    hub.app.state.ingest.flush()
+    hub.state.ingest.flush()
     r = hub.get(f"/nodes/{node_id}/events", params=params)
     assert r.status_code == 200, r.text
     return r.json()["items"]  # type: ignore[no-any-return]
@@ -62,7 +62,7 @@ def test_malformed_oversized_and_forged_messages_are_answered_with_an_error_even
     node_id = hub.register("gw")["node"]["id"]
     device_id = hub.add_device(node_id)["id"]
     fed.dispatch(NODE_STATE.topic(node_id=node_id), envelope(node_id, StateBody(state=ConnectionState.ONLINE, agent_version="1")).model_dump_json().encode())
-    hub.app.state.ingest.flush()
+    hub.state.ingest.flush()
     before = hub.get(f"/nodes/{node_id}").json()
 
     # Execute: four messages the hub must drop
@@ -137,15 +137,15 @@ def test_events_of_unknown_and_deleted_nodes_are_dropped(hub: HubUnderTest, fed:
     # Prepare
     node_id = hub.register("gw")["node"]["id"]
     assert hub.request("DELETE", f"/nodes/{node_id}").status_code == 204
-    dropped = hub.app.state.ingest.counters["dropped_unknown_node"]
+    dropped = hub.state.ingest.counters["dropped_unknown_node"]
 
     # Execute
     fed.dispatch(NODE_HEARTBEAT.topic(node_id=node_id), b"{}")
     fed.dispatch(NODE_HEARTBEAT.topic(node_id="n-unknown"), b"{}")
-    hub.app.state.ingest.flush()
+    hub.state.ingest.flush()
 
     # Assert
-    assert hub.app.state.ingest.counters["dropped_unknown_node"] == dropped + 2
+    assert hub.state.ingest.counters["dropped_unknown_node"] == dropped + 2
     with Session(hub.engine) as session:
         assert session.exec(select(NodeEventRow)).all() == []
     assert_problem(hub.get(f"/nodes/{node_id}/events"), 404, "not_found")
@@ -158,7 +158,7 @@ def test_node_events_page_in_arrival_order_and_refuse_bad_requests(hub: HubUnder
         fed.dispatch(NODE_EVENTS.topic(node_id=node_id), _event(node_id, "edge.note", n=i))
 
     # Execute: pages of two
-    hub.app.state.ingest.flush()
+    hub.state.ingest.flush()
     seen, cursor = [], None
     while True:
         page = hub.get(f"/nodes/{node_id}/events", params={"limit": 2, **({"cursor": cursor} if cursor else {})}).json()

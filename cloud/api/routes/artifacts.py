@@ -23,12 +23,13 @@ from sqlmodel import Session
 from cloud.api.deps import DEFAULT_PAGE, Cursor, IdempotencyKey, Limit, Operator, SessionDep, SettingsDep, Viewer, _bearer, require
 from cloud.api import spec
 from cloud.api.problems import PROBLEM_RESPONSES, problem_response
+from cloud.api.state import hub_state
 from cloud.artifacts import (
     CHUNK, DELTA_RETRY_AFTER_S, BlobStore, DeltaBusy, artifact_to_wire, create_artifact, delete_artifact, ensure_absent, get_artifact,
     list_artifacts, offer_delta,
 )  # fmt: skip
 from cloud.errors import ApiError, Forbidden, MalformedRequest, PayloadTooLarge, Unauthenticated, UnsupportedMediaType, ValidationFailed
-from cloud.signing import SigningKey, TokenRejected
+from cloud.signing import TokenRejected
 from interfaces import API_PREFIX
 from interfaces.auth import Role
 from interfaces.deployments import (
@@ -59,7 +60,7 @@ _RANGE_RESPONSES: dict[int | str, dict[str, Any]] = {
 
 
 def _with_session(request: Request, fn: Callable[..., T], *args: Any) -> T:
-    with Session(request.app.state.engine, expire_on_commit=False) as session:
+    with Session(hub_state(request).engine, expire_on_commit=False) as session:
         return fn(session, *args)
 
 
@@ -186,8 +187,9 @@ def _write_all(writer: Any, chunks: list[bytes]) -> None:
 
 
 def _store(request: Request, body: ArtifactCreate, writer: Any) -> ArtifactPublic:
-    with Session(request.app.state.engine, expire_on_commit=False) as session:
-        row = create_artifact(session, request.app.state.signing, request.app.state.blobs, body, writer)
+    with Session(hub_state(request).engine, expire_on_commit=False) as session:
+        state = hub_state(request)
+        row = create_artifact(session, state.signing, state.blobs, body, writer)
         return artifact_to_wire(row)
 
 
@@ -225,7 +227,7 @@ async def upload_artifact(request: Request, response: Response, settings: Settin
     length = request.headers.get("content-length")
     if length is not None and length.isdigit() and int(length) > settings.max_artifact_bytes + FORM_OVERHEAD:
         raise PayloadTooLarge(f"artefacts are limited to {settings.max_artifact_bytes} bytes")
-    blobs: BlobStore = request.app.state.blobs
+    blobs = hub_state(request).blobs
     # the writer's temporary file is made and removed in a worker thread (removing gigabytes can take a while)
     writing = blobs.writer()
     writer = await run_in_threadpool(writing.__enter__)
@@ -277,7 +279,7 @@ async def download_access(
 ) -> DownloadGrant | None:  # fmt: skip
     """A download token for this artefact, or else a bearer token with at least the viewer role."""
     if token is not None:
-        signing: SigningKey = request.app.state.signing
+        signing = hub_state(request).signing
         try:
             return signing.verify_download_token(token, artifact_id)
         except TokenRejected as exc:
@@ -339,7 +341,7 @@ def artifact_content(artifact_id: str, request: Request, session: SessionDep, gr
     row = get_artifact(session, artifact_id)
     _check_grant(grant, row.sha256)
     filename = f"{row.name}-{row.version}.{row.format}"
-    return serve_blob(request, request.app.state.blobs, row.sha256, "application/octet-stream", {"Content-Disposition": f'attachment; filename="{filename}"'})
+    return serve_blob(request, hub_state(request).blobs, row.sha256, "application/octet-stream", {"Content-Disposition": f'attachment; filename="{filename}"'})
 
 
 @router.get("/artifacts/{artifact_id}/delta", response_class=Response, responses=_RANGE_RESPONSES | {
@@ -361,14 +363,14 @@ def artifact_delta(
         # a patch from other bytes would let the holder rebuild much of those bytes
         raise Forbidden(f"the download token allows no delta from {base}")
     try:
-        offer = offer_delta(session, request.app.state.blobs, base, row, wait=False)
+        offer = offer_delta(session, hub_state(request).blobs, base, row, wait=False)
     except DeltaBusy as exc:
         problem = Problem.of(ErrorCode.BUSY, 503, "Busy", f"{exc}: retry later, or download the content", instance=request.url.path)
         return problem_response(problem, {"Retry-After": str(DELTA_RETRY_AFTER_S)})
     session.commit()
     if offer is None:
         raise ApiError(f"no delta from {base} to artifact {artifact_id}: download the content", code=ErrorCode.NOT_FOUND, status=404)
-    return serve_blob(request, request.app.state.blobs, offer.sha256, DELTA_MEDIA_TYPE, {"X-Delta-Base": offer.base_sha256, "X-Delta-Sha256": offer.sha256})
+    return serve_blob(request, hub_state(request).blobs, offer.sha256, DELTA_MEDIA_TYPE, {"X-Delta-Base": offer.base_sha256, "X-Delta-Sha256": offer.sha256})
 
 
 # --- delete ----------------------------------------------------------------------------------------
@@ -380,7 +382,7 @@ def delete_one_artifact(artifact_id: str, request: Request, session: SessionDep,
     with the ``reason``) while it is in use: a deployment of it is PENDING, RUNNING or PAUSED; an execution of a
     deployment of it is in flight (QUEUED ... INSTALLING), ACTIVE or ROLLING_BACK; or an ACTIVE execution
     recorded it as ``previous`` (it is the version a rollback reinstalls)."""
-    delete_artifact(session, request.app.state.blobs, artifact_id)
+    delete_artifact(session, hub_state(request).blobs, artifact_id)
     return Response(status_code=status.HTTP_204_NO_CONTENT)
 
 
@@ -391,7 +393,7 @@ def delete_one_artifact(artifact_id: str, request: Request, session: SessionDep,
 def signing_key(request: Request) -> Response:
     """The hub's Ed25519 public key (PEM) that signs artefact manifests and download tokens; ``X-Key-Id`` is the
     ``key_id`` of the manifests it signs. Targets pin it at enrolment (``signing_key_pem``)."""
-    signing: SigningKey = request.app.state.signing
+    signing = hub_state(request).signing
     return Response(signing.public_pem, media_type=spec.PEM_MEDIA_TYPE, headers={"X-Key-Id": signing.key_id})
 
 
@@ -400,5 +402,5 @@ def signing_key_transitions(request: Request) -> KeyTransitions:
     """Every hand-over of the signing key the hub keeps, oldest first, each signed by the key it retires
     (``aisynergy hub rotate signing-key``): a target that pins an older key checks them from that key on and
     pins the current one. Public: they prove themselves."""
-    signing: SigningKey = request.app.state.signing
+    signing = hub_state(request).signing
     return KeyTransitions(current_key_id=signing.key_id, transitions=list(signing.transitions))

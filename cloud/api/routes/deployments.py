@@ -6,6 +6,7 @@ from fastapi import APIRouter, Request, status
 
 from cloud.api.deps import DEFAULT_PAGE, Cursor, IdempotencyKey, Limit, Operator, SessionDep, Viewer, poke_desired
 from cloud.api.problems import PROBLEM_RESPONSES
+from cloud.api.state import hub_state
 from cloud.artifacts import prepare_deltas_in_background
 from cloud.services import deployments as service
 from interfaces.deployments import DeploymentAction, DeploymentCreate, DeploymentDetail, DeploymentPublic, DeploymentState, ExecutionPublic
@@ -18,10 +19,10 @@ router = APIRouter(prefix="/deployments", tags=["deployments"], responses=PROBLE
 def create_deployment(body: DeploymentCreate, request: Request, session: SessionDep, _: Operator, __: IdempotencyKey = None) -> DeploymentDetail:
     """Deploy an artefact to targets (ids or a label selector, resolved now) by a strategy; the rollout starts at once."""
     row = service.create(session, body)
-    blobs = getattr(request.app.state, "blobs", None)
-    if blobs is not None:  # the patches from what the targets run now are ready before their orders go out
-        bases = [e.previous["sha256"] for e in service.executions(session, row.id) if e.previous and e.previous.get("sha256")]
-        prepare_deltas_in_background(request.app.state.engine, blobs, row.artifact_id, bases)
+    # the patches from what the targets run now are ready before their orders go out
+    bases = [e.previous["sha256"] for e in service.executions(session, row.id) if e.previous and e.previous.get("sha256")]
+    state = hub_state(request)
+    prepare_deltas_in_background(state.engine, state.blobs, row.artifact_id, bases)
     return service.detail(session, row)
 
 

@@ -12,6 +12,7 @@ from cloud.api.deps import (
     DEFAULT_PAGE, Admin, CADep, Cursor, IdempotencyKey, Limit, Operator, Selector, SessionDep, SettingsDep, Viewer, poke_desired, read_one,
 )  # fmt: skip
 from cloud.api.problems import PROBLEM_RESPONSES
+from cloud.api.state import hub_state
 from cloud.config import Settings
 from cloud.pki import CertificateAuthority
 from cloud.tables import Certificate, Device
@@ -142,7 +143,7 @@ def _issued(device: Device, cert: Certificate, pem: str, request: Request, ca: C
     return DeviceCertificateIssued(
         device_id=device.id, node_id=device.node_id, certificate_pem=pem, ca_pem=ca.ca_pem, serial=cert.serial,
         not_after=cert.not_after, mqtt_url=settings.public_mqtt_url or settings.broker_url,
-        heartbeat_interval_s=settings.heartbeat_interval_s, offline_timeout_s=settings.offline_timeout_s, signing_key_pem=request.app.state.signing.keys_pem,
+        heartbeat_interval_s=settings.heartbeat_interval_s, offline_timeout_s=settings.offline_timeout_s, signing_key_pem=hub_state(request).signing.keys_pem,
     )  # fmt: skip
 
 

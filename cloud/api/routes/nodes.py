@@ -9,6 +9,7 @@ from fastapi.concurrency import run_in_threadpool
 
 from cloud.api.deps import DEFAULT_PAGE, Admin, CADep, Cursor, IdempotencyKey, Limit, Operator, Selector, SessionDep, SettingsDep, Viewer
 from cloud.api.problems import PROBLEM_RESPONSES
+from cloud.api.state import hub_state
 from cloud.config import Settings
 from cloud.pki import CertificateAuthority
 from cloud.tables import Certificate, Node
@@ -79,7 +80,7 @@ def delete_node(node_id: str, request: Request, session: SessionDep, ca: CADep, 
     """Delete a node: revoke its certificate (the broker refuses it) and delete its devices."""
     node_service.delete(session, node_id)
     revocation.publish(session, ca)
-    bridge = getattr(request.app.state, "bridge", None)
+    bridge = hub_state(request).bridge
     if bridge is not None:
         bridge.forget_node(node_id)
     return Response(status_code=status.HTTP_204_NO_CONTENT)
@@ -162,7 +163,7 @@ def _issued(node: Node, cert: Certificate, pem: str, request: Request, ca: Certi
     return CertificateIssued(
         node_id=node.id, certificate_pem=pem, ca_pem=ca.ca_pem, serial=cert.serial, not_after=cert.not_after,
         mqtt_url=settings.public_mqtt_url or settings.broker_url, heartbeat_interval_s=settings.heartbeat_interval_s, offline_timeout_s=settings.offline_timeout_s,
-        signing_key_pem=request.app.state.signing.keys_pem,
+        signing_key_pem=hub_state(request).signing.keys_pem,
     )  # fmt: skip
 
 

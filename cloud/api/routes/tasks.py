@@ -16,6 +16,7 @@ from sqlmodel import Session
 from cloud.api.deps import DEFAULT_PAGE, Cursor, IdempotencyKey, Limit, Operator, SessionDep, Viewer, poke_desired
 from cloud.api import spec
 from cloud.api.problems import PROBLEM_RESPONSES
+from cloud.api.state import hub_state
 from cloud.errors import NotFound, TooManyRequests
 from cloud.services import task_watch
 from cloud.services import tasks as service
@@ -31,15 +32,14 @@ SSE_BATCH = 500
 
 
 def _wake(request: Request) -> None:
-    wake = getattr(request.app.state, "wake_scheduler", None)
-    if wake is not None:
-        wake()
+    hub_state(request).wake_scheduler()
 
 
 @router.post("", status_code=status.HTTP_201_CREATED)
 def create_task(body: TaskCreateBody, request: Request, session: SessionDep, _: Operator, __: IdempotencyKey = None) -> TaskDetail:
     """Create a task; the scheduler places its workers at once (or when started, if ``start`` is false)."""
-    task = service.create(session, body, request.app.state.blobs, request.app.state.signing)
+    state = hub_state(request)
+    task = service.create(session, body, state.blobs, state.signing)
     _wake(request)
     return service.detail(session, task)
 
@@ -170,13 +170,13 @@ async def task_logs(
     (5 s): once the token is revoked the stream ends with ``event: end`` (``state`` null). New lines written by
     this hub are sent at once; those another replica writes within ``sse_poll_s`` (2 s).
     """
-    engine = request.app.state.engine
+    engine = hub_state(request).engine
     start = after if last_event_id is None else last_event_id
     lines, snapshot = await run_in_threadpool(_lines_and_state, engine, task_id, start, limit)
     if snapshot is None:
         raise NotFound(f"task {task_id} does not exist")
     if accept and SSE_MEDIA_TYPE in accept:
-        settings = request.app.state.settings
+        settings = hub_state(request).settings
         slot = _stream_slots(request).take(caller.id, settings.sse_streams_per_token)
         headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
         return _LogStream(_stream(request, engine, task_id, start, caller.id), slot, media_type=SSE_MEDIA_TYPE, headers=headers)
@@ -211,10 +211,10 @@ class StreamSlots:
 
 
 def _stream_slots(request: Request) -> StreamSlots:
-    slots = getattr(request.app.state, "log_stream_slots", None)
-    if slots is None:  # one per app, made on the event loop's thread on first use
-        slots = request.app.state.log_stream_slots = StreamSlots()
-    return slots  # type: ignore[no-any-return]
+    state = hub_state(request)
+    if state.log_stream_slots is None:  # one per app, made on the event loop's thread on first use
+        state.log_stream_slots = StreamSlots()
+    return state.log_stream_slots
 
 
 class _LogStream(StreamingResponse):
@@ -252,7 +252,7 @@ def _token_valid(engine: Any, token_id: str) -> bool:
 async def _stream(request: Request, engine: Any, task_id: str, after: int, token_id: str) -> AsyncIterator[str]:
     """The stream's events. It reads the database when woken (a change of the task committed in this process), at
     the latest every ``sse_poll_s``; it checks its token every ``sse_token_check_s`` (no read of the lines)."""
-    settings = request.app.state.settings
+    settings = hub_state(request).settings
     last_state: dict[str, Any] | None = None
     now = time.monotonic()
     last_sent, next_check, next_poll = now, now + settings.sse_token_check_s, now + settings.sse_poll_s
