@@ -13,9 +13,11 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from pydantic import TypeAdapter
+
 import interfaces
 from interfaces.asyncapi import asyncapi_document
-from interfaces.messages import EVENT_DATA
+from interfaces.messages import EVENT_DATA, ActedEvent
 from interfaces.topics import TOPICS, Topic, topic_table_markdown
 
 ROOT = Path(interfaces.__file__).parent
@@ -55,6 +57,14 @@ def render() -> dict[Path, str]:
         schema["$id"] = f"urn:aisynergy:schema:{name}"
         schema["description"] = describe_channel(topics)
         files[ROOT / "schemas" / f"{name}.json"] = _dump(schema)
+    acted = TypeAdapter(ActedEvent).json_schema()
+    acted["$id"] = "urn:aisynergy:schema:events:acted"
+    acted["title"] = "ActedEvent"
+    acted["description"] = (
+        "EventBody of the event types the hub acts on, one variant per type (told apart by type); an event of any other "
+        "type is an EventBody as events.json has it, stored as it came"
+    )
+    files[ROOT / "schemas" / "events" / "acted.json"] = _dump(acted)
     for event_type, model in EVENT_DATA.items():
         schema = model.model_json_schema()
         schema["$id"] = f"urn:aisynergy:schema:events:{event_type}"

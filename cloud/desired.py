@@ -24,7 +24,7 @@ from cloud.tables import Device, Node
 from interfaces.deployments import DeploymentOrder
 from interfaces.lifecycle import NodeState
 from interfaces.messages import HUB_SRC, DesiredBody, envelope
-from interfaces.tasks import WorkerOrder
+from interfaces.tasks import ORDER_ADAPTER
 from interfaces.topics import NODE_DESIRED, RELAY_DESIRED
 
 log = logging.getLogger("aisynergy.hub.desired")
@@ -109,6 +109,6 @@ def _payload_or_none(kind: str, row_id: str, *args: Any) -> bytes | None:
 def _payload(version: int, spec: dict[str, Any], orders: list[dict[str, Any]], orders_version: int, tasks: list[dict[str, Any]], tasks_version: int) -> bytes:
     body = DesiredBody(
         version=version, spec=spec, deployments=[DeploymentOrder.model_validate(o) for o in orders or []], deployments_version=orders_version,
-        tasks=[WorkerOrder.model_validate(o) for o in tasks or []], tasks_version=tasks_version,
+        tasks=[ORDER_ADAPTER.validate_python(o) for o in tasks or []], tasks_version=tasks_version,
     )  # fmt: skip
     return envelope(HUB_SRC, body).model_dump_json().encode()

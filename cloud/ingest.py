@@ -36,7 +36,18 @@ from cloud.services.deployments import APPLIED, apply_progress
 from cloud.tables import Device, DeviceEventRow, Node, NodeEventRow, NodeTransitionRow
 from interfaces.deployments import EXECUTION_EVENT, ExecutionProgress
 from interfaces.lifecycle import CONNECTED_STATES, NodeState, path_to, state_after_report
-from interfaces.messages import HUB_SRC, ConnectionState, Envelope, EventBody, Health, HeartbeatBody, ReportedBody, StateBody
+from interfaces.messages import (
+    HUB_SRC,
+    ConnectionState,
+    Envelope,
+    EventBody,
+    ExecutionEvent,
+    Health,
+    HeartbeatBody,
+    ReportedBody,
+    StateBody,
+    acted_event,
+)
 from interfaces.tasks import TASK_EVENTS
 
 log = logging.getLogger("aisynergy.hub.ingest")
@@ -244,7 +255,9 @@ class StatusIngest:
         parsed: list[tuple[str, str, ExecutionProgress, datetime]] = []
         for kind, target_id, message, at in reports:
             try:
-                parsed.append((kind, target_id, ExecutionProgress.model_validate(message.body.data), at))
+                event = acted_event(message.body)
+                assert isinstance(event, ExecutionEvent)  # the callers pass only EXECUTION_EVENT
+                parsed.append((kind, target_id, event.data, at))
             except ValidationError as exc:
                 self.counters["execution_reports_malformed"] += 1
                 log.warning("malformed execution report %s from %s: %s", message.id, target_id, exc.errors()[:1])

@@ -45,7 +45,7 @@ from interfaces.messages import (
 )  # fmt: skip
 from interfaces.nodes import CertificateIssued, DeviceCertificateIssued, DevicePublic, NodeRegistered
 from interfaces.resources import Accelerator, CpuReading, DiskReading, MemoryReading, NetworkReading, Resources
-from interfaces.tasks import TASK_WORKER_EVENT, WorkerAction, WorkerOrder, WorkerReport, WorkerState
+from interfaces.tasks import TASK_WORKER_EVENT, InferenceOrder, WorkerAction, WorkerOrder, WorkerReport, WorkerState
 from interfaces.topics import (
     DEVICE_STATE, NODE_CMD, NODE_CMD_REPLY, NODE_DESIRED, NODE_EVENTS, NODE_HEARTBEAT, NODE_REPORTED, NODE_STATE, RELAY_CMD, RELAY_CMD_REPLY,
     RELAY_DESIRED, RELAY_EVENTS, RELAY_HEARTBEAT, RELAY_REPORTED, RELAY_STATE,
@@ -395,7 +395,7 @@ class Endpoint:
             return
 
     def _serve(self, order: WorkerOrder) -> None:
-        duration = order.spec.get("duration_s")
+        duration = order.spec.duration_s if isinstance(order, InferenceOrder) else None
         started = time.monotonic()
         while self.edge.running.is_set():
             current = self.workers.get(order.worker_id)

@@ -11,14 +11,14 @@ from datetime import UTC, datetime
 from enum import StrEnum
 from typing import Annotated, Any, ClassVar, Generic, Literal, TypeVar, cast
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter
 
 from interfaces import PROTOCOL_VERSION
 from interfaces.deployments import EXECUTION_EVENT, DeploymentOrder, ExecutionProgress
 from interfaces.ids import new_id
 from interfaces.resources import Resources
 from interfaces.tasks import (
-    FL_KEY_EVENT, FL_REVEAL_EVENT, FL_UPDATE_EVENT, MAX_WORKERS_PER_TARGET, FlKey, FlReveal, FlUpdate, TASK_LOG_EVENT, TASK_METRICS_EVENT, TASK_OUTPUT_EVENT, TASK_WORKER_EVENT, WorkerLog, WorkerMetrics, WorkerOrder, WorkerOutput, WorkerReport,
+    MAX_WORKERS_PER_TARGET, TASK_EVENTS, FlKey, FlReveal, FlUpdate, WorkerLog, WorkerMetrics, WorkerOrder, WorkerOutput, WorkerReport,
 )  # fmt: skip
 from interfaces.strict import BY_VALUE, INT64_MAX, STRICT_JSON, JsonObject, ProtocolVersion, Timestamp, WireModel
 from interfaces.strict import MAX_MESSAGE_BYTES as MAX_MESSAGE_BYTES  # every tier's limit, with the wire's other bounds
@@ -195,14 +195,67 @@ def envelope(src: str, body: B, reply_to: str | None = None) -> Envelope[B]:
     return model(id=new_id("m"), ts=datetime.now(UTC), src=src, kind=body.KIND, reply_to=reply_to, body=body)
 
 
-EVENT_DATA: dict[str, type[BaseModel]] = {
-    EXECUTION_EVENT: ExecutionProgress,
-    TASK_WORKER_EVENT: WorkerReport,
-    TASK_LOG_EVENT: WorkerLog,
-    TASK_METRICS_EVENT: WorkerMetrics,
-    TASK_OUTPUT_EVENT: WorkerOutput,
-    FL_UPDATE_EVENT: FlUpdate,
-    FL_KEY_EVENT: FlKey,
-    FL_REVEAL_EVENT: FlReveal,
-}
-"""``EventBody.data`` of the event types the hub acts on, by ``EventBody.type`` (other types are stored as they are)."""
+class _ActedEvent(EventBody):
+    """An event the hub acts on: its ``data`` is its type's model, read as strictly as the rest of the message."""
+
+
+class ExecutionEvent(_ActedEvent):
+    type: Literal["deployment.execution"]
+    data: ExecutionProgress  # type: ignore[assignment]
+
+
+class TaskWorkerEvent(_ActedEvent):
+    type: Literal["task.worker"]
+    data: WorkerReport  # type: ignore[assignment]
+
+
+class TaskLogEvent(_ActedEvent):
+    type: Literal["task.log"]
+    data: WorkerLog  # type: ignore[assignment]
+
+
+class TaskMetricsEvent(_ActedEvent):
+    type: Literal["task.metrics"]
+    data: WorkerMetrics  # type: ignore[assignment]
+
+
+class TaskOutputEvent(_ActedEvent):
+    type: Literal["task.output"]
+    data: WorkerOutput  # type: ignore[assignment]
+
+
+class FlUpdateEvent(_ActedEvent):
+    type: Literal["fl.update"]
+    data: FlUpdate  # type: ignore[assignment]
+
+
+class FlKeyEvent(_ActedEvent):
+    type: Literal["fl.key"]
+    data: FlKey  # type: ignore[assignment]
+
+
+class FlRevealEvent(_ActedEvent):
+    type: Literal["fl.reveal"]
+    data: FlReveal  # type: ignore[assignment]
+
+
+TaskEvent = TaskWorkerEvent | TaskLogEvent | TaskMetricsEvent | TaskOutputEvent | FlUpdateEvent | FlKeyEvent | FlRevealEvent
+"""The events of task workers (``interfaces.tasks.TASK_EVENTS``)."""
+ActedEvent = Annotated[ExecutionEvent | TaskEvent, Field(discriminator="type")]
+"""An ``EventBody`` of a type the hub acts on, as its type's variant (told apart by ``type``; every other type is
+stored as it came). :func:`acted_event` reads one."""
+ACTED_EVENTS: tuple[type[_ActedEvent], ...] = (
+    ExecutionEvent, TaskWorkerEvent, TaskLogEvent, TaskMetricsEvent, TaskOutputEvent, FlUpdateEvent, FlKeyEvent, FlRevealEvent,
+)  # fmt: skip
+EVENT_DATA: dict[str, type[BaseModel]] = {v.model_fields["type"].annotation.__args__[0]: v.model_fields["data"].annotation for v in ACTED_EVENTS}  # type: ignore[union-attr,misc]
+"""``EventBody.data`` of the event types the hub acts on, by ``EventBody.type`` (the variants of :data:`ActedEvent`)."""
+assert set(EVENT_DATA) == {EXECUTION_EVENT} | TASK_EVENTS, "every acted event type has its variant"
+ACTED_EVENT_ADAPTER: TypeAdapter[ExecutionEvent | TaskEvent] = TypeAdapter(ActedEvent)
+
+
+def acted_event(body: EventBody) -> ExecutionEvent | TaskEvent | None:
+    """``body`` as its type's variant of :data:`ActedEvent`; None for a type the hub does not act on. A ``data``
+    that is not its type's raises ``pydantic.ValidationError``."""
+    if body.type not in EVENT_DATA:
+        return None
+    return ACTED_EVENT_ADAPTER.validate_python(body.model_dump(mode="json", exclude_unset=True))

@@ -19,7 +19,7 @@ from typing import Any
 
 import jsonschema_rs
 import pytest
-from pydantic import BaseModel, ValidationError
+from pydantic import BaseModel, RootModel, ValidationError
 
 from cloud.contracts import channel_topics
 from interfaces.deployments import (
@@ -35,8 +35,9 @@ from interfaces.deployments import (
 )
 from interfaces.infer import InferReply, InferRequest
 from interfaces.messages import (
-    HubStateBody,
     EVENT_DATA,
+    ActedEvent,
+    TaskMetricsEvent,
     CommandBody,
     CommandResultBody,
     ConnectionState,
@@ -45,14 +46,24 @@ from interfaces.messages import (
     EventsAckBody,
     FlUpdateBody,
     HeartbeatBody,
+    HubStateBody,
     ReportedBody,
     StateBody,
     envelope,
 )
 from interfaces.privacy import LocalDataset
-from interfaces.resources import Accelerator, AcceleratorType, CpuReading, DiskReading, MemoryReading, NetworkReading, Resources
+from interfaces.resources import (
+    Accelerator,
+    AcceleratorType,
+    CpuReading,
+    DiskReading,
+    MemoryReading,
+    NetworkReading,
+    Resources,
+)
 from interfaces.strict import INT64_MAX, INT64_MIN, MAX_JSON_DEPTH, MAX_MESSAGE_BYTES
 from interfaces.tasks import (
+    ORDER_ADAPTER,
     FlKey,
     FlOrder,
     FlReveal,
@@ -65,10 +76,10 @@ from interfaces.tasks import (
     TrainingOrder,
     WorkerLog,
     WorkerMetrics,
-    WorkerOrder,
     WorkerOutput,
     WorkerReport,
     WorkerState,
+    worker_order,
 )
 from interfaces.topics import (
     DEVICE_EVENTS_ACK,
@@ -119,17 +130,27 @@ def _desired() -> DesiredBody:
         execution_id="x-1", deployment_id="d-1", artifact_id="a-1", signed_manifest=_signed(), path="/artifacts/a-1/content",
         token="t", delta=DeltaOffer(base_sha256=SHA, sha256=SHA, size=3, path="/deltas/1"), allow_downgrade=True, confirm_timeout_s=30.5,
     )  # fmt: skip
-    worker = WorkerOrder(
-        worker_id="w-1", task_id="t-1", type=TaskType.FEDERATED_TRAINING, attempt=2, spec={}, heartbeat_s=2.5, inputs=_ref(), items=100,
-        chunk_size=10, chunks=[(0, 5)],
+    model = {"name": "m", "version": "1.0.0"}
+    batch = worker_order(
+        worker_id="w-1", task_id="t-1", type=TaskType.BATCH_INFERENCE, attempt=2, spec={"model": model, "inputs": "a-2", "chunk_size": 10},
+        heartbeat_s=2.5, inputs=_ref(), items=100, chunk_size=10, chunks=[(0, 5)],
+    )  # fmt: skip
+    training = worker_order(
+        worker_id="w-2", task_id="t-2", type=TaskType.INCREMENTAL_TRAINING, spec={"model": model, "dataset": "camera", "steps": 10},
         training=TrainingOrder(body=_ref(), base_sha256=SHA, feature="f", head="aGVhZA==", max_steps=10, sample_rate=0.125),
+    )  # fmt: skip
+    split = worker_order(
+        worker_id="w-3", task_id="t-3", type=TaskType.SPLIT_INFERENCE, role="head", spec={"model": model},
         split=SplitOrder(base_sha256=SHA, input="x", parts=[SplitPart(cut="c", head=_ref())]),
+    )  # fmt: skip
+    federated = worker_order(
+        worker_id="w-4", task_id="t-4", type=TaskType.FEDERATED_TRAINING, spec={"model": model, "dataset": "camera", "rounds": 3},
         fl=FlOrder(
             round=2, attempt=1, deadline_at=T0, weights=_ref(), body=_ref(), base_sha256=SHA, feature="f", sample_rate=0.5, via_edge=True,
             participants=["dv-1"], secure=True, peers={"dv-1": KEY}, total_examples=100,
         ),
     )  # fmt: skip
-    return DesiredBody(version=3, deployments=[order], deployments_version=1, tasks=[worker], tasks_version=2)
+    return DesiredBody(version=3, deployments=[order], deployments_version=1, tasks=[batch, training, split, federated], tasks_version=2)
 
 
 def _update() -> FlUpdate:
@@ -170,7 +191,11 @@ EVENTS: list[tuple[str, type[BaseModel], dict[str, Any]]] = [
         "fl.reveal": FlReveal(task_id="t-1", worker_id="w-1", round=2, attempt=1, seeds={"dv-2": KEY}),
     }.items()
 ]
-DOCUMENTS = CHANNELS + EVENTS
+ACTED: list[tuple[str, type[BaseModel], dict[str, Any]]] = [
+    # the hub's typed view of the events it acts on: one variant per type, told apart by type
+    ("events/acted", RootModel[ActedEvent], _doc(TaskMetricsEvent(seq=8, prev_seq=7, type="task.metrics", data=WorkerMetrics(worker_id="w-1", task_id="t-1", ts=T0, values={"rate": 2.5})))),
+]
+DOCUMENTS = CHANNELS + EVENTS + ACTED
 
 
 @functools.cache
@@ -242,6 +267,7 @@ def test_every_json_payload_of_the_topic_table_and_every_event_type_has_a_docume
     committed = {f.relative_to(SCHEMAS).with_suffix("").as_posix() for f in SCHEMAS.rglob("*.json")}
     assert {name for name, _model, _doc in DOCUMENTS} == committed - binary
     assert {name for name, _model, _doc in EVENTS} == {f"events/{t}" for t in EVENT_DATA}
+    assert {name for name, _model, _doc in ACTED} == {"events/acted"}
     assert {name: model for name, model, _doc in CHANNELS} == {name: topics[0].payload for name, topics in channel_topics().items() if name not in binary}
 
 
@@ -414,7 +440,7 @@ def test_python_code_may_pass_enum_values_datetime_text_and_lists_for_tuples() -
     accelerator = Accelerator(type="gpu", model="g", count=1, memory_bytes=1, utilisation=0.0)  # type: ignore[arg-type]
     line = LogLine(ts="2030-01-01T12:30:00+00:00", text="x")  # type: ignore[arg-type]
     progress = ExecutionProgress(execution_id="x-1", state="ACTIVE")  # type: ignore[arg-type]
-    order = WorkerOrder.model_validate({"worker_id": "w", "task_id": "t", "type": "inference", "spec": {}, "chunks": [[0, 2]]})
+    order = ORDER_ADAPTER.validate_python({"worker_id": "w", "task_id": "t", "type": "inference", "spec": {"model": {"name": "m"}}, "chunks": [[0, 2]]})
     dataset = LocalDataset.model_validate({"rows": 10, "shape": [28, 28], "dtype": "float32"})
 
     # Assert

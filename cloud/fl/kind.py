@@ -24,7 +24,7 @@ if TYPE_CHECKING:
 
     from cloud.placement import Candidates
     from cloud.tables import Task, TaskWorker
-    from interfaces.tasks import Placement, WorkerOrder
+    from interfaces.tasks import KindReport, Placement, WorkerOrder
 
 
 class FederatedTraining(TaskKind):
@@ -52,7 +52,7 @@ class FederatedTraining(TaskKind):
     def task_ended(self, session: Session, task: Task, at: datetime) -> None:
         fl.task_ended(session, task, at)
 
-    def accept(self, session: Session, task: Task, worker: TaskWorker, target_kind: str, target_id: str, data: Any, at: datetime) -> tuple[str, bool]:
+    def accept(self, session: Session, task: Task, worker: TaskWorker, target_kind: str, target_id: str, data: KindReport, at: datetime) -> tuple[str, bool]:
         """A round's update, a device's key, a survivor's seeds (``cloud.fl.rounds``); an accepted one wakes the
         scheduler. A chunk output means nothing to a federated task (there are no chunks)."""
         if isinstance(data, FlUpdate):

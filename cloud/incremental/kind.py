@@ -23,7 +23,7 @@ if TYPE_CHECKING:
 
     from cloud.placement import Candidates
     from cloud.tables import Task, TaskWorker
-    from interfaces.tasks import Placement, WorkerOrder, WorkerState
+    from interfaces.tasks import KindReport, Placement, WorkerOrder, WorkerState
 
 
 class IncrementalTraining(TaskKind):
@@ -55,7 +55,7 @@ class IncrementalTraining(TaskKind):
     def success_held(self, session: Session, task: Task) -> str | None:
         return "publishing the trained models" if results.unpublished(session, task.id) else None
 
-    def accept(self, session: Session, task: Task, worker: TaskWorker, target_kind: str, target_id: str, data: Any, at: datetime) -> tuple[str, bool]:
+    def accept(self, session: Session, task: Task, worker: TaskWorker, target_kind: str, target_id: str, data: KindReport, at: datetime) -> tuple[str, bool]:
         """A worker's output is its trained layer (``cloud.incremental.results.accept``)."""
         if isinstance(data, WorkerOutput):
             return results.accept(session, task, worker, data, at)

@@ -28,7 +28,7 @@ from collections import Counter
 from datetime import datetime
 from typing import Any
 
-from pydantic import BaseModel, ValidationError
+from pydantic import ValidationError
 from sqlalchemy import insert, select
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlmodel import Session
@@ -39,21 +39,30 @@ from cloud.tasks.chunks import release_chunks
 from cloud.tasks.kind import kind_of
 from cloud.tasks.lifecycle import move_task, move_worker
 from cloud.tasks.rows import hub_log
-from interfaces.messages import EVENT_DATA, Envelope, EventBody
-from interfaces.tasks import TASK_EVENTS, WORKER_ACTIVE, TaskState, WorkerLog, WorkerMetrics, WorkerReport, WorkerState
+from interfaces.messages import Envelope, EventBody, ExecutionEvent, acted_event
+from interfaces.tasks import (
+    WORKER_ACTIVE,
+    TaskReportData,
+    TaskState,
+    WorkerLog,
+    WorkerMetrics,
+    WorkerReport,
+    WorkerState,
+)
 
 log = logging.getLogger("aisynergy.hub.tasks")
-TASK_EVENT_DATA: dict[str, type[BaseModel]] = {t: m for t, m in EVENT_DATA.items() if t in TASK_EVENTS}
-"""the data models of the task events (``interfaces.messages.EVENT_DATA``, the one registry)"""
 Report = tuple[str, str, Envelope[EventBody], datetime]  # target kind, target id, the event, when the hub received it
 
 
 def apply(session: Session, reports: list[Report]) -> tuple[Counter[str], bool]:
     counts: Counter[str] = Counter()
-    parsed: list[tuple[str, str, Envelope[EventBody], datetime, Any]] = []
+    parsed: list[tuple[str, str, Envelope[EventBody], datetime, TaskReportData]] = []
     for kind, target_id, message, at in reports:
         try:
-            parsed.append((kind, target_id, message, at, TASK_EVENT_DATA[message.body.type].model_validate(message.body.data)))
+            event = acted_event(message.body)
+            if event is None or isinstance(event, ExecutionEvent):
+                raise KeyError(f"{message.body.type} is not a task event")
+            parsed.append((kind, target_id, message, at, event.data))
         except (KeyError, ValidationError) as exc:
             counts[f"task_{message.body.type.split('.')[-1]}_malformed"] += 1
             log.warning("malformed %s report %s from %s: %s", message.body.type, message.id, target_id, str(exc).splitlines()[0])

@@ -47,7 +47,7 @@ if TYPE_CHECKING:
 
     from cloud.placement import Candidates
     from cloud.tables import Task, TaskWorker
-    from interfaces.tasks import Placement, WorkerOrder, WorkerState
+    from interfaces.tasks import KindReport, Placement, WorkerOrder, WorkerState
 
 
 @dataclass(frozen=True)
@@ -135,7 +135,7 @@ class TaskKind:
         return None
 
     # --- what workers send -------------------------------------------------------------------------
-    def accept(self, session: Session, task: Task, worker: TaskWorker, target_kind: str, target_id: str, data: Any, at: datetime) -> tuple[str, bool]:
+    def accept(self, session: Session, task: Task, worker: TaskWorker, target_kind: str, target_id: str, data: KindReport, at: datetime) -> tuple[str, bool]:
         """By default a ``WorkerOutput`` is a chunk's outputs (:func:`cloud.tasks.chunks.accept_output`); any other
         data is refused."""
         from cloud.tasks.chunks import accept_output

@@ -13,7 +13,7 @@ from cloud.tasks.kind import kind_of
 from cloud.tasks.rows import spec_of, target_table, type_info
 from interfaces.deployments import TargetKind
 from interfaces.lifecycle import NodeState
-from interfaces.tasks import TaskState, TaskType, WorkerAction, WorkerOrder
+from interfaces.tasks import TaskState, TaskType, WorkerAction, WorkerOrder, worker_order
 
 
 def put_worker_order(session: Session, kind: TargetKind | str, target_id: str, order: WorkerOrder) -> bool:
@@ -70,7 +70,7 @@ def build_order(session: Session, task: Task, worker: TaskWorker, signing: Any) 
         inputs = task_input(session, spec_of(task).inputs, worker.target_id, signing, "inputs")
         chunks = ranges(owned_chunks(session, worker.id))
     paused = TaskState(task.state) is TaskState.PAUSED
-    order = WorkerOrder(
+    order = worker_order(
         worker_id=worker.id, task_id=task.id, type=TaskType(task.type), role=worker.role, action=WorkerAction.PAUSE if paused else WorkerAction.RUN,
         attempt=worker.attempt, spec=task.spec, heartbeat_s=task.heartbeat_s, inputs=inputs, items=task.items_total, chunk_size=task.chunk_size,
         chunks=chunks or [],

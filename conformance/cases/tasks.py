@@ -718,7 +718,7 @@ def cloud_train_device_infer(check: Check) -> None:
     wait_task(check, task.id, "RUNNING")
     ws = workers(check, task.id)
     check.equal([(w.target_id, w.state.value) for w in ws], [(with_model.ident, "RUNNING")], "the only worker, on the device that runs the model")
-    check.equal(with_model.workers[ws[0].id].spec["model"], model, "the order names the installed model")
+    check.equal(with_model.workers[ws[0].id].spec.model.model_dump(), model, "the order names the installed model")
     done = wait_task(check, task.id, {"SUCCEEDED", "FAILED", "CANCELED", "TIMED_OUT"})
     check.equal(done.state.value, "SUCCEEDED", "the inference task after duration_s")
     check.equal(without.workers, {}, "the device without the model got no order")

@@ -40,7 +40,7 @@ from typing import TYPE_CHECKING, Any
 
 from device.tasks.programs import require_model
 from device.tasks.worker import Failed, Rejected, Worker
-from interfaces.tasks import FL_AGGREGATOR, FL_KEY_EVENT, FL_REVEAL_EVENT, FL_UPDATE_EVENT, FederatedTrainingSpec, FlKey, FlOrder, FlReveal, FlUpdate
+from interfaces.tasks import FL_AGGREGATOR, FL_KEY_EVENT, FL_REVEAL_EVENT, FL_UPDATE_EVENT, FederatedTrainingOrder, FederatedTrainingSpec, FlKey, FlOrder, FlReveal, FlUpdate
 
 if TYPE_CHECKING:
     import numpy as np
@@ -115,7 +115,7 @@ class _Participant:
         if self.spec.secure_aggregation:
             self._send_key()
         while w.checkpoint():
-            fl = w.order.fl
+            fl = w.order_as(FederatedTrainingOrder).fl
             if fl is not None and fl.reveal and (fl.round, fl.attempt) in self.seeds and (fl.round, fl.attempt) not in self.revealed:
                 self._reveal(fl)
             if fl is None or (fl.round, fl.attempt) in self.done:
@@ -298,7 +298,7 @@ def _aggregate(worker: Worker) -> None:
         sent: dict[tuple[int, int], set[str]] = {}
         window: dict[tuple[int, int], float] = {}  # seconds left when this node first saw each round attempt (sync adaptive: shorter)
         while worker.checkpoint():
-            fl = worker.order.fl
+            fl = worker.order_as(FederatedTrainingOrder).fl
             wait: float | None = IDLE_WAIT_S
             if fl is not None:
                 key = (fl.round, fl.attempt)

@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING
 
 from device.tasks.programs import require_model
 from device.tasks.worker import Failed, Rejected, Worker
-from interfaces.tasks import IncrementalTrainingSpec, TrainingOrder
+from interfaces.tasks import IncrementalTrainingOrder, IncrementalTrainingSpec, TrainingOrder
 
 if TYPE_CHECKING:
     import numpy as np
@@ -43,7 +43,7 @@ def run(worker: Worker) -> None:
     from device.training.features import Stopped, body_features
 
     spec = worker.spec(IncrementalTrainingSpec)
-    training = worker.order.training
+    training = worker.order_as(IncrementalTrainingOrder).training
     if training is None:
         raise Rejected("an incremental_training order must carry its training part (body, layer, max_steps)")
     if training.max_steps < 1:

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
-from pydantic import BaseModel, ValidationError
+from pydantic import BaseModel
 
 from device.errors import OutboxFull
 from interfaces.messages import MAX_MESSAGE_BYTES
@@ -36,8 +36,13 @@ from interfaces.tasks import (
     TASK_METRICS_EVENT,
     TASK_OUTPUT_EVENT,
     TASK_WORKER_EVENT,
+    BatchInferenceOrder,
+    FederatedTrainingOrder,
+    IncrementalTrainingOrder,
+    InferenceOrder,
     InputRef,
     LogLine,
+    SplitInferenceOrder,
     WorkerAction,
     WorkerLog,
     WorkerMetrics,
@@ -63,6 +68,7 @@ FetchInputs = Callable[[InputRef], "Path"]
 MetricsSource = Callable[[], dict[str, float]]
 Program = Callable[["Worker"], None]
 M = TypeVar("M", bound=BaseModel)
+O = TypeVar("O", InferenceOrder, BatchInferenceOrder, SplitInferenceOrder, IncrementalTrainingOrder, FederatedTrainingOrder)
 
 LOG_FLUSH_S = 0.3
 LOG_BATCH = 50
@@ -201,11 +207,20 @@ class Worker:
         return self._stop
 
     def spec(self, model: type[M]) -> M:
-        """The order's spec as ``model``; :class:`Rejected` when it does not validate."""
-        try:
-            return model.model_validate(self._order.spec)
-        except ValidationError as exc:
-            raise Rejected(f"the {self._order.type.value} spec is not valid: {exc}") from None
+        """The order's spec as ``model`` (its type's variant validated it on arrival); :class:`Rejected` when the
+        order is another type's."""
+        spec = self._order.spec
+        if not isinstance(spec, model):
+            raise Rejected(f"a {self._order.type.value} order carries no {model.__name__}")
+        return spec
+
+    def order_as(self, variant: type[O]) -> O:
+        """The order as it stands now, as ``variant`` (the program's own type's order, with that type's part);
+        :class:`Rejected` when it is another type's."""
+        order = self._order
+        if not isinstance(order, variant):
+            raise Rejected(f"a {order.type.value} order is not a {variant.__name__}")
+        return order
 
     def running(self) -> None:
         """The checks passed: report RUNNING now and then every ``order.heartbeat_s``."""

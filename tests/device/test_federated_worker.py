@@ -54,6 +54,8 @@ from interfaces.tasks import (
     TASK_METRICS_EVENT,
     TASK_OUTPUT_EVENT,
     TASK_WORKER_EVENT,
+    FederatedTrainingOrder,
+    FederatedTrainingSpec,
     FlKey,
     FlOrder,
     FlReveal,
@@ -279,7 +281,7 @@ def fl_order(refs: tuple[InputRef, InputRef], *, round: int = 1, attempt: int = 
 
 
 def worker_order(worker_id: str, fl: FlOrder | None, *, role: str = "worker", task_id: str = TASK, **spec: Any) -> WorkerOrder:
-    return WorkerOrder(worker_id=worker_id, task_id=task_id, type=TaskType.FEDERATED_TRAINING, role=role, spec={**SPEC, **spec}, heartbeat_s=0.2, fl=fl)
+    return FederatedTrainingOrder(worker_id=worker_id, task_id=task_id, type=TaskType.FEDERATED_TRAINING, role=role, spec=FederatedTrainingSpec.model_validate({**SPEC, **spec}), heartbeat_s=0.2, fl=fl)
 
 
 def with_fl(order: WorkerOrder, fl: FlOrder) -> WorkerOrder:

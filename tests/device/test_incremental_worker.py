@@ -22,7 +22,16 @@ from device.ota.models import ModelHost
 from device.tasks import InputFetcher, WorkerHost
 from interfaces.deployments import ArtifactFormat, ArtifactKind, ArtifactManifest
 from interfaces.ids import new_id
-from interfaces.tasks import TASK_METRICS_EVENT, InputRef, TaskType, TrainingOrder, WorkerAction, WorkerOrder
+from interfaces.tasks import (
+    IncrementalTrainingSpec,
+    TASK_METRICS_EVENT,
+    InputRef,
+    TaskType,
+    TrainingOrder,
+    WorkerAction,
+    WorkerOrder,
+    worker_order,
+)
 from tests.device.ota_support import TOKEN, BlobServer, blob_server
 from tests.device.test_task_worker import Events
 from tests.dp_support import cloud_model, digits
@@ -82,7 +91,7 @@ def training_order(signing: SigningKey, server: BlobServer, max_steps: int, **sp
         max_steps=max_steps, sample_rate=64 / 700,
     )  # fmt: skip
     full_spec = {"model": {"name": "digits", "version": "1.0.0"}, "dataset": "camera", "steps": 10_000, "learning_rate": 0.5, **spec}
-    order = WorkerOrder(worker_id=new_id("wk"), task_id="tk-train", type=TaskType.INCREMENTAL_TRAINING, spec=full_spec, heartbeat_s=0.2, training=training)
+    order = worker_order(worker_id=new_id("wk"), task_id="tk-train", type=TaskType.INCREMENTAL_TRAINING, spec=full_spec, heartbeat_s=0.2, training=training)
     return order, layer
 
 
@@ -153,7 +162,7 @@ def test_orders_it_cannot_run_are_rejected(host: tuple[WorkerHost, Events], sign
     workers, events = host
     order, _ = training_order(signing, server, max_steps=10)
     if "spec" in change:
-        order = order.model_copy(update={"spec": {**order.spec, **change["spec"]}})
+        order = order.model_copy(update={"spec": IncrementalTrainingSpec.model_validate({**order.spec.model_dump(), **change["spec"]})})
     else:
         order = order.model_copy(update={"training": order.training.model_copy(update=change)})  # type: ignore[union-attr]
     workers.apply([order])

@@ -41,6 +41,7 @@ from interfaces.tasks import (
     WorkerOrder,
     WorkerOutput,
     WorkerReport,
+    worker_order,
 )  # fmt: skip
 from tests.device.ota_support import TOKEN, V1, BlobServer, blob_server, make_order
 
@@ -132,7 +133,7 @@ def batch_order(
     ref: InputRef, items: int, chunk_size: int, chunks: list[tuple[int, int]], *, worker_id: str | None = None, **spec: Any
 ) -> WorkerOrder:
     spec = {"model": {"name": "classifier"}, "inputs": ref.artifact_id, "chunk_size": chunk_size, **spec}
-    return WorkerOrder(
+    return worker_order(
         worker_id=worker_id or new_id("wk"), task_id="tk-batch", type=TaskType.BATCH_INFERENCE, spec=spec, heartbeat_s=0.2,
         inputs=ref, items=items, chunk_size=chunk_size, chunks=chunks,
     )  # fmt: skip
@@ -401,7 +402,7 @@ def test_an_order_of_a_type_without_a_program_is_rejected(make_host: Callable[..
 
     monkeypatch.delitem(programs.PROGRAMS, TaskType.FEDERATED_TRAINING)
     host, events = make_host()
-    order = WorkerOrder(worker_id="wk-fl", task_id="tk-fl", type=TaskType.FEDERATED_TRAINING, spec={})
+    order = worker_order(worker_id="wk-fl", task_id="tk-fl", type=TaskType.FEDERATED_TRAINING, spec={"model": {"name": "classifier"}, "dataset": "camera", "rounds": 1})
 
     host.apply([order])
 
@@ -413,7 +414,7 @@ def test_a_finished_worker_is_reported_again_after_a_restart_not_run_again(
     tmp_path: Path, make_host: Callable[..., tuple[WorkerHost, Events]]
 ) -> None:
     # Prepare: a worker REJECTED, then the host "restarts" on the same directory
-    order = WorkerOrder(worker_id="wk-once", task_id="tk-once", type=TaskType.SPLIT_INFERENCE, spec={})
+    order = worker_order(worker_id="wk-once", task_id="tk-once", type=TaskType.SPLIT_INFERENCE, spec={"model": {"name": "classifier"}})
     first, events = make_host()
     first.apply([order])
     events.final("wk-once")
@@ -441,7 +442,7 @@ def test_inference_counts_requests_made_through_the_model_host_and_succeeds_afte
     # Prepare
     host, events = make_host()
     spec = {"model": {"name": "classifier", "version": "1.0.0"}, "duration_s": 1.5, "report_interval_s": 0.2}
-    order = WorkerOrder(worker_id="wk-serve", task_id="tk-serve", type=TaskType.INFERENCE, spec=spec, heartbeat_s=0.3)
+    order = worker_order(worker_id="wk-serve", task_id="tk-serve", type=TaskType.INFERENCE, spec=spec, heartbeat_s=0.3)
     infer = model_commands(models)["infer"]
     x = np.zeros((4, 128), dtype=np.float32)
 
@@ -476,8 +477,8 @@ def test_inference_of_a_model_that_is_not_loaded_is_rejected_and_a_withdrawn_one
     models: ModelHost, make_host: Callable[..., tuple[WorkerHost, Events]]
 ) -> None:
     host, events = make_host()
-    missing = WorkerOrder(worker_id="wk-miss", task_id="tk-s", type=TaskType.INFERENCE, spec={"model": {"name": "nope"}})
-    forever = WorkerOrder(worker_id="wk-ever", task_id="tk-s", type=TaskType.INFERENCE, spec={"model": {"name": "classifier"}}, heartbeat_s=0.2)
+    missing = worker_order(worker_id="wk-miss", task_id="tk-s", type=TaskType.INFERENCE, spec={"model": {"name": "nope"}})
+    forever = worker_order(worker_id="wk-ever", task_id="tk-s", type=TaskType.INFERENCE, spec={"model": {"name": "classifier"}}, heartbeat_s=0.2)
 
     host.apply([missing, forever])
     assert events.final("wk-miss").state == "REJECTED"
@@ -539,7 +540,7 @@ def test_the_desired_store_keeps_task_orders_and_reads_an_older_file(tmp_path: P
     old = {"version": 3, "spec": {"a": 1}, "message_id": "m-1", "applied_version": 3, "status": {"a": 1},
            "deployments": [], "deployments_version": 2, "applied_deployments_version": 2}  # fmt: skip
     (tmp_path / "desired.json").write_text(json.dumps(old))
-    order = WorkerOrder(worker_id="wk-1", task_id="tk-1", type=TaskType.INFERENCE, spec={"model": {"name": "classifier"}})
+    order = worker_order(worker_id="wk-1", task_id="tk-1", type=TaskType.INFERENCE, spec={"model": {"name": "classifier"}})
 
     # Execute
     store = DesiredStore(tmp_path / "desired.json")

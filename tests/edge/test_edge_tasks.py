@@ -24,9 +24,9 @@ from interfaces.tasks import (
     TASK_WORKER_EVENT,
     InputRef,
     TaskType,
-    WorkerOrder,
     WorkerOutput,
     WorkerReport,
+    worker_order,
 )
 from interfaces.topics import NODE_EVENTS, Topic
 from tests.device.ota_support import TOKEN, V1, blob_server, make_order
@@ -44,7 +44,7 @@ def test_the_node_runs_a_batch_task_on_the_model_its_document_deploys(tmp_path: 
         ref = InputRef(artifact_id="art-inputs", signed_manifest=signing.sign_manifest(manifest), path="/artifacts/art-inputs/content", token=TOKEN)
         server.blobs[ref.path] = data
         spec = {"model": {"name": "classifier"}, "inputs": "art-inputs", "chunk_size": 16}
-        order = WorkerOrder(worker_id="wk-edge", task_id="tk-1", type=TaskType.BATCH_INFERENCE, spec=spec, heartbeat_s=0.2, inputs=ref, items=40, chunk_size=16, chunks=[(0, 3)])
+        order = worker_order(worker_id="wk-edge", task_id="tk-1", type=TaskType.BATCH_INFERENCE, spec=spec, heartbeat_s=0.2, inputs=ref, items=40, chunk_size=16, chunks=[(0, 3)])
         deploy = make_order(signing, server, V1, "1.0.0")
         sent: list[tuple[str, EventBody]] = []
 

@@ -31,9 +31,9 @@ from cloud.signing import SigningKey
 from device.ota.download import Downloader
 from device.ota.models import ModelHost
 from device.runtime import open_model
+from device.session import SessionPlan
 from device.split.channel import EdgeError, EdgeTimeout, InferChannel, NotConnected, SplitUnavailable
 from device.tasks import InputFetcher, WorkerHost
-from device.session import SessionPlan
 from edge.link import Link
 from edge.split import TailRouter
 from interfaces.deployments import ArtifactFormat, ArtifactKind, ArtifactManifest
@@ -49,6 +49,7 @@ from interfaces.tasks import (
     SplitPart,
     TaskType,
     WorkerOrder,
+    worker_order,
 )  # fmt: skip
 from interfaces.topics import DEVICE_INFER, DEVICE_INFER_REPLY
 from tests.device.ota_support import TOKEN, BlobServer, blob_server
@@ -66,7 +67,7 @@ CNN_CUT = "max_pool2d"
 
 # ---- the two ends of the channel -------------------------------------------------------------------------
 def head_of(task_id: str) -> WorkerOrder:
-    return WorkerOrder(worker_id=f"wk-head-{task_id}", task_id=task_id, type=TaskType.SPLIT_INFERENCE, role=SPLIT_HEAD, spec={})
+    return worker_order(worker_id=f"wk-head-{task_id}", task_id=task_id, type=TaskType.SPLIT_INFERENCE, role=SPLIT_HEAD, spec={"model": {"name": "m"}})
 
 
 class Edge:
@@ -457,7 +458,7 @@ def cnn(signing: SigningKey, server: BlobServer) -> Cut:
 def tail_order(model: Cut, task_id: str, worker_id: str = "wk-tail", **overrides: Any) -> WorkerOrder:
     split = SplitOrder(base_sha256=model.sha256, input="x", parts=[SplitPart(cut=c, tail=model.tails[c]) for c in model.cuts], whole=model.whole)
     spec = {"model": {"name": model.name, "version": "1.0.0"}, "report_interval_s": 0.2}
-    return WorkerOrder(
+    return worker_order(
         worker_id=worker_id, task_id=task_id, type=TaskType.SPLIT_INFERENCE, role=SPLIT_TAIL, spec=spec, heartbeat_s=0.2, split=split, **overrides
     )
 
@@ -466,7 +467,7 @@ def head_order(model: Cut, task_id: str, worker_id: str, base_sha256: str | None
     split = SplitOrder(base_sha256=base_sha256 or model.sha256, input="x", parts=[SplitPart(cut=c, head=model.heads[c]) for c in model.cuts])
     spec = {"model": {"name": model.name, "version": "1.0.0"}, "timeout_ms": 2000, "retry_after_s": 0.5, "report_interval_s": 0.2, **spec}
     SplitInferenceSpec.model_validate(spec)  # what the hub would have checked
-    return WorkerOrder(worker_id=worker_id, task_id=task_id, type=TaskType.SPLIT_INFERENCE, role=SPLIT_HEAD, spec=spec, heartbeat_s=0.2, split=split)
+    return worker_order(worker_id=worker_id, task_id=task_id, type=TaskType.SPLIT_INFERENCE, role=SPLIT_HEAD, spec=spec, heartbeat_s=0.2, split=split)
 
 
 def metrics(events: Events, worker_id: str) -> dict[str, float]:

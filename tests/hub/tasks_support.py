@@ -18,14 +18,23 @@ from sqlmodel import Session
 from cloud.artifacts import create_artifact
 from cloud.ingest import StatusIngest
 from cloud.scheduler import TaskController
-from cloud.tasks.chunks import encode_chunk
 from cloud.tables import Artifact, Device, Node, TaskWorker
+from cloud.tasks.chunks import encode_chunk
 from interfaces.auth import Role
 from interfaces.deployments import ArtifactCreate
 from interfaces.messages import ConnectionState, EventBody, HeartbeatBody, StateBody, envelope
 from interfaces.resources import Resources
 from interfaces.tasks import (
-    TASK_LOG_EVENT, TASK_METRICS_EVENT, TASK_OUTPUT_EVENT, TASK_WORKER_EVENT, WorkerLog, WorkerMetrics, WorkerOrder, WorkerOutput, WorkerReport,
+    ORDER_ADAPTER,
+    TASK_LOG_EVENT,
+    TASK_METRICS_EVENT,
+    TASK_OUTPUT_EVENT,
+    TASK_WORKER_EVENT,
+    WorkerLog,
+    WorkerMetrics,
+    WorkerOrder,
+    WorkerOutput,
+    WorkerReport,
 )  # fmt: skip
 from tests.hub.conftest import HubUnderTest, hub_settings, running_hub
 
@@ -142,7 +151,7 @@ class TaskFleet:
         with Session(self.engine) as session:
             row = session.get(table, target_id)
             assert row is not None
-            return [WorkerOrder.model_validate(o) for o in row.tasks]
+            return [ORDER_ADAPTER.validate_python(o) for o in row.tasks]
 
     def order_of(self, worker: dict[str, Any]) -> WorkerOrder:
         return next(o for o in self.orders(worker["target_id"]) if o.worker_id == worker["id"])

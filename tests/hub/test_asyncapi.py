@@ -22,8 +22,8 @@ from interfaces.messages import (
     EventsAckBody,
     FlUpdateBody,
     HeartbeatBody,
-    ReportedBody,
     HubStateBody,
+    ReportedBody,
     StateBody,
     envelope,
 )  # fmt: skip
@@ -36,7 +36,7 @@ from interfaces.resources import (
     NetworkReading,
     Resources,
 )
-from interfaces.tasks import FlUpdate, TaskType, WorkerOrder
+from interfaces.tasks import FlUpdate, TaskType, worker_order
 from interfaces.topics import DEVICE_CMD, DEVICE_STATE, NODE_STATE, TOPICS, Direction, Topic
 
 DOC = asyncapi_document()
@@ -45,8 +45,8 @@ RESOURCES = Resources(
     disk=DiskReading(path="/", total_bytes=64 << 30, free_bytes=20 << 30), network=NetworkReading(bytes_sent=10, bytes_received=20),
     accelerators=[Accelerator(type=AcceleratorType.NPU, model="edge-npu", count=1, memory_bytes=1 << 30, utilisation=0.1)],
 )  # fmt: skip
-ORDER = WorkerOrder(
-    worker_id="w-1", task_id="task-1", type=TaskType.BATCH_INFERENCE, spec={"model": "m"}, chunks=[(0, 2), (5, 6)]
+ORDER = worker_order(
+    worker_id="w-1", task_id="task-1", type=TaskType.BATCH_INFERENCE, spec={"model": {"name": "m"}, "inputs": "art-1"}, chunks=[(0, 2), (5, 6)]
 )
 SAMPLES: dict[type[BaseModel], BaseModel] = {
     StateBody: StateBody(state=ConnectionState.OFFLINE, agent_version="probe/1", reason="shutdown"),

@@ -364,7 +364,7 @@ def test_a_flat_task_runs_device_workers_whose_orders_carry_round_one_and_the_mo
     assert (opened_plan.round, opened_plan.attempt, sorted(opened_plan.participants)) == (1, 1, sorted([a1, a2, b1]))
     for w in workers:
         order = order_for(fleet, w)
-        assert (order.type, order.role, order.spec["model"]) == ("federated_training", "worker", {"name": "digits", "version": "1.0.0"})
+        assert (order.type, order.role, order.spec.model.model_dump()) == ("federated_training", "worker", {"name": "digits", "version": "1.0.0"})
         fl = order.fl
         assert fl is not None
         assert (fl.round, fl.attempt, fl.via_edge, fl.participants) == (1, 1, False, [])

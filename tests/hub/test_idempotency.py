@@ -5,7 +5,6 @@ from __future__ import annotations
 import hashlib
 import json
 
-import pytest
 from sqlalchemy import func, select, text, update
 from sqlmodel import Session
 

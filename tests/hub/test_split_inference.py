@@ -354,7 +354,7 @@ def test_heads_go_to_the_devices_and_one_tail_to_each_edge_node_under_them(fleet
     assert fleet.orders(c1) == [] and node_orders(fleet, gw_c) == [] and node_orders(fleet, gw_d) == []
     for head in workers[SPLIT_HEAD]:
         order = order_for(fleet, head)
-        assert (order.type, order.role, order.task_id, order.spec["model"]) == ("split_inference", SPLIT_HEAD, task["id"], {"name": CNN, "version": "1.0.0"})
+        assert (order.type, order.role, order.task_id, order.spec.model.model_dump()) == ("split_inference", SPLIT_HEAD, task["id"], {"name": CNN, "version": "1.0.0"})
         assert order.split is not None and order.split.base_sha256 == model.sha256 and order.split.input == "x" and order.split.whole is None
         assert [p.cut for p in order.split.parts] == [p.cut for p in parts]
         assert all(p.tail is None for p in order.split.parts)
@@ -392,7 +392,7 @@ def test_an_edge_only_task_sends_the_whole_model_to_the_tail_and_no_part(sqlite_
     (head,), (tail,) = workers[SPLIT_HEAD], workers[SPLIT_TAIL]
     head_order, tail_order = order_for(fleet, head), order_for(fleet, tail)
     assert head_order.split is not None and head_order.split.parts == [] and head_order.input_refs() == []
-    assert head_order.split.base_sha256 == model.sha256 and head_order.spec["cut"] == SPLIT_EDGE_ONLY
+    assert head_order.split.base_sha256 == model.sha256 and head_order.spec.cut == SPLIT_EDGE_ONLY
     assert tail_order.split is not None and tail_order.split.parts == []
     assert check_ref(fleet, tail_order.split.whole, model.id, gw) == fixture_model(MLP)
 

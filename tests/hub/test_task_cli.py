@@ -1,6 +1,6 @@
 """``aisynergy task`` (cloud/cli/task/) without the task API: the SSE decoder on byte streams, the log
 follower against a scripted hub (httpx.MockTransport), request bodies built from flags, the commands' output
-for documents shaped by interfaces/tasks.py, and the dataset upload-or-reuse against the real artefacts API."""
+for documents shaped by interfaces/tasks/, and the dataset upload-or-reuse against the real artefacts API."""
 
 from __future__ import annotations
 

@@ -54,7 +54,7 @@ def test_batch_task_is_sharded_by_capability_and_gathered_in_order(fleet: TaskFl
     order = fleet.order_of(workers[small])
     assert order.items == 95 and order.chunk_size == 10 and order.chunk_bounds(9) == (90, 95)
     assert order.inputs is not None and order.inputs.artifact_id == inputs_id and order.inputs.token
-    assert order.spec["model"] == MODEL and order.action is WorkerAction.RUN
+    assert order.spec.model.model_dump() == MODEL and order.action is WorkerAction.RUN
 
     for w in workers.values():
         fleet.report(w, "RUNNING")

@@ -1,4 +1,4 @@
-"""``aisynergy task``: AI tasks over the hub's REST API (DESIGN §4.3, interfaces/tasks.py).
+"""``aisynergy task``: AI tasks over the hub's REST API (DESIGN §4.3, interfaces/tasks/).
 
     aisynergy task create --type batch_inference --model detector:1.2.0 --inputs frames.npy --chunk-size 32 \\
         --selector zone=a --max-nodes 4 --watch

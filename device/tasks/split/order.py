@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from device.tasks.worker import Rejected, Worker
-from interfaces.tasks import SplitOrder
+from interfaces.tasks import SplitInferenceOrder, SplitOrder
 
 if TYPE_CHECKING:
     from device.runtime import Runtime
@@ -14,9 +14,10 @@ MAX_LATENCIES = 100_000  # latencies kept between two metrics samples
 
 
 def split_order(worker: Worker) -> SplitOrder:
-    if worker.order.split is None:
+    split = worker.order_as(SplitInferenceOrder).split
+    if split is None:
         raise Rejected("a split_inference order must carry its split part (the cut model)")
-    return worker.order.split
+    return split
 
 
 def open_part(worker: Worker, ref: Any, what: str) -> Runtime:

@@ -1,0 +1,184 @@
+"""The REST models of task run management: a task's creation (one variant per type), its public view, workers,
+logs, metrics and outputs."""
+
+from __future__ import annotations
+
+from datetime import datetime
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, Field, model_validator
+
+from interfaces.deployments import TargetKind
+from interfaces.privacy import PrivacySpend
+from interfaces.strict import BY_VALUE, JsonObject
+from interfaces.tasks.specs import (
+    AcceleratorRequest,
+    BatchInferenceSpec,
+    FederatedTrainingSpec,
+    IncrementalTrainingSpec,
+    InferenceSpec,
+    Placement,
+    RetryPolicy,
+    SplitInferenceSpec,
+    _In,
+)
+from interfaces.tasks.states import TaskState, TaskType, WorkerState
+
+# --- REST ------------------------------------------------------------------------------------------
+
+
+class TaskCreate(_In):
+    name: str = Field(default="", max_length=128)
+    type: Annotated[TaskType, BY_VALUE]
+    spec: JsonObject = Field(description="the type's spec (InferenceSpec, BatchInferenceSpec, ...); its workers' orders carry it on MQTT")
+    placement: Placement = Field(default_factory=Placement)
+    timeout_s: int | None = Field(default=None, ge=1, le=30 * 86400, description="running time (paused time excluded) before TIMED_OUT; none: no limit")
+    worker_timeout_s: float = Field(default=30, ge=1, le=86400, description="a worker silent this long is TIMED_OUT and its work rescheduled")
+    heartbeat_s: float = Field(default=5, ge=0.2, le=3600, description="how often a worker reports while it runs")
+    retry: RetryPolicy = Field(default_factory=RetryPolicy)
+    start: bool = Field(default=True, description="false: the task is held in PENDING until POST /tasks/{id}/start")
+
+    @model_validator(mode="after")
+    def _check(self) -> TaskCreate:
+        if self.heartbeat_s >= self.worker_timeout_s:
+            raise ValueError("heartbeat_s must be below worker_timeout_s")
+        return self
+
+
+class InferenceTaskCreate(TaskCreate):
+    type: Literal[TaskType.INFERENCE]
+    spec: InferenceSpec  # type: ignore[assignment]
+
+
+class BatchInferenceTaskCreate(TaskCreate):
+    type: Literal[TaskType.BATCH_INFERENCE]
+    spec: BatchInferenceSpec  # type: ignore[assignment]
+
+
+class SplitInferenceTaskCreate(TaskCreate):
+    type: Literal[TaskType.SPLIT_INFERENCE]
+    spec: SplitInferenceSpec  # type: ignore[assignment]
+
+
+class IncrementalTrainingTaskCreate(TaskCreate):
+    type: Literal[TaskType.INCREMENTAL_TRAINING]
+    spec: IncrementalTrainingSpec  # type: ignore[assignment]
+
+
+class FederatedTrainingTaskCreate(TaskCreate):
+    type: Literal[TaskType.FEDERATED_TRAINING]
+    spec: FederatedTrainingSpec  # type: ignore[assignment]
+
+
+TaskCreateBody = Annotated[
+    InferenceTaskCreate | BatchInferenceTaskCreate | SplitInferenceTaskCreate | IncrementalTrainingTaskCreate | FederatedTrainingTaskCreate,
+    Field(discriminator="type"),
+]
+"""``POST /tasks``: a :class:`TaskCreate` whose ``spec`` is its type's (one variant per type, told apart by
+``type``), so the OpenAPI shows each type's fields and a client can generate code from it."""
+TASK_CREATE_VARIANTS: dict[TaskType, type[TaskCreate]] = {
+    TaskType.INFERENCE: InferenceTaskCreate, TaskType.BATCH_INFERENCE: BatchInferenceTaskCreate, TaskType.SPLIT_INFERENCE: SplitInferenceTaskCreate,
+    TaskType.INCREMENTAL_TRAINING: IncrementalTrainingTaskCreate, TaskType.FEDERATED_TRAINING: FederatedTrainingTaskCreate,
+}  # fmt: skip
+
+
+class TaskProgress(BaseModel):
+    items_total: int | None = Field(default=None, description="sharded types: inputs in all")
+    items_done: int | None = None
+    chunks_total: int | None = None
+    chunks_done: int | None = None
+    workers: dict[WorkerState, int] = Field(default_factory=dict)
+
+
+class TaskTransition(BaseModel):
+    from_state: str | None
+    to_state: str
+    at: datetime
+    reason: str = ""
+
+
+class TaskPublic(BaseModel):
+    id: str
+    name: str
+    type: TaskType
+    spec: dict[str, Any]
+    placement: Placement
+    timeout_s: int | None
+    worker_timeout_s: float
+    heartbeat_s: float
+    retry: RetryPolicy
+    state: TaskState
+    reason: str = ""
+    held: bool = Field(description="created with start=false and not started yet")
+    attempt: int = Field(description="1, then one more per retry of the whole task")
+    progress: TaskProgress
+    created_at: datetime
+    updated_at: datetime
+    started_at: datetime | None = Field(description="first worker RUNNING")
+    finished_at: datetime | None
+    deadline_at: datetime | None
+
+
+class TaskDetail(TaskPublic):
+    history: list[TaskTransition] = Field(default_factory=list)
+
+
+class WorkerPublic(BaseModel):
+    id: str
+    task_id: str
+    target_kind: TargetKind
+    target_id: str
+    role: str
+    state: WorkerState
+    attempt: int
+    items_assigned: int | None
+    items_done: int | None
+    accelerators: list[AcceleratorRequest] = Field(default_factory=list, description="reserved on the target while the worker is active")
+    detail: str
+    created_at: datetime
+    started_at: datetime | None
+    finished_at: datetime | None
+    last_report_at: datetime | None
+    history: list[TaskTransition] = Field(default_factory=list)
+
+
+class TaskLogLine(BaseModel):
+    id: int = Field(description="increases in the order the hub stored the lines; the SSE event id")
+    task_id: str
+    worker_id: str | None = Field(description="none: a line of the hub's scheduler about this task")
+    target_id: str | None
+    ts: datetime
+    level: Literal["debug", "info", "warning", "error"]
+    text: str
+
+
+class MetricSample(BaseModel):
+    worker_id: str
+    target_id: str
+    ts: datetime
+    values: dict[str, float]
+
+
+class TaskMetrics(BaseModel):
+    task_id: str
+    totals: dict[str, float] = Field(description="sums over the workers' latest samples (rates and counts)")
+    workers: dict[str, MetricSample] = Field(description="each worker's latest sample")
+    series: list[MetricSample] = Field(default_factory=list, description="samples in order (GET ?series=true, newest last)")
+
+
+class TensorInfo(BaseModel):
+    name: str
+    dtype: str
+    shape: list[int]
+
+
+class TaskOutputs(BaseModel):
+    task_id: str
+    state: TaskState
+    complete: bool = Field(description="every input has its output")
+    items_total: int | None
+    items_done: int | None
+    tensors: list[TensorInfo] = Field(default_factory=list, description="sharded types: the gathered outputs (rows in input order)")
+    content_url: str | None = Field(default=None, description="GET it for the gathered outputs as one safetensors file")
+    artifacts: list[str] = Field(default_factory=list, description="ids of artefacts the task produced (models)")
+    privacy: list[PrivacySpend] = Field(default_factory=list, description="incremental_training: what each worker run spent of its device's budget")
