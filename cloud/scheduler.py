@@ -51,11 +51,8 @@ from cloud import placement
 from cloud.convert import utc
 from cloud.lease import drive_each
 from cloud.tables import Task, TaskChunk, TaskWorker, WorkerTransitionRow
-from cloud.tasks.chunks import PENDING, assign, pending_chunks, release_chunks
+from cloud.tasks.lifecycle import PENDING, active_workers, assign, build_order, finish, hub_log, move_task, move_worker, pending_chunks, placement_of, put_worker_order, release_chunks, retry_of, spec_of, target_table, type_info, withdraw_worker_order
 from cloud.tasks.kind import Ticked, all_kinds, kind_of, node_roles
-from cloud.tasks.lifecycle import active_workers, finish, move_task, move_worker
-from cloud.tasks.orders import build_order, put_worker_order, withdraw_worker_order
-from cloud.tasks.rows import hub_log, placement_of, retry_of, spec_of, target_table, type_info
 from interfaces.deployments import TargetKind
 from interfaces.ids import new_id
 from interfaces.lifecycle import NodeState

@@ -56,8 +56,7 @@ from cloud.fl.task import spec_of
 from cloud.incremental import budgets, surgery
 from cloud.tables import Artifact, Device, FlPlan, FlRoundRow, FlUpdateRow, Task, TaskMetric, TaskWorker
 from cloud.tasks.kind import Driver, Ticked
-from cloud.tasks.lifecycle import active_workers
-from cloud.tasks.rows import hub_log
+from cloud.tasks.lifecycle import active_workers, hub_log
 from interfaces.aggregation import ClientUpdate, Strategy, strategy_from_spec, strategy_from_state, weighted_metrics
 from interfaces.deployments import ArtifactCreate, ArtifactFormat, ArtifactKind
 from interfaces.tasks import FL_AGGREGATOR, TASK_ACTIVE, WORKER_ACTIVE, FederatedTrainingSpec, FlKey, FlReveal, FlUpdate, TaskState

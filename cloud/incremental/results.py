@@ -28,7 +28,7 @@ from sqlmodel import Session
 from cloud.incremental import accounting, surgery
 from cloud.incremental.task import reservation
 from cloud.tables import Artifact, PrivacySpendRow, Task, TaskWorker, TrainingPlan, TrainingResult
-from cloud.tasks.rows import hub_log
+from cloud.tasks.lifecycle import hub_log
 from interfaces.deployments import ArtifactCreate, ArtifactFormat, ArtifactKind, parse_version
 from interfaces.tasks import WORKER_ACTIVE, IncrementalTrainingSpec, TrainingOutput, WorkerOutput, WorkerState
 

@@ -48,7 +48,7 @@ from cloud.errors import BadRequest, Conflict
 from cloud.incremental import accounting, budgets, surgery
 from cloud.placement import installed_model, installed_version, matching_devices
 from cloud.tables import Artifact, PrivacySpendRow, Task, TaskWorker, TrainingPlan, TrainingResult
-from cloud.tasks.rows import hub_log, retry_of
+from cloud.tasks.lifecycle import hub_log, retry_of
 from interfaces.deployments import ArtifactKind
 from interfaces.errors import ErrorCode
 from interfaces.privacy import SpendState

@@ -10,7 +10,7 @@ speak for another's worker). In arrival order:
   that already ended is late news and ignored.
 * ``task.log`` lines and ``task.metrics`` samples are kept once each (by event id and line number).
 * ``task.output`` and the updates of a kind (``fl.update``, ``fl.key``, ``fl.reveal``) are the kind's to keep or
-  refuse (``TaskKind.accept``). By default a ``task.output`` is a chunk's outputs (``cloud.tasks.chunks``), kept
+  refuse (``TaskKind.accept``; a kind that takes none refuses them). A batch task's ``task.output`` is a chunk's outputs (``cloud.tasks.lifecycle``), kept
   if the chunk is ASSIGNED to that worker and the worker is still active; the frame must be safetensors whose
   tensors all have the chunk's row count first. Any other copy (a duplicate, a late one from a worker that was
   declared LOST) is refused and counted: no input is ever stored with two outputs. An ``incremental_training``
@@ -35,10 +35,8 @@ from sqlmodel import Session
 
 from cloud.services import task_watch
 from cloud.tables import Task, TaskLog, TaskMetric, TaskWorker
-from cloud.tasks.chunks import release_chunks
+from cloud.tasks.lifecycle import hub_log, move_task, move_worker, release_chunks
 from cloud.tasks.kind import kind_of
-from cloud.tasks.lifecycle import move_task, move_worker
-from cloud.tasks.rows import hub_log
 from interfaces.messages import Envelope, EventBody, ExecutionEvent, acted_event
 from interfaces.tasks import (
     WORKER_ACTIVE,

@@ -14,7 +14,7 @@ Rules:
   CANCELED or TIMED_OUT: back to PENDING, attempt + 1, finished chunks kept). Ending a task ends its active
   workers and withdraws their orders. An action the state refuses is a 409 ``illegal_transition`` with
   ``current_state``. ``DELETE`` removes a final task with everything it recorded (409 while active).
-* **Orders** (``cloud.tasks.orders``). A worker's ``WorkerOrder`` sits in its target's ``tasks`` list (one per
+* **Orders** (``cloud.tasks.lifecycle``). A worker's ``WorkerOrder`` sits in its target's ``tasks`` list (one per
   worker id) and the target's ``tasks_version`` goes up on every change, so the bridge republishes its desired
   document.
 * **Kinds.** What a type adds is its kind's (``cloud.tasks.kind``; this module has no branch on the type): its
@@ -40,12 +40,8 @@ from cloud.convert import utc
 from cloud.errors import BadRequest, Conflict, NotFound, ValidationFailed
 from cloud.services.paging import parse_selector_or_400
 from cloud.tables import Device, Node, Task, TaskChunk, TaskMetric, TaskLog, TaskTransitionRow, TaskWorker, WorkerTransitionRow
-from cloud.tasks.chunks import first_chunk, items_done, retry_unfinished
-from cloud.tasks.chunks import gather as gather_chunks
+from cloud.tasks.lifecycle import active_workers, finish, first_chunk, gather as gather_chunks, hub_log, items_done, move_task, now, placement_of, retry_of, retry_unfinished, set_order_action, target_table, type_info
 from cloud.tasks.kind import HubParts, kind_of
-from cloud.tasks.lifecycle import active_workers, finish, move_task
-from cloud.tasks.orders import set_order_action
-from cloud.tasks.rows import hub_log, now, placement_of, retry_of, target_table, type_info
 from interfaces.deployments import TargetKind
 from interfaces.errors import ErrorCode
 from interfaces.ids import is_id, new_id

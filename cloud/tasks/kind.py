@@ -136,13 +136,9 @@ class TaskKind:
 
     # --- what workers send -------------------------------------------------------------------------
     def accept(self, session: Session, task: Task, worker: TaskWorker, target_kind: str, target_id: str, data: KindReport, at: datetime) -> tuple[str, bool]:
-        """By default a ``WorkerOutput`` is a chunk's outputs (:func:`cloud.tasks.chunks.accept_output`); any other
-        data is refused."""
-        from cloud.tasks.chunks import accept_output
-        from interfaces.tasks import WorkerOutput
-
-        if isinstance(data, WorkerOutput):
-            return accept_output(session, task, worker, data, at)
+        """Take what a worker sent beyond its state, logs and metrics: (the outcome counted, whether the scheduler
+        should look at the task now). By default nothing is taken: a kind with outputs says what they are (a batch
+        task's chunks, :func:`cloud.tasks.lifecycle.accept_output`; a trained layer; a round's update)."""
         return "refused", False
 
     def outputs(self, session: Session, task: Task, outputs: TaskOutputs) -> TaskOutputs:

@@ -6,17 +6,19 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, ClassVar
 
 from cloud.errors import BadRequest
-from cloud.tasks.chunks import create_chunks, dataset_rows
 from cloud.tasks.kind import HubParts, TaskKind
+from cloud.tasks.lifecycle import accept_output, create_chunks, dataset_rows
 from interfaces.deployments import ArtifactKind
-from interfaces.tasks import BatchInferenceSpec, TaskType
+from interfaces.tasks import BatchInferenceSpec, TaskType, WorkerOutput
 
 if TYPE_CHECKING:
+    from datetime import datetime
+
     from pydantic import BaseModel
     from sqlmodel import Session
 
-    from cloud.tables import Task
-    from interfaces.tasks import Placement
+    from cloud.tables import Task, TaskWorker
+    from interfaces.tasks import KindReport, Placement
 
 
 class Inference(TaskKind):
@@ -43,6 +45,12 @@ class BatchInference(TaskKind):
             raise BadRequest(f"dataset {artifact.id} has no rows", status=422)
         create_chunks(session, task, rows, spec.chunk_size)
         return spec
+
+    def accept(self, session: Session, task: Task, worker: TaskWorker, target_kind: str, target_id: str, data: KindReport, at: datetime) -> tuple[str, bool]:
+        """A ``WorkerOutput`` is one chunk's outputs, kept once (:func:`cloud.tasks.lifecycle.accept_output`)."""
+        if isinstance(data, WorkerOutput):
+            return accept_output(session, task, worker, data, at)
+        return super().accept(session, task, worker, target_kind, target_id, data, at)
 
 
 INFERENCE = Inference()

@@ -19,7 +19,7 @@ from cloud.artifacts import create_artifact
 from cloud.ingest import StatusIngest
 from cloud.scheduler import TaskController
 from cloud.tables import Artifact, Device, Node, TaskWorker
-from cloud.tasks.chunks import encode_chunk
+from cloud.tasks.lifecycle import encode_chunk
 from interfaces.auth import Role
 from interfaces.deployments import ArtifactCreate
 from interfaces.messages import ConnectionState, EventBody, HeartbeatBody, StateBody, envelope

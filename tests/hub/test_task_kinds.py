@@ -13,8 +13,7 @@ from interfaces.tasks import FL_AGGREGATOR, SPLIT_TAIL, TASK_TYPES, TaskType
 
 ROOT = Path(__file__).resolve().parents[2]
 GENERIC = [
-    "cloud/services/tasks.py", "cloud/services/task_reports.py", "cloud/scheduler.py", "cloud/tasks/lifecycle.py", "cloud/tasks/orders.py",
-    "cloud/tasks/chunks.py", "cloud/tasks/rows.py",
+    "cloud/services/tasks.py", "cloud/services/task_reports.py", "cloud/scheduler.py", "cloud/tasks/lifecycle.py",
 ]  # fmt: skip
 """the modules that drive every kind alike (``cloud.tasks.kind``, the registry, names each type once)"""
 
