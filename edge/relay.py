@@ -144,6 +144,7 @@ class DeviceRelay:
         """Told the key id the hub announces in its retained state (the artefact cache catches up after a
         rotation); called on the relay's loop, so it must not block."""
         self._background: set[asyncio.Task[None]] = set()
+        self._alive: set[str] = set()  # devices heard from (state online or a heartbeat) since they were last offline
         self._staged: list[tuple[str, bytes, int, bool]] = []  # accepted, not yet committed to the outbox
         self._staged_seq: dict[str, int] = {}  # device id -> highest event seq among the staged messages
         self._stored_seq = store.device_seqs()  # device id -> highest event seq committed (what we acknowledge)
@@ -357,16 +358,24 @@ class DeviceRelay:
 
         The broker's access list learns of a device a moment after the hub registers it (the broker
         reloads it); a document relayed before that was refused without a word, and MQTT gives the
-        publisher no refusal to act on. The device ignores a version it already has.
+        publisher no refusal to act on. The device ignores a version it already has. A device whose own
+        ``online`` was refused (it connected before the reload) is first heard of by its next heartbeat, which
+        does the same (:meth:`_on_device_heartbeat`).
         """
         try:
             online = DEVICE_STATE.payload.model_validate_json(payload).body.state is ConnectionState.ONLINE
         except ValidationError:
             return
         if online:
-            task = asyncio.create_task(self._redeliver_desired(device_id))
-            self._background.add(task)
-            task.add_done_callback(self._background.discard)
+            self._alive.add(device_id)
+            self._start_redelivery(device_id)
+        else:
+            self._alive.discard(device_id)
+
+    def _start_redelivery(self, device_id: str) -> None:
+        task = asyncio.create_task(self._redeliver_desired(device_id))
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
 
     async def _redeliver_desired(self, device_id: str) -> None:
         for delay in REDELIVER_DESIRED_AFTER_S:
@@ -378,10 +387,13 @@ class DeviceRelay:
 
     async def _on_device_heartbeat(self, client: aiomqtt.Client, message: aiomqtt.Message, ids: dict[str, str]) -> None:
         device_id, payload = ids["device_id"], payload_bytes(message.payload)
+        if self._valid(DEVICE_HEARTBEAT, message.topic.value, payload, device_id) is None:
+            return
+        if device_id not in self._alive:  # the first sign of life since it was offline: its online may have been refused
+            self._alive.add(device_id)
+            self._start_redelivery(device_id)
         if not self.up.connected.is_set():
             log.debug("upstream down: heartbeat of %s dropped", device_id)
-            return
-        if self._valid(DEVICE_HEARTBEAT, message.topic.value, payload, device_id) is None:
             return
         topic = RELAY_HEARTBEAT.topic(node_id=self.node_id, device_id=device_id)
         assert RELAY_HEARTBEAT.qos == 0  # best effort, like the heartbeat itself: nothing to wait for

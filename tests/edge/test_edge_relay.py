@@ -4,6 +4,8 @@ brokers: desired documents, commands and their answers, and what devices send.""
 from __future__ import annotations
 
 import json
+import signal
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -242,3 +244,47 @@ _RESOURCES = {
     "network": {"bytes_sent": 0, "bytes_received": 0},
     "accelerators": [],
 }
+
+
+def test_a_device_first_heard_of_by_its_heartbeat_gets_its_desired_document_again(
+    tmp_path: Path, pki: Pki, cleanup: list[Callable[[], object]]
+) -> None:
+    # Prepare: the devices' broker does not know dev-c yet (its access list is rewritten, then reloaded, a moment
+    # after the hub admits a device): dev-c connects and subscribes, but reads nothing and its "online" is dropped
+    up = Mosquitto(tmp_path / "upstream", pki, edge_acl(NODE, (*DEVICES, "dev-c"))).start()
+    before = f"user {NODE}\ntopic readwrite synergy/v1/devices/#\nuser hub\ntopic read synergy/v1/devices/#\n"
+    down = Mosquitto(tmp_path / "downstream", pki, before).start()
+    cleanup += [up.stop, down.stop]
+    hub = Peer(up, pki, "hub", [own_subtree(Tier.NODE, NODE)])
+    cleanup.append(hub.close)
+    desired = wire("hub", DesiredBody(version=2, spec={"rate": 5}))
+    hub.publish(RELAY_DESIRED.topic(node_id=NODE, device_id="dev-c"), desired, retain=True)
+    node_dir = enrol_node(tmp_path / "node", pki.ca, NODE, up.url).data_dir
+    edge = start_edge(node_dir, NODE, "--downstream-mqtt-url", down.url, "--device-listen", "off")
+    cleanup.append(lambda: stop_edge(edge))
+    watcher = Peer(down, pki, "hub", [DEVICE_DESIRED.topic(device_id="dev-c")])  # reads what the edge relays down
+    cleanup.append(watcher.close)
+    assert watcher.expect(DEVICE_DESIRED.topic(device_id="dev-c")).payload == desired  # relayed, retained
+    device = Peer(down, pki, "dev-c", [DEVICE_DESIRED.topic(device_id="dev-c")])
+    cleanup.append(device.close)
+    device.publish(DEVICE_STATE.topic(device_id="dev-c"), wire("dev-c", StateBody(state=ConnectionState.ONLINE)), retain=True)
+
+    # Execute: the broker learns dev-c (as it does on a reload); dev-c goes on with its heartbeats
+    (down.dir / "acl").write_text(before + "user dev-c\ntopic readwrite synergy/v1/devices/dev-c/#\n")
+    assert down.process is not None
+    down.process.send_signal(signal.SIGHUP)
+    heartbeat = wire(
+        "dev-c", HeartbeatBody(seq=0, agent_version="1.0", uptime_s=1, resources=Resources.model_validate(_RESOURCES))
+    )
+    hub_heard = RELAY_HEARTBEAT.topic(node_id=NODE, device_id="dev-c")
+    deadline = time.monotonic() + 60
+    while True:  # a heartbeat sent before the reload is dropped like the online was; the hub hears the first after it
+        device.publish(DEVICE_HEARTBEAT.topic(device_id="dev-c"), heartbeat, qos=0)
+        try:
+            hub.expect(hub_heard, timeout=0.5)
+            break
+        except AssertionError:
+            assert time.monotonic() < deadline, "no heartbeat of dev-c got through the reloaded access list"
+
+    # Assert: the edge took that heartbeat as the device's first sign of life and sent the document again
+    assert device.expect(DEVICE_DESIRED.topic(device_id="dev-c"), timeout=30).payload == desired
