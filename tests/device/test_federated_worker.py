@@ -324,7 +324,7 @@ def test_a_participant_trains_each_round_attempt_once_from_the_global_layer_and_
     host.apply([order])
     running(events, "wk-a")
     events.wait(lambda: any(t.startswith("taking part in 3 rounds on 300 rows of camera (fedavg)") for t in events.lines("wk-a")), what="the start line")
-    time.sleep(0.2)
+    time.sleep(0.2)  # a window showing absence: no fetch, no update without a round; a worker without one only waits, saying nothing that could mark it
 
     # Assert: it waits; nothing fetched, nothing sent
     assert events.updates() == [] and server.paths() == []
@@ -359,7 +359,7 @@ def test_a_participant_trains_each_round_attempt_once_from_the_global_layer_and_
 
     # Execute: the same round attempt again (the hub moved its deadline), then attempt 2
     host.apply([with_fl(order, fl_order(artefacts, round=1, deadline_s=90))])
-    time.sleep(0.3)
+    time.sleep(0.3)  # a window showing absence: no second training of attempt 1; the worker skips an attempt it did without a line or event to wait for
     assert len(events.updates("wk-a")) == 1, "the same round attempt was trained twice"
     host.apply([with_fl(order, fl_order(artefacts, round=1, attempt=2))])
     events.wait(lambda: len(events.updates("wk-a")) == 2, what="attempt 2's update")
@@ -504,7 +504,7 @@ def test_the_aggregator_sends_one_combined_update_of_its_round_attempts_particip
     deliver(edge.router, synthetic("dv-c", 500, 3))
     deliver(edge.router, synthetic("dv-a", 100, 4, attempt=2))
     deliver(edge.router, b)
-    time.sleep(0.3)
+    time.sleep(0.3)  # a window showing absence: nothing sent on dv-b's update alone; an aggregator that keeps waiting says nothing that could mark it
 
     # Assert: still waiting for dv-a's update of this attempt
     assert edge.events.updates() == []
@@ -522,21 +522,20 @@ def test_the_aggregator_sends_one_combined_update_of_its_round_attempts_particip
     for name in ("weight", "bias"):
         np.testing.assert_allclose(got[name], expected.weights[name], rtol=0, atol=1e-6)
     assert sent.metrics == pytest.approx({"loss": 1.25, "accuracy": 0.6})
-    time.sleep(0.3)
+    edge.events.wait(lambda: "round 1: 2 of 2 devices combined and sent" in edge.events.lines("wk-edge"), what="the line the aggregator logs after sending round 1")
     assert len(edge.events.updates()) == 1, "a non-participant's update was forwarded"
 
-    # Execute: round 2; a late round-1 update arrives, then round 2's
+    # Execute: round 2 (the worker's order once apply returns); a late round-1 update arrives, then round 2's
     edge.host.apply([aggregator_order(artefacts, ["dv-a", "dv-b"], round=2)])
-    time.sleep(0.1)
     deliver(edge.router, synthetic("dv-a", 100, 5, round=1))
-    time.sleep(0.3)
-    assert len(edge.events.updates()) == 1, "an update of an older round was sent"
     a2, b2 = synthetic("dv-a", 100, 6, round=2), synthetic("dv-b", 300, 7, round=2)
     deliver(edge.router, a2)
     deliver(edge.router, b2)
-    edge.events.wait(lambda: len(edge.events.updates()) == 2, what="round 2's update")
+    edge.events.wait(lambda: any(u.round == 2 for u in edge.events.updates()), what="round 2's update")
 
-    # Assert: round 2's combined update; nothing of round 1's left
+    # Assert: the aggregator sends in order, so anything more of round 1 would have come before round 2's update
+    assert [u.round for u in edge.events.updates()] == [1, 2], "a non-participant's update or an update of an older round was sent"
+    # round 2's combined update; nothing of round 1's left
     sent2 = edge.events.updates()[1]
     assert (sent2.round, sent2.contributors, sent2.num_examples) == (2, ["dv-a", "dv-b"], 400)
     np.testing.assert_allclose(frame_of(sent2)["weight"], combine([plain(a2), plain(b2)]).weights["weight"], rtol=0, atol=1e-6)
@@ -587,7 +586,7 @@ def test_the_aggregator_sends_what_it_has_at_the_margin_then_forwards_a_late_upd
     deliver(edge.router, b)  # redelivered (QoS 1)
     samples = edge.events.wait(lambda: [m.values for m in edge.events.of(TASK_METRICS_EVENT, "wk-edge") if m.values.get("forwarded") == 1], what="metrics")
     assert samples[-1]["rounds"] == 1
-    time.sleep(0.2)
+    time.sleep(0.2)  # a window showing absence: the redelivered update is not forwarded again; the aggregator drops it without a line or event to wait for
     assert len(edge.events.updates()) == 2
 
 
@@ -604,7 +603,7 @@ def test_an_adaptive_round_shorter_than_the_margin_still_combines_its_participan
     time.sleep(0.3)
     deliver(edge.router, b)
     edge.events.wait(lambda: edge.events.updates("wk-edge"), timeout=60, what="an update")
-    time.sleep(0.3)
+    edge.events.wait(lambda: any(t.startswith("round 1: ") and t.endswith("combined and sent") for t in edge.events.lines("wk-edge")), what="the line the aggregator logs after sending round 1")
 
     # Assert: one combined update, as when every participant answered in time
     assert [u.contributors for u in edge.events.updates()] == [["dv-a", "dv-b"]]
@@ -679,9 +678,9 @@ def test_a_participant_whose_key_is_not_in_peers_skips_the_round(make_device: Ca
 
     # Execute: the order lists another key for it (and asks for reveals, as if it had masked)
     device.host.apply([with_fl(order, fl_order(artefacts, via_edge=True, secure=True, peers=stale, total_examples=400))])
-    time.sleep(0.3)
+    time.sleep(0.3)  # a window showing absence: no update with a key the others did not mask with; the worker skips the attempt without a line or event to wait for
     device.host.apply([with_fl(order, fl_order(artefacts, via_edge=True, secure=True, peers=stale, total_examples=400, reveal=["dv-a"]))])
-    time.sleep(0.3)
+    time.sleep(0.3)  # a window showing absence: no seed revealed for an attempt it did not mask; skipping the reveal leaves no line or event to wait for
 
     # Assert: no update, no seed revealed (it masked nothing)
     assert device.published == [] and device.events.of(FL_REVEAL_EVENT) == []
@@ -714,7 +713,7 @@ def test_a_participant_that_masked_reveals_its_seed_with_a_dropped_peer_only(
     device.host.apply([with_fl(order, fl.model_copy(update={"reveal": ["dv-c", "dv-z"]}))])
     (reveal,) = device.events.wait(lambda: device.events.of(FL_REVEAL_EVENT), what="the reveal")
     device.host.apply([with_fl(order, fl.model_copy(update={"reveal": ["dv-c", "dv-z"], "deadline_at": fl.deadline_at + timedelta(seconds=5)}))])
-    time.sleep(0.3)
+    time.sleep(0.3)  # a window showing absence: no second reveal of the same attempt; the worker passes a reveal it sent without a line or event to wait for
 
     # Assert: one reveal, of exactly the seed of the X25519 exchange with dv-c (never the one with dv-d, alive)
     assert len(device.events.of(FL_REVEAL_EVENT)) == 1

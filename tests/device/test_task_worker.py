@@ -253,7 +253,7 @@ def test_pause_holds_the_worker_between_chunks_and_more_chunks_run_once(
     events.wait(lambda: len(events.outputs(order.worker_id)) == 4, what="chunks 4-5")
     host.apply([order.model_copy(update={"chunks": [(0, 8)]})])
     events.wait(lambda: len(events.outputs(order.worker_id)) == 8, what="all 8 chunks")
-    time.sleep(0.3)
+    events.wait(lambda: any(t.startswith("done: 8 chunks") for t in events.lines(order.worker_id)), what="the done line after every chunk it computes")
 
     # Assert: nothing ran while paused, heartbeats went on saying so; each chunk was computed once
     assert outputs_while_paused == [0, 1]
@@ -297,7 +297,7 @@ def test_a_withdrawn_worker_finishes_the_chunk_in_hand_and_ends_without_a_report
     assert not thread.is_alive()
     count = len(events.outputs(order.worker_id))
     reports = len(events.reports(order.worker_id))
-    time.sleep(0.6)
+    time.sleep(0.6)  # a window showing absence: no heartbeat from the host's ticker after the worker ended; an ended worker has no later event to wait for
 
     # Assert: it stopped, sent nothing more (no heartbeats, no final report) and is gone
     assert count < 100 and len(events.outputs(order.worker_id)) == count
@@ -424,13 +424,14 @@ def test_a_finished_worker_is_reported_again_after_a_restart_not_run_again(
     second, again = make_host()
     second.apply([order])
     second.apply([order])  # the same document again: nothing more
+    repeated = again.reports("wk-once")  # sent again inside apply(), from the record
+    run_again = second.workers()  # a run of the order would be a worker here as soon as apply() returns
     retried = order.model_copy(update={"attempt": 2})
-    time.sleep(0.2)
-    repeated = again.reports("wk-once")
     second.apply([retried])
 
     # Assert: the final report once more, no run; a higher attempt runs again
     assert [(r.state, r.detail) for r in repeated] == [("REJECTED", events.final("wk-once").detail)]
+    assert run_again == []
     again.wait(lambda: len(again.reports("wk-once")) == 2, what="the second attempt's report")
     assert second.workers()[0].state == "REJECTED"
 
@@ -483,10 +484,13 @@ def test_inference_of_a_model_that_is_not_loaded_is_rejected_and_a_withdrawn_one
     host.apply([missing, forever])
     assert events.final("wk-miss").state == "REJECTED"
     events.wait(lambda: len(events.reports("wk-ever")) >= 2, what="heartbeats")
+    (thread,) = [t for t in threading.enumerate() if t.name == "aisynergy-task-wk-ever"]
     host.apply([missing])
     events.wait(lambda: models._listeners == (), what="the worker's end")
+    thread.join(30)  # a final report would have left by now
+    assert not thread.is_alive(), "the withdrawn worker's thread did not end"
     count = len(events.reports("wk-ever"))
-    time.sleep(0.5)
+    time.sleep(0.5)  # a window showing absence: no heartbeat from the host's ticker after the worker ended; an ended worker has no later event to wait for
 
     assert len(events.reports("wk-ever")) == count
     assert {r.state for r in events.reports("wk-ever")} == {"RUNNING"}
@@ -603,7 +607,7 @@ def test_a_task_order_in_the_desired_document_runs_on_the_device(
             wait(lambda: dev.tasks.workers() == [], "the worker withdrawn")
             wait(lambda: dev._desired.record.applied_tasks_version == 2, "tasks version 2 applied")
             beats = len(task_events(TASK_WORKER_EVENT))
-            time.sleep(0.5)
+            time.sleep(0.5)  # a window showing absence: no report of the withdrawn worker reaches the broker; a worker that is gone has no later event to wait for
             after = len(task_events(TASK_WORKER_EVENT))
 
         # Assert
