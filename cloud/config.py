@@ -27,6 +27,8 @@ class Settings(BaseSettings):
     scheduler_interval_s: float = Field(default=1.0, gt=0, le=3600, description="how often the task scheduler looks at every active task (API calls and worker reports wake it sooner)")
     max_body_bytes: int = Field(default=1024 * 1024, ge=1024)
     max_artifact_bytes: int = Field(default=2 * 1024**3, ge=1, description="largest artefact POST /artifacts accepts (streamed to disk)")
+    upload_chunk_bytes: int = Field(default=8 * 1024**2, ge=64 * 1024, le=256 * 1024**2, description="chunk size of a chunked upload (/artifacts/uploads)")
+    upload_ttl_s: int = Field(default=24 * 3600, ge=60, le=30 * 24 * 3600, description="how long a chunked upload session and its chunks are kept")
     idempotency_ttl_s: int = Field(default=24 * 3600, ge=60)
     token_cache_ttl_s: float = Field(default=10.0, ge=0, le=300)
     sse_streams_per_token: int = Field(default=4, ge=1, le=1000, description="concurrent task log streams one bearer token may hold (429 beyond)")

@@ -228,6 +228,23 @@ class Artifact(SQLModel, table=True):
     key_id: str = Field(max_length=64)
 
 
+class ArtifactUpload(SQLModel, table=True):
+    """A chunked upload in progress (``/artifacts/uploads``); its chunks are files under ``<data_dir>/uploads/<id>``."""
+
+    __tablename__ = "artifact_uploads"
+
+    id: str = Field(primary_key=True, max_length=64)
+    kind: str = Field(max_length=16)
+    name: str = Field(max_length=128)
+    version: str = Field(max_length=64)
+    format: str = Field(max_length=16)
+    size: int = Field(sa_column=Column(BigInteger, nullable=False))
+    sha256: str = Field(max_length=64)
+    chunk_size: int = Field(sa_column=Column(BigInteger, nullable=False))
+    created_at: datetime = _ts(nullable=False)
+    expires_at: datetime = Field(sa_column=Column(DateTime(timezone=True), nullable=False, index=True))
+
+
 class ArtifactDelta(SQLModel, table=True):
     """A bsdiff4 patch from one stored artefact's bytes to another's, kept in the blob store."""
 

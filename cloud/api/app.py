@@ -19,10 +19,11 @@ from sqlmodel import Session
 from cloud import lease
 from cloud.api import problems, spec
 from cloud.api.guards import IdempotentReplay, RequestGuard, SecurityHeaders, purge_idempotency, replay_response
-from cloud.api.routes import artifacts, deployments, devices, nodes, privacy
+from cloud.api.routes import artifacts, deployments, devices, nodes, privacy, uploads
 from cloud.api.routes import tasks as task_routes
 from cloud.api.state import HubState, attach, hub_state
 from cloud.artifacts import FileBlobStore
+from cloud.artifacts.uploads import UploadArea, purge_expired
 from cloud.auth import TokenCache
 from cloud.bridge import MqttBridge
 from cloud.config import Settings
@@ -82,10 +83,12 @@ async def _every_or_woken(interval_s: float, wake: asyncio.Event, fn: Any, *args
 
 def _housekeeping_tick(engine: Engine, settings: Settings, ca: CertificateAuthority) -> None:
     """At start and hourly: forget old idempotency records; sign the CRL again before it expires (an expired CRL
-    makes the broker refuse every certificate of the fleet, and the hub's own)."""
+    makes the broker refuse every certificate of the fleet, and the hub's own); remove expired chunked uploads."""
     purge_idempotency(engine, settings.idempotency_ttl_s)
     with Session(engine) as session:
         revocation.publish_crl(session, ca)
+    with Session(engine) as session:
+        purge_expired(session, UploadArea(settings.data_dir / uploads.UPLOADS_DIR))
 
 
 def _poke(state: HubState) -> None:
@@ -157,6 +160,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.add_exception_handler(IdempotentReplay, replay_response)
     app.add_middleware(
         RequestGuard, engine=lambda: hub_state(app).engine, max_body_bytes=settings.max_body_bytes, streamed_uploads={API_PREFIX + "/artifacts"},
+        streamed_chunks=uploads.STREAMED_CHUNKS,
     )  # fmt: skip
     app.add_middleware(problems.UnexpectedErrors)  # outside the guard: a failed request frees its Idempotency-Key first
     app.add_middleware(SecurityHeaders)  # outermost: on every response, the guard's refusals too
@@ -165,6 +169,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     api.include_router(nodes.router)
     api.include_router(devices.router)
     api.include_router(privacy.router)
+    api.include_router(uploads.router)  # before artifacts: /artifacts/uploads/... is no artefact id
     api.include_router(artifacts.router)
     api.include_router(deployments.router)
     api.include_router(task_routes.router)

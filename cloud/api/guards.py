@@ -141,17 +141,25 @@ class SecurityHeaders:
 class RequestGuard:
     def __init__(
         self, app: ASGIApp, engine: Callable[[], Engine], max_body_bytes: int, streamed_uploads: Collection[str] = (),
+        streamed_chunks: re.Pattern[str] | None = None,
     ) -> None:  # fmt: skip
         self.app = app
         self.engine = engine
         self.max_body_bytes = max_body_bytes
         self.streamed_uploads = frozenset(streamed_uploads)
+        self.streamed_chunks = streamed_chunks  # PUT paths whose octet-stream bodies the route streams (and bounds) itself
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or scope["method"] not in WRITE_METHODS:
             await self.app(scope, receive, send)
             return
         if scope["method"] == "POST" and scope["path"] in self.streamed_uploads and _media_type(scope) in FORM_TYPES:
+            await self.app(scope, receive, send)
+            return
+        if (
+            scope["method"] == "PUT" and self.streamed_chunks is not None and self.streamed_chunks.match(scope["path"])
+            and _media_type(scope) == "application/octet-stream"
+        ):  # fmt: skip
             await self.app(scope, receive, send)
             return
         length = _header(scope, b"content-length")

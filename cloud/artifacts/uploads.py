@@ -1,0 +1,275 @@
+"""Chunked, resumable uploads of artefacts (``/artifacts/uploads``; the wire side in :mod:`interfaces.uploads`).
+
+A session is a row (``cloud.tables.ArtifactUpload``: the declared artefact, its size, SHA-256 and chunk size,
+when it expires); its chunks are files ``<root>/<upload id>/<index>.chunk`` beside the blob store, never in the
+database. A chunk is streamed to a staging file in the session's directory, checked against its length and
+SHA-256, fsynced and hard-linked into place (``os.link`` fails when the chunk exists: two writers of one chunk
+cannot both win, on one hub or several on a shared disk). What the hub holds is what the directory lists, so a
+session resumes after a restart of the hub. A commit streams the chunks in order through SHA-256 into a blob
+writer and stores and signs the artefact with :func:`cloud.artifacts.records.create_artifact`, as
+``POST /artifacts`` does. Expired sessions (and directories whose row is gone) are removed by :func:`purge_expired`,
+which runs when a session is created and in the hub's housekeeping loop.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import re
+import shutil
+import tempfile
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+
+from sqlalchemy import select
+from sqlmodel import Session, col
+
+from cloud.artifacts.blobs import CHUNK, BlobStore, _fsync_dir
+from cloud.artifacts.records import create_artifact, ensure_absent
+from cloud.errors import Conflict, NotFound, PayloadTooLarge, ValidationFailed
+from cloud.filemodes import private_dir
+from cloud.signing import SigningKey
+from cloud.tables import Artifact, ArtifactUpload
+from interfaces.deployments import ArtifactCreate, ArtifactFormat, ArtifactKind
+from interfaces.ids import is_id, new_id
+from interfaces.uploads import MAX_CHUNKS, UploadCreate, UploadSession, chunk_count, chunk_length
+
+log = logging.getLogger("aisynergy.hub.uploads")
+
+_CHUNK_FILE = re.compile(r"^(0|[1-9][0-9]{0,9})\.chunk$")
+_STAGING_PREFIX = ".staging-"
+_COMMITTING: set[str] = set()
+_COMMITTING_LOCK = threading.Lock()
+
+
+def _utc(value: datetime) -> datetime:
+    return value.replace(tzinfo=UTC) if value.tzinfo is None else value.astimezone(UTC)
+
+
+class UploadArea:
+    """The chunks of every session, one directory per session under ``root``."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = private_dir(root)
+
+    def dir(self, upload_id: str) -> Path:
+        return self.root / upload_id
+
+    def chunk(self, upload_id: str, index: int) -> Path:
+        return self.dir(upload_id) / f"{index}.chunk"
+
+    def received(self, upload_id: str) -> list[int]:
+        """Indexes of the chunks held, ascending."""
+        try:
+            names = os.listdir(self.dir(upload_id))
+        except FileNotFoundError:
+            return []
+        return sorted(int(m.group(1)) for m in map(_CHUNK_FILE.match, names) if m is not None)
+
+    def remove(self, upload_id: str) -> None:
+        shutil.rmtree(self.dir(upload_id), ignore_errors=True)
+
+    def sessions(self) -> list[str]:
+        return [p.name for p in self.root.iterdir() if p.is_dir()]
+
+
+def upload_to_wire(row: ArtifactUpload, area: UploadArea) -> UploadSession:
+    return UploadSession(
+        id=row.id, kind=ArtifactKind(row.kind), name=row.name, version=row.version, format=ArtifactFormat(row.format),
+        size=row.size, sha256=row.sha256, chunk_size=row.chunk_size, chunk_count=chunk_count(row.size, row.chunk_size),
+        received=area.received(row.id), created_at=_utc(row.created_at), expires_at=_utc(row.expires_at),
+    )  # fmt: skip
+
+
+def purge_expired(session: Session, area: UploadArea, now: datetime | None = None) -> int:
+    """Remove expired sessions with their chunks, and chunk directories whose session is gone; how many sessions."""
+    now = now or datetime.now(UTC)
+    expired = list(session.execute(select(ArtifactUpload).where(ArtifactUpload.expires_at <= now)).scalars())  # type: ignore[arg-type]
+    for row in expired:
+        session.delete(row)
+    session.commit()
+    for row in expired:
+        area.remove(row.id)
+        log.info("upload %s of %s %s expired; its chunks are removed", row.id, row.name, row.version)
+    names = area.sessions()
+    if names:
+        kept = set(session.execute(select(col(ArtifactUpload.id)).where(col(ArtifactUpload.id).in_(names))).scalars())
+        for name in names:
+            if name not in kept:
+                area.remove(name)
+    return len(expired)
+
+
+def create_upload(session: Session, area: UploadArea, body: UploadCreate, chunk_size: int, ttl_s: int, max_bytes: int) -> ArtifactUpload:
+    """A new session for ``body`` (413 above ``max_bytes``; 409 ``artifact_exists`` when the artefact is stored)."""
+    if body.size > max_bytes:
+        raise PayloadTooLarge(f"artefacts are limited to {max_bytes} bytes")
+    if chunk_count(body.size, chunk_size) > MAX_CHUNKS:
+        raise PayloadTooLarge(f"an upload has at most {MAX_CHUNKS} chunks of {chunk_size} bytes")
+    ensure_absent(session, _identity(body))
+    purge_expired(session, area)
+    now = datetime.now(UTC).replace(microsecond=0)
+    row = ArtifactUpload(
+        id=new_id("upl"), kind=body.kind.value, name=body.name, version=body.version, format=body.format.value, size=body.size,
+        sha256=body.sha256, chunk_size=chunk_size, created_at=now, expires_at=now + timedelta(seconds=ttl_s),
+    )  # fmt: skip
+    session.add(row)
+    session.commit()
+    private_dir(area.dir(row.id))
+    log.info("upload %s started: %s %s %s, %d bytes in %d chunks", row.id, row.kind, row.name, row.version, row.size, chunk_count(row.size, chunk_size))
+    return row
+
+
+def _identity(row: UploadCreate | ArtifactUpload) -> ArtifactCreate:
+    return ArtifactCreate(kind=ArtifactKind(row.kind), name=row.name, version=row.version, format=ArtifactFormat(row.format))
+
+
+def get_upload(session: Session, area: UploadArea, upload_id: str) -> ArtifactUpload:
+    """The live session (404 when unknown, or expired: then it is removed)."""
+    row = session.get(ArtifactUpload, upload_id) if is_id(upload_id) else None
+    if row is None:
+        raise NotFound(f"upload {upload_id} does not exist (aborted, committed or expired)")
+    if _utc(row.expires_at) <= datetime.now(UTC):
+        session.delete(row)
+        session.commit()
+        area.remove(upload_id)
+        raise NotFound(f"upload {upload_id} expired at {_utc(row.expires_at).isoformat()}; start a new one")
+    return row
+
+
+def abort_upload(session: Session, area: UploadArea, upload_id: str) -> None:
+    row = get_upload(session, area, upload_id)
+    session.delete(row)
+    session.commit()
+    area.remove(upload_id)
+    log.info("upload %s aborted", upload_id)
+
+
+# --- chunks ----------------------------------------------------------------------------------------
+
+
+def expected_length(row: ArtifactUpload, index: int) -> int:
+    """The exact length of chunk ``index`` (422 when the session has no such chunk)."""
+    count = chunk_count(row.size, row.chunk_size)
+    if index >= count:
+        raise ValidationFailed(
+            f"upload {row.id} has chunks 0 to {count - 1}, not {index}",
+            errors=[{"loc": ["path", "index"], "msg": f"at most {count - 1}", "type": "less_than_equal"}],
+        )  # fmt: skip
+    return chunk_length(row.size, row.chunk_size, index)
+
+
+class ChunkStaging:
+    """One chunk being received: written to a staging file in the session's directory and hashed on the way."""
+
+    def __init__(self, area: UploadArea, upload_id: str, index: int, length: int, sha256: str) -> None:
+        self.area, self.upload_id, self.index, self.length, self.sha256 = area, upload_id, index, length, sha256
+        self.size = 0
+        self._hash = hashlib.sha256()
+        try:
+            fd, path = tempfile.mkstemp(dir=area.dir(upload_id), prefix=_STAGING_PREFIX)
+        except FileNotFoundError:
+            raise NotFound(f"upload {upload_id} does not exist (aborted, committed or expired)") from None
+        self._path = Path(path)
+        self._file = os.fdopen(fd, "wb")
+
+    def write_all(self, pieces: list[bytes]) -> None:
+        for data in pieces:
+            self.size += len(data)
+            if self.size > self.length:
+                raise self._wrong_length(f"more than {self.length} bytes")
+            self._file.write(data)
+            self._hash.update(data)
+
+    def _wrong_length(self, what: str) -> ValidationFailed:
+        return ValidationFailed(
+            f"chunk {self.index} of upload {self.upload_id} has exactly {self.length} bytes; this one has {what}",
+            errors=[{"loc": ["body"], "msg": f"exactly {self.length} bytes", "type": "chunk_length"}],
+        )  # fmt: skip
+
+    def finish(self) -> bool:
+        """Check and keep the chunk: True when stored now, False when the same chunk was stored already (409 when
+        another one was; 422 for a wrong length or SHA-256)."""
+        if self.size != self.length:
+            raise self._wrong_length(f"{self.size}")
+        digest = self._hash.hexdigest()
+        if digest != self.sha256:
+            raise ValidationFailed(
+                f"chunk {self.index} of upload {self.upload_id} has SHA-256 {digest}, not the {self.sha256} its header names",
+                errors=[{"loc": ["header", "X-Chunk-SHA256"], "msg": "does not match the bytes", "type": "digest_mismatch"}],
+            )  # fmt: skip
+        self._file.flush()
+        os.fsync(self._file.fileno())
+        self._file.close()
+        final = self.area.chunk(self.upload_id, self.index)
+        try:
+            os.link(self._path, final)  # atomic, and refuses to replace a chunk that is there
+        except FileExistsError:
+            with final.open("rb") as f:
+                held = hashlib.file_digest(f, "sha256").hexdigest()
+            if held != digest:
+                raise Conflict(f"chunk {self.index} of upload {self.upload_id} is held with SHA-256 {held}, not {digest}", sha256=held) from None
+            return False
+        _fsync_dir(final.parent)
+        return True
+
+    def discard(self) -> None:
+        if not self._file.closed:
+            self._file.close()
+        self._path.unlink(missing_ok=True)
+
+
+# --- commit ----------------------------------------------------------------------------------------
+
+
+@contextmanager
+def _one_commit(upload_id: str) -> Iterator[None]:
+    with _COMMITTING_LOCK:
+        if upload_id in _COMMITTING:
+            raise Conflict(f"upload {upload_id} is being committed already")
+        _COMMITTING.add(upload_id)
+    try:
+        yield
+    finally:
+        with _COMMITTING_LOCK:
+            _COMMITTING.discard(upload_id)
+
+
+def commit_upload(session: Session, signing: SigningKey, blobs: BlobStore, area: UploadArea, upload_id: str) -> Artifact:
+    """Join the chunks into a blob, check the declared SHA-256 and store the signed artefact; the session and its
+    chunks are removed. 422 when chunks are missing (the session unchanged) or the whole SHA-256 differs (the
+    session is kept, its chunks dropped: send them again)."""
+    with _one_commit(upload_id):
+        row = get_upload(session, area, upload_id)
+        count = chunk_count(row.size, row.chunk_size)
+        missing = sorted(set(range(count)) - set(area.received(upload_id)))
+        if missing:
+            raise ValidationFailed(
+                f"upload {upload_id} lacks {len(missing)} of its {count} chunks (first missing: {missing[0]})",
+                errors=[{"loc": ["chunks"], "msg": f"missing {missing[:32]}", "type": "missing"}],
+            )  # fmt: skip
+        with blobs.writer() as writer:
+            digest = hashlib.sha256()
+            for index in range(count):
+                with area.chunk(upload_id, index).open("rb") as f:
+                    while data := f.read(CHUNK):
+                        digest.update(data)
+                        writer.write(data)
+            if digest.hexdigest() != row.sha256:
+                for index in range(count):
+                    area.chunk(upload_id, index).unlink(missing_ok=True)
+                raise ValidationFailed(
+                    f"the chunks of upload {upload_id} join to SHA-256 {digest.hexdigest()}, not the declared {row.sha256}; "
+                    "its chunks are dropped: send them again",
+                    errors=[{"loc": ["body", "sha256"], "msg": "does not match the joined chunks", "type": "digest_mismatch"}],
+                )  # fmt: skip
+            artifact = create_artifact(session, signing, blobs, _identity(row), writer)
+        session.delete(row)
+        session.commit()
+        area.remove(upload_id)
+        log.info("upload %s committed as artifact %s", upload_id, artifact.id)
+        return artifact

@@ -1,0 +1,68 @@
+"""Resumable, chunked uploads of large artefacts (``/artifacts/uploads``, DESIGN §4.2).
+
+A client declares the artefact (kind, name, version, format, its size and SHA-256) and gets an upload session: the
+hub's chunk size, the number of chunks and the chunks it holds. It then PUTs each chunk's raw bytes
+(``application/octet-stream``) with the chunk's SHA-256 in :data:`CHUNK_SHA256_HEADER` (lower-case hex), in any
+order and as often as it must: a chunk the hub holds with the same SHA-256 is answered 204 again, with another
+409. Every chunk is ``chunk_size`` bytes but the last, which holds the rest. Once all are in, a commit joins them,
+checks the whole SHA-256 and stores and signs the artefact as ``POST /artifacts`` does. A session lasts until
+``expires_at``; its chunks outlive a restart of the hub, so a client resumes from ``received`` (GET the session).
+"""
+
+from __future__ import annotations
+
+from datetime import datetime
+from typing import Annotated
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from interfaces.deployments import ArtifactFormat, ArtifactKind, ArtifactName, Sha256, Version
+from interfaces.strict import BY_VALUE, INT64_MAX
+from interfaces.text import NoNul
+
+CHUNK_SHA256_HEADER = "X-Chunk-SHA256"
+"""The header of a chunk PUT that holds the SHA-256 of its bytes (64 lower-case hex digits)."""
+CHUNK_MEDIA_TYPE = "application/octet-stream"
+MAX_CHUNKS = 1 << 20
+"""No session has more chunks than this (with the hub's chunk size and artefact limit it has far fewer)."""
+
+
+def chunk_count(size: int, chunk_size: int) -> int:
+    """How many chunks ``size`` bytes make (the last one may be shorter)."""
+    return -(-size // chunk_size)
+
+
+def chunk_length(size: int, chunk_size: int, index: int) -> int:
+    """The exact length of chunk ``index`` (0-based) of ``size`` bytes."""
+    return min(chunk_size, size - index * chunk_size)
+
+
+class UploadCreate(NoNul):
+    """The body of ``POST /artifacts/uploads``: the artefact's identity as ``POST /artifacts`` takes it, plus the
+    size and SHA-256 of its bytes. Strict: no field is coerced from another type."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    kind: Annotated[ArtifactKind, BY_VALUE]
+    name: ArtifactName
+    version: Version
+    format: Annotated[ArtifactFormat, BY_VALUE]
+    size: int = Field(ge=1, le=INT64_MAX, description="bytes of the whole artefact (at most the hub's max_artifact_bytes)")
+    sha256: Sha256 = Field(description="SHA-256 of the whole artefact, checked at commit")
+
+
+class UploadSession(BaseModel):
+    """An upload in progress: what a client resumes from."""
+
+    id: str
+    kind: ArtifactKind
+    name: str
+    version: str
+    format: ArtifactFormat
+    size: int = Field(ge=1, le=INT64_MAX)
+    sha256: str
+    chunk_size: int = Field(ge=1, le=INT64_MAX, description="bytes of every chunk but the last")
+    chunk_count: int = Field(ge=1, le=MAX_CHUNKS)
+    received: list[int] = Field(max_length=MAX_CHUNKS, description="indexes (0-based, ascending) of the chunks the hub holds")
+    created_at: datetime
+    expires_at: datetime = Field(description="after this the session and its chunks are removed")

@@ -1,0 +1,288 @@
+"""Chunked, resumable uploads (/artifacts/uploads): a session, chunks PUT in any order and again, resumption after a
+restart of the hub, the commit that stores and signs the artefact as POST /artifacts does, and every bad input
+refused with a problem and nothing stored."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from collections.abc import Iterator
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from sqlmodel import Session
+
+from cloud.tables import ArtifactUpload
+from device.ota.verify import load_public_key, verify_manifest
+from interfaces.auth import Role
+from interfaces.deployments import SignedManifest
+from interfaces.uploads import CHUNK_SHA256_HEADER
+from tests.hub.conftest import HubUnderTest, assert_problem, hub_settings, running_hub
+
+CHUNK = 64 * 1024
+DATA = os.urandom(3 * CHUNK + 1000)  # four chunks, the last one short
+
+
+def sha(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def piece(data: bytes, index: int) -> bytes:
+    return data[index * CHUNK : (index + 1) * CHUNK]
+
+
+@pytest.fixture
+def hub(sqlite_url: str, tmp_path: Path) -> Iterator[HubUnderTest]:
+    yield from running_hub(hub_settings(tmp_path, sqlite_url, upload_chunk_bytes=CHUNK))
+
+
+def start(hub: HubUnderTest, data: bytes = DATA, role: Role = Role.OPERATOR, **fields: Any) -> httpx.Response:
+    body = {"kind": "model", "name": "detector", "version": "1.0.0", "format": "onnx", "size": len(data), "sha256": sha(data), **fields}
+    return hub.request("POST", "/artifacts/uploads", role, json=body)
+
+
+def session_of(hub: HubUnderTest, data: bytes = DATA) -> dict[str, Any]:
+    r = start(hub, data)
+    assert r.status_code == 201, r.text
+    return r.json()  # type: ignore[no-any-return]
+
+
+def put(hub: HubUnderTest, upload_id: str, index: int, data: bytes, digest: str | None = None, role: Role = Role.OPERATOR) -> httpx.Response:
+    headers = {CHUNK_SHA256_HEADER: digest or sha(data), "Content-Type": "application/octet-stream"}
+    return hub.request("PUT", f"/artifacts/uploads/{upload_id}/chunks/{index}", role, content=data, headers=headers)
+
+
+def expire(hub: HubUnderTest, upload_id: str) -> None:
+    with Session(hub.engine) as session:
+        row = session.get(ArtifactUpload, upload_id)
+        assert row is not None
+        row.expires_at = datetime.now(UTC) - timedelta(seconds=1)
+        session.add(row)
+        session.commit()
+
+
+def staged_files(hub: HubUnderTest) -> list[Path]:
+    root = hub.settings.data_dir / "uploads"
+    return sorted(p for p in root.rglob("*") if p.is_file()) if root.exists() else []
+
+
+def blob_files(hub: HubUnderTest) -> list[Path]:
+    root = hub.settings.data_dir / "artifacts"
+    return sorted(p for p in root.rglob("*") if p.is_file())
+
+
+def test_chunks_in_any_order_and_again_commit_to_a_signed_artefact(hub: HubUnderTest) -> None:
+    # Prepare
+    upload = session_of(hub)
+    assert (upload["chunk_size"], upload["chunk_count"], upload["received"]) == (CHUNK, 4, [])
+
+    # Execute
+    for index in (3, 1, 0, 1, 2):  # chunk 1 twice: a retry of a stored chunk
+        r = put(hub, upload["id"], index, piece(DATA, index))
+        assert r.status_code == 204, r.text
+    resumed = hub.request("GET", f"/artifacts/uploads/{upload['id']}", Role.OPERATOR).json()
+    r = hub.request("POST", f"/artifacts/uploads/{upload['id']}/commit", Role.OPERATOR)
+
+    # Assert
+    assert resumed["received"] == [0, 1, 2, 3]
+    assert r.status_code == 201, r.text
+    artifact = r.json()
+    assert (artifact["sha256"], artifact["size"], artifact["name"]) == (sha(DATA), len(DATA), "detector")
+    assert hub.get(f"/artifacts/{artifact['id']}/content").content == DATA
+    key = load_public_key(hub.get("/signing-key.pub").content)
+    verify_manifest(key, SignedManifest.model_validate(artifact["signed_manifest"]))
+    assert staged_files(hub) == []
+    assert_problem(hub.request("GET", f"/artifacts/uploads/{upload['id']}", Role.OPERATOR), 404, "not_found")
+    assert_problem(start(hub), 409, "artifact_exists")
+
+
+def test_an_upload_resumes_after_the_hub_restarts(sqlite_url: str, tmp_path: Path) -> None:
+    # Prepare
+    settings = hub_settings(tmp_path, sqlite_url, upload_chunk_bytes=CHUNK)
+    first = running_hub(settings)
+    hub = next(first)
+    upload = session_of(hub)
+    assert put(hub, upload["id"], 0, piece(DATA, 0)).status_code == 204
+    assert put(hub, upload["id"], 2, piece(DATA, 2)).status_code == 204
+    first.close()
+
+    # Execute
+    again = running_hub(settings)
+    hub = next(again)
+    try:
+        received = hub.request("GET", f"/artifacts/uploads/{upload['id']}", Role.OPERATOR).json()["received"]
+        for index in sorted(set(range(4)) - set(received)):
+            assert put(hub, upload["id"], index, piece(DATA, index)).status_code == 204
+        r = hub.request("POST", f"/artifacts/uploads/{upload['id']}/commit", Role.OPERATOR)
+
+        # Assert
+        assert received == [0, 2]
+        assert r.status_code == 201, r.text
+        assert hub.get(f"/artifacts/{r.json()['id']}/content").content == DATA
+    finally:
+        again.close()
+
+
+@pytest.mark.parametrize("case", ["bad hash", "short", "long", "index out of range", "other bytes for a stored chunk", "not octet-stream"])
+def test_a_bad_chunk_is_refused_and_nothing_is_kept(hub: HubUnderTest, case: str) -> None:
+    # Prepare
+    upload = session_of(hub)
+    assert put(hub, upload["id"], 0, piece(DATA, 0)).status_code == 204
+    before, files = hub.snapshot(), staged_files(hub)
+    other = os.urandom(CHUNK)
+
+    # Execute
+    if case == "bad hash":
+        r = put(hub, upload["id"], 1, piece(DATA, 1), digest=sha(b"other"))
+    elif case == "short":
+        r = put(hub, upload["id"], 1, piece(DATA, 1)[:-1])
+    elif case == "long":
+        r = put(hub, upload["id"], 3, piece(DATA, 3) + b"x")
+    elif case == "index out of range":
+        r = put(hub, upload["id"], 4, piece(DATA, 3))
+    elif case == "other bytes for a stored chunk":
+        r = put(hub, upload["id"], 0, other)
+    else:
+        r = hub.request("PUT", f"/artifacts/uploads/{upload['id']}/chunks/1", Role.OPERATOR, json={"x": 1}, headers={CHUNK_SHA256_HEADER: sha(b"")})
+
+    # Assert
+    status, code = {"other bytes for a stored chunk": (409, "conflict"), "not octet-stream": (415, "unsupported_media_type")}.get(case, (422, "validation_failed"))
+    assert_problem(r, status, code)
+    assert hub.snapshot() == before
+    assert staged_files(hub) == files
+    assert hub.request("GET", f"/artifacts/uploads/{upload['id']}", Role.OPERATOR).json()["received"] == [0]
+
+
+def test_a_commit_with_missing_chunks_is_refused_and_the_session_kept(hub: HubUnderTest) -> None:
+    # Prepare
+    upload = session_of(hub)
+    for index in (0, 1, 3):
+        assert put(hub, upload["id"], index, piece(DATA, index)).status_code == 204
+    before = hub.snapshot()
+
+    # Execute
+    r = hub.request("POST", f"/artifacts/uploads/{upload['id']}/commit", Role.OPERATOR)
+
+    # Assert
+    doc = assert_problem(r, 422, "validation_failed")
+    assert "first missing: 2" in doc["detail"]
+    assert hub.snapshot() == before and blob_files(hub) == []
+    assert hub.request("GET", f"/artifacts/uploads/{upload['id']}", Role.OPERATOR).json()["received"] == [0, 1, 3]
+
+
+def test_a_whole_hash_mismatch_stores_nothing_and_keeps_the_session_to_send_again(hub: HubUnderTest) -> None:
+    # Prepare: the chunks of other bytes of the same size, each with its own correct hash
+    upload = session_of(hub)
+    other = os.urandom(len(DATA))
+    for index in range(4):
+        assert put(hub, upload["id"], index, piece(other, index)).status_code == 204
+    before = hub.snapshot()
+
+    # Execute
+    r = hub.request("POST", f"/artifacts/uploads/{upload['id']}/commit", Role.OPERATOR)
+    resumed = hub.request("GET", f"/artifacts/uploads/{upload['id']}", Role.OPERATOR).json()
+    for index in range(4):
+        assert put(hub, upload["id"], index, piece(DATA, index)).status_code == 204
+    again = hub.request("POST", f"/artifacts/uploads/{upload['id']}/commit", Role.OPERATOR)
+
+    # Assert
+    assert_problem(r, 422, "validation_failed")
+    assert before["artifacts"] == [] and resumed["received"] == []
+    assert again.status_code == 201, again.text
+    assert again.json()["sha256"] == sha(DATA)
+
+
+def test_an_expired_or_unknown_session_is_not_found_and_its_chunks_removed(hub: HubUnderTest) -> None:
+    # Prepare
+    upload = session_of(hub)
+    assert put(hub, upload["id"], 0, piece(DATA, 0)).status_code == 204
+    expire(hub, upload["id"])
+
+    # Execute
+    expired = put(hub, upload["id"], 1, piece(DATA, 1))
+    unknown = [
+        hub.request("GET", "/artifacts/uploads/upl-00000000000000000000000000", Role.OPERATOR),
+        put(hub, "upl-00000000000000000000000000", 0, piece(DATA, 0)),
+        hub.request("POST", "/artifacts/uploads/nope/commit", Role.OPERATOR),
+        hub.request("DELETE", "/artifacts/uploads/nope", Role.OPERATOR),
+    ]
+
+    # Assert
+    assert "expired" in assert_problem(expired, 404, "not_found")["detail"]
+    for r in unknown:
+        assert_problem(r, 404, "not_found")
+    assert hub.snapshot()["artifact_uploads"] == [] and staged_files(hub) == []
+    assert not (hub.settings.data_dir / "uploads" / upload["id"]).exists()
+
+
+def test_a_new_session_removes_expired_ones(hub: HubUnderTest) -> None:
+    # Prepare
+    old = session_of(hub)
+    assert put(hub, old["id"], 0, piece(DATA, 0)).status_code == 204
+    expire(hub, old["id"])
+
+    # Execute
+    new = session_of(hub, DATA[:10])
+
+    # Assert
+    assert [p.parent.name for p in staged_files(hub)] == []
+    assert (hub.settings.data_dir / "uploads" / new["id"]).is_dir()
+    assert not (hub.settings.data_dir / "uploads" / old["id"]).exists()
+
+
+def test_abort_removes_the_session_and_its_chunks(hub: HubUnderTest) -> None:
+    # Prepare
+    upload = session_of(hub)
+    assert put(hub, upload["id"], 0, piece(DATA, 0)).status_code == 204
+
+    # Execute
+    r = hub.request("DELETE", f"/artifacts/uploads/{upload['id']}", Role.OPERATOR)
+
+    # Assert
+    assert r.status_code == 204
+    assert staged_files(hub) == [] and hub.snapshot()["artifact_uploads"] == []
+    assert_problem(hub.request("GET", f"/artifacts/uploads/{upload['id']}", Role.OPERATOR), 404, "not_found")
+
+
+@pytest.mark.parametrize("fields", [
+    {"size": "10"}, {"size": True}, {"size": 10.0}, {"size": 0}, {"size": 2**63}, {"sha256": "A" * 64}, {"kind": "weights"},
+    {"version": "latest"}, {"extra": 1},
+])  # fmt: skip
+def test_a_session_body_is_read_strictly(hub: HubUnderTest, fields: dict[str, Any]) -> None:
+    # Prepare
+    before = hub.snapshot()
+
+    # Execute
+    r = start(hub, **fields)
+
+    # Assert
+    assert_problem(r, 422, "validation_failed")
+    assert hub.snapshot() == before
+
+
+def test_a_session_larger_than_the_artefact_limit_is_refused(hub: HubUnderTest) -> None:
+    assert_problem(start(hub, size=hub.settings.max_artifact_bytes + 1), 413, "payload_too_large")
+    assert hub.snapshot()["artifact_uploads"] == []
+
+
+def test_a_viewer_may_not_upload(hub: HubUnderTest) -> None:
+    # Prepare
+    upload = session_of(hub)
+    before, files = hub.snapshot(), staged_files(hub)
+
+    # Execute
+    answers = [
+        start(hub, DATA, Role.VIEWER, version="2.0.0"),
+        hub.request("GET", f"/artifacts/uploads/{upload['id']}", Role.VIEWER),
+        put(hub, upload["id"], 0, piece(DATA, 0), role=Role.VIEWER),
+        hub.request("POST", f"/artifacts/uploads/{upload['id']}/commit", Role.VIEWER),
+        hub.request("DELETE", f"/artifacts/uploads/{upload['id']}", Role.VIEWER),
+    ]
+
+    # Assert
+    for r in answers:
+        assert_problem(r, 403, "forbidden")
+    assert hub.snapshot() == before and staged_files(hub) == files
