@@ -47,8 +47,8 @@ from interfaces.errors import ErrorCode
 from interfaces.ids import is_id, new_id
 from interfaces.lifecycle import AdminState, NodeState
 from interfaces.tasks import (
-    TASK_ACTIVE, TASK_TYPES, MetricSample, Placement, TaskAction, TaskCreate, TaskDetail, TaskLogLine, TaskMetrics, TaskOutputs, TaskProgress,
-    TaskPublic, TaskState, TaskTransition, TaskType, TaskTypeInfo, TensorInfo, WorkerAction, WorkerPublic, WorkerState,
+    TASK_ACTIVE, TASK_DETAIL, TASK_PUBLIC, TASK_TYPES, MetricSample, Placement, TaskAction, TaskCreate, TaskLogLine, TaskMetrics, TaskOutputs, TaskProgress,
+    TaskDetailBody, TaskPublicBody, TaskState, TaskTransition, TaskType, TaskTypeInfo, TensorInfo, WorkerAction, WorkerPublic, WorkerState,
 )  # fmt: skip
 
 log = logging.getLogger("aisynergy.hub.tasks")
@@ -207,25 +207,26 @@ def progress(session: Session, task: Task, counts: dict[WorkerState, int] | None
     )  # fmt: skip
 
 
-def to_wire(session: Session, rows: list[Task]) -> list[TaskPublic]:
+def to_wire(session: Session, rows: list[Task]) -> list[TaskPublicBody]:
+    """The tasks as the REST API answers them, each its type's variant (its spec that type's)."""
     counts = worker_counts(session, [t.id for t in rows])
     return [
-        TaskPublic(
+        TASK_PUBLIC.validate_python(dict(
             id=t.id, name=t.name, type=TaskType(t.type), spec=t.spec, placement=placement_of(t), timeout_s=t.timeout_s,
             worker_timeout_s=t.worker_timeout_s, heartbeat_s=t.heartbeat_s, retry=retry_of(t), state=TaskState(t.state), reason=t.reason,
             held=t.held, attempt=t.attempt, progress=progress(session, t, counts.get(t.id, {})), created_at=utc(t.created_at),
             updated_at=utc(t.updated_at), started_at=utc(t.started_at), finished_at=utc(t.finished_at), deadline_at=utc(t.deadline_at),
-        )  # fmt: skip
+        ))  # fmt: skip
         for t in rows
     ]
 
 
-def detail(session: Session, task: Task) -> TaskDetail:
+def detail(session: Session, task: Task) -> TaskDetailBody:
     history = session.execute(select(TaskTransitionRow).where(TaskTransitionRow.task_id == task.id).order_by(TaskTransitionRow.id)).scalars()
-    return TaskDetail(
-        **to_wire(session, [task])[0].model_dump(),
-        history=[TaskTransition(from_state=h.from_state, to_state=h.to_state, at=utc(h.at), reason=h.reason) for h in history],
-    )
+    return TASK_DETAIL.validate_python({
+        **dict(to_wire(session, [task])[0]),
+        "history": [TaskTransition(from_state=h.from_state, to_state=h.to_state, at=utc(h.at), reason=h.reason) for h in history],
+    })
 
 
 def list_tasks(session: Session, state: TaskState | None, type_: TaskType | None, limit: int, cursor: str | None) -> tuple[list[Task], str | None]:

@@ -38,6 +38,20 @@ State machines (the transitions below are the only legal moves)::
 from __future__ import annotations
 
 from interfaces.tasks.rest import (
+    TASK_DETAIL as TASK_DETAIL,
+    TASK_PUBLIC as TASK_PUBLIC,
+    BatchInferenceTask as BatchInferenceTask,
+    BatchInferenceTaskDetail as BatchInferenceTaskDetail,
+    FederatedTrainingTask as FederatedTrainingTask,
+    FederatedTrainingTaskDetail as FederatedTrainingTaskDetail,
+    IncrementalTrainingTask as IncrementalTrainingTask,
+    IncrementalTrainingTaskDetail as IncrementalTrainingTaskDetail,
+    InferenceTask as InferenceTask,
+    InferenceTaskDetail as InferenceTaskDetail,
+    SplitInferenceTask as SplitInferenceTask,
+    SplitInferenceTaskDetail as SplitInferenceTaskDetail,
+    TaskDetailBody as TaskDetailBody,
+    TaskPublicBody as TaskPublicBody,
     TASK_CREATE_VARIANTS as TASK_CREATE_VARIANTS,
 )
 from interfaces.tasks.rest import (

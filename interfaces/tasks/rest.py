@@ -6,7 +6,7 @@ from __future__ import annotations
 from datetime import datetime
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, Field, model_validator
+from pydantic import BaseModel, Field, TypeAdapter, model_validator
 
 from interfaces.deployments import TargetKind
 from interfaces.privacy import PrivacySpend
@@ -121,6 +121,60 @@ class TaskPublic(BaseModel):
 
 class TaskDetail(TaskPublic):
     history: list[TaskTransition] = Field(default_factory=list)
+
+
+# one variant of each per type, told apart by ``type``: its ``spec`` is that type's (what the REST answers carry)
+class InferenceTask(TaskPublic):
+    type: Literal[TaskType.INFERENCE]
+    spec: InferenceSpec  # type: ignore[assignment]
+
+
+class BatchInferenceTask(TaskPublic):
+    type: Literal[TaskType.BATCH_INFERENCE]
+    spec: BatchInferenceSpec  # type: ignore[assignment]
+
+
+class SplitInferenceTask(TaskPublic):
+    type: Literal[TaskType.SPLIT_INFERENCE]
+    spec: SplitInferenceSpec  # type: ignore[assignment]
+
+
+class IncrementalTrainingTask(TaskPublic):
+    type: Literal[TaskType.INCREMENTAL_TRAINING]
+    spec: IncrementalTrainingSpec  # type: ignore[assignment]
+
+
+class FederatedTrainingTask(TaskPublic):
+    type: Literal[TaskType.FEDERATED_TRAINING]
+    spec: FederatedTrainingSpec  # type: ignore[assignment]
+
+
+class InferenceTaskDetail(InferenceTask, TaskDetail): ...
+
+
+class BatchInferenceTaskDetail(BatchInferenceTask, TaskDetail): ...
+
+
+class SplitInferenceTaskDetail(SplitInferenceTask, TaskDetail): ...
+
+
+class IncrementalTrainingTaskDetail(IncrementalTrainingTask, TaskDetail): ...
+
+
+class FederatedTrainingTaskDetail(FederatedTrainingTask, TaskDetail): ...
+
+
+TaskPublicBody = Annotated[
+    InferenceTask | BatchInferenceTask | SplitInferenceTask | IncrementalTrainingTask | FederatedTrainingTask, Field(discriminator="type")
+]
+"""A task as the REST API answers it (lists, actions): :class:`TaskPublic` with its type's spec."""
+TaskDetailBody = Annotated[
+    InferenceTaskDetail | BatchInferenceTaskDetail | SplitInferenceTaskDetail | IncrementalTrainingTaskDetail | FederatedTrainingTaskDetail,
+    Field(discriminator="type"),
+]
+"""``GET /tasks/{id}`` and ``POST /tasks``: :class:`TaskDetail` with its type's spec."""
+TASK_PUBLIC: TypeAdapter[TaskPublicBody] = TypeAdapter(TaskPublicBody)
+TASK_DETAIL: TypeAdapter[TaskDetailBody] = TypeAdapter(TaskDetailBody)
 
 
 class WorkerPublic(BaseModel):

@@ -23,7 +23,7 @@ from cloud.services import tasks as service
 from cloud.tables import ApiToken
 from interfaces.pagination import Page
 from interfaces.strict import INT64_MAX
-from interfaces.tasks import TASK_FINAL, TaskAction, TaskCreateBody, TaskDetail, TaskLogLine, TaskMetrics, TaskOutputs, TaskPublic, TaskState, TaskType, WorkerPublic
+from interfaces.tasks import TASK_FINAL, TaskAction, TaskCreateBody, TaskDetailBody, TaskLogLine, TaskMetrics, TaskOutputs, TaskPublicBody, TaskState, TaskType, WorkerPublic
 
 router = APIRouter(prefix="/tasks", tags=["tasks"], responses=PROBLEM_RESPONSES)
 SSE_MEDIA_TYPE = "text/event-stream"
@@ -36,7 +36,7 @@ def _wake(request: Request) -> None:
 
 
 @router.post("", status_code=status.HTTP_201_CREATED)
-def create_task(body: TaskCreateBody, request: Request, session: SessionDep, _: Operator, __: IdempotencyKey = None) -> TaskDetail:
+def create_task(body: TaskCreateBody, request: Request, session: SessionDep, _: Operator, __: IdempotencyKey = None) -> TaskDetailBody:
     """Create a task; the scheduler places its workers at once (or when started, if ``start`` is false)."""
     state = hub_state(request)
     task = service.create(session, body, state.blobs, state.signing)
@@ -46,14 +46,14 @@ def create_task(body: TaskCreateBody, request: Request, session: SessionDep, _: 
 
 @router.get("")
 def list_tasks(session: SessionDep, _: Viewer, state: TaskState | None = None, type: TaskType | None = None, limit: Limit = DEFAULT_PAGE,
-               cursor: Cursor = None) -> Page[TaskPublic]:  # fmt: skip
+               cursor: Cursor = None) -> Page[TaskPublicBody]:  # fmt: skip
     """List tasks, oldest first, optionally in one state or of one type."""
     rows, next_cursor = service.list_tasks(session, state, type, limit, cursor)
-    return Page[TaskPublic](items=service.to_wire(session, rows), next_cursor=next_cursor)
+    return Page[TaskPublicBody](items=service.to_wire(session, rows), next_cursor=next_cursor)
 
 
 @router.get("/{task_id}")
-def get_task(task_id: str, session: SessionDep, _: Viewer) -> TaskDetail:
+def get_task(task_id: str, session: SessionDep, _: Viewer) -> TaskDetailBody:
     """A task with its progress and its state history."""
     return service.detail(session, service.get(session, task_id))
 
@@ -65,7 +65,7 @@ def delete_task(task_id: str, session: SessionDep, _: Operator, __: IdempotencyK
     return Response(status_code=status.HTTP_204_NO_CONTENT)
 
 
-def _act(request: Request, session: Session, task_id: str, action: TaskAction) -> TaskPublic:
+def _act(request: Request, session: Session, task_id: str, action: TaskAction) -> TaskPublicBody:
     task, orders = service.act(session, task_id, action)
     if orders:
         poke_desired(request)
@@ -74,37 +74,37 @@ def _act(request: Request, session: Session, task_id: str, action: TaskAction) -
 
 
 @router.post("/{task_id}/start")
-def start_task(task_id: str, request: Request, session: SessionDep, _: Operator, __: IdempotencyKey = None) -> TaskPublic:
+def start_task(task_id: str, request: Request, session: SessionDep, _: Operator, __: IdempotencyKey = None) -> TaskPublicBody:
     """Let a task created with ``start: false`` be scheduled (409 illegal_transition otherwise)."""
     return _act(request, session, task_id, TaskAction.START)
 
 
 @router.post("/{task_id}/stop")
-def stop_task(task_id: str, request: Request, session: SessionDep, _: Operator, __: IdempotencyKey = None) -> TaskPublic:
+def stop_task(task_id: str, request: Request, session: SessionDep, _: Operator, __: IdempotencyKey = None) -> TaskPublicBody:
     """End an active task now: a service (``inference``) SUCCEEDS, a finite task is CANCELED; outputs so far are kept."""
     return _act(request, session, task_id, TaskAction.STOP)
 
 
 @router.post("/{task_id}/pause")
-def pause_task(task_id: str, request: Request, session: SessionDep, _: Operator, __: IdempotencyKey = None) -> TaskPublic:
+def pause_task(task_id: str, request: Request, session: SessionDep, _: Operator, __: IdempotencyKey = None) -> TaskPublicBody:
     """Workers finish the item in hand and wait (SCHEDULED or RUNNING only); the timeout clock stops."""
     return _act(request, session, task_id, TaskAction.PAUSE)
 
 
 @router.post("/{task_id}/resume")
-def resume_task(task_id: str, request: Request, session: SessionDep, _: Operator, __: IdempotencyKey = None) -> TaskPublic:
+def resume_task(task_id: str, request: Request, session: SessionDep, _: Operator, __: IdempotencyKey = None) -> TaskPublicBody:
     """Continue a PAUSED task."""
     return _act(request, session, task_id, TaskAction.RESUME)
 
 
 @router.post("/{task_id}/cancel")
-def cancel_task(task_id: str, request: Request, session: SessionDep, _: Operator, __: IdempotencyKey = None) -> TaskPublic:
+def cancel_task(task_id: str, request: Request, session: SessionDep, _: Operator, __: IdempotencyKey = None) -> TaskPublicBody:
     """Cancel an active task: every active worker is CANCELED and its order withdrawn."""
     return _act(request, session, task_id, TaskAction.CANCEL)
 
 
 @router.post("/{task_id}/retry")
-def retry_task(task_id: str, request: Request, session: SessionDep, _: Operator, __: IdempotencyKey = None) -> TaskPublic:
+def retry_task(task_id: str, request: Request, session: SessionDep, _: Operator, __: IdempotencyKey = None) -> TaskPublicBody:
     """Run a FAILED, CANCELED or TIMED_OUT task again (attempt + 1); finished chunks keep their outputs."""
     return _act(request, session, task_id, TaskAction.RETRY)
 
