@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import signal
 import subprocess
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -56,7 +55,6 @@ class DevStack:
             issued = api.post(f"/devices/{device_id}/bootstrap-token", json={}).json()
         acl = self.data / "devices-broker" / "acl"  # the broker reloads its access file a moment after the hub writes it
         wait_for(lambda: acl.exists() and device_id in acl.read_text(), 60, what="the devices' broker knows the device")
-        time.sleep(0.3)
         dev = Device(device_id, self.data / name, enrol_url=self.enrol_url, bootstrap_token=issued["bootstrap_token"],
                      ca_sha256=issued["ca_sha256"], tls_server_name=issued["tls_server_name"])  # fmt: skip
         for command, handler in (handlers or {}).items():

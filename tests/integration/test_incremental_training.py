@@ -12,7 +12,6 @@ process keeping a local dataset (``--dataset``).
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 
 import dp_accounting
@@ -55,7 +54,6 @@ def test_cloud_train_then_dp_fine_tune_on_the_device_then_infer(stack: DevStack,
     issued = api(stack, "POST", f"/devices/{device_id}/bootstrap-token", json={})
     acl = stack.data / "devices-broker" / "acl"
     wait_for(lambda: acl.exists() and device_id in acl.read_text(), 60, what="the devices' broker knows the device")
-    time.sleep(0.3)
     proc = start([*AISYNERGY, "device", "run", "--device-id", device_id, "--data-dir", str(stack.data / "cam-1"), *stack.enrolment_args(issued),
                   "--dataset", f"camera={tmp_path / 'camera.npz'}"], stack.data / "cam-1.log")  # fmt: skip
     try:

@@ -42,7 +42,6 @@ class DeviceProcess:
         # as on a real site, the device starts after the devices' broker's access list knows it (see test_firmware_rollout)
         acl = stack.data / "devices-broker" / "acl"
         wait_for(lambda: acl.exists() and self.device_id in acl.read_text(), 60, what="the devices' broker knows the device")
-        time.sleep(0.3)
         self.log = stack.data / f"{name}.log"
         self.args = [*AISYNERGY, "device", "run", "--device-id", self.device_id, "--data-dir", str(stack.data / name),
                      *stack.enrolment_args(issued)]  # fmt: skip
