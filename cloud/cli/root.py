@@ -10,7 +10,7 @@ from importlib.metadata import entry_points
 import click
 
 
-_EXTRA_FOR = {"broker": "hub", "up": "all", "contracts": "hub", "conformance": "device", "firmware": "device", "deploy": "hub", "task": "hub", "model": "hub", "simulate": "hub", "experiment": "hub"}
+_EXTRA_FOR = {"broker": "hub", "up": "all", "contracts": "hub", "conformance": "device", "algorithm": "device", "firmware": "device", "deploy": "hub", "task": "hub", "model": "hub", "simulate": "hub", "experiment": "hub"}
 
 
 class _PluginGroup(click.Group):
