@@ -13,6 +13,7 @@ made, and the figures are the sums.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import platform
@@ -24,6 +25,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from tests.hub.fuzz_support import live_hub, run, seed  # noqa: E402
+from tests.support import start_broker, stop, wait_for  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
@@ -49,11 +51,22 @@ def main() -> int:
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--runs", type=int, default=3, help="CLI runs against the one hub, one seed each")
     parser.add_argument("--timeout", type=float, default=3 * 3600, help="seconds before the run is stopped")
+    parser.add_argument("--broker", action="store_true", help="the hub with a real Mosquitto (aisynergy broker run) and its MQTT bridge on")
     args = parser.parse_args()
     RESULTS.mkdir(exist_ok=True)
-    stem = f"fuzz-api-{args.max_examples}x{args.runs}-{_commit()}"
+    stem = f"fuzz-api-{args.max_examples}x{args.runs}{'-broker' if args.broker else ''}-{_commit()}"
     results = []
-    with tempfile.TemporaryDirectory(prefix="fuzz-api-") as tmp, live_hub(Path(tmp) / "hub") as live:
+    with tempfile.TemporaryDirectory(prefix="fuzz-api-") as tmp, contextlib.ExitStack() as stack:
+        data_dir, settings = Path(tmp) / "hub", {}
+        if args.broker:  # the broker makes the hub's CA in the shared data directory; the hub's bridge connects to it
+            broker = start_broker(data_dir)
+            stack.callback(stop, broker.proc)
+            settings = {"enable_mqtt": True, "broker_url": broker.url}
+        live = stack.enter_context(live_hub(data_dir, **settings))
+        if args.broker:
+            bridge = live.hub.state.bridge
+            assert bridge is not None
+            wait_for(bridge.connected.is_set, 60, what="the hub's bridge connected to the broker")
         seeded = seed(live.hub)
         for n in range(args.runs):
             report = Path(tmp) / f"report-{n}.json"
@@ -64,6 +77,7 @@ def main() -> int:
         for title, count in result.failures.items():
             failures[title] = failures.get(title, 0) + count
     summary = {
+        "broker": "mosquitto (aisynergy broker run), the bridge connected" if args.broker else "none (enable_mqtt false)",
         "command": " ".join(sys.argv),
         "schemathesis_commands": [" ".join(r.command[1:]) for r in results],
         "machine": {"cpu": _cpu(), "cpus": len(os.sched_getaffinity(0)), "python": platform.python_version()},

@@ -115,7 +115,8 @@ def hub_settings(data_dir: Path, database_url: str, **overrides: Any) -> Setting
     # Liveness and rollout at their slowest: their first tick runs at start-up, the next one after any test
     # here is over (tests of the rollout controller tick it themselves).
     overrides.setdefault("rollout_interval_s", 3600)
-    return Settings(data_dir=data_dir, database_url=database_url, enable_mqtt=False, liveness_check_interval_s=60, **overrides)
+    overrides.setdefault("enable_mqtt", False)
+    return Settings(data_dir=data_dir, database_url=database_url, liveness_check_interval_s=60, **overrides)
 
 
 def running_hub(settings: Settings) -> Iterator[HubUnderTest]:

@@ -60,10 +60,11 @@ class LiveHub:
 
 
 @contextmanager
-def live_hub(data_dir: Path) -> Iterator[LiveHub]:
-    """The hub on SQLite in ``data_dir``, behind uvicorn on a free port."""
+def live_hub(data_dir: Path, **settings: Any) -> Iterator[LiveHub]:
+    """The hub on SQLite in ``data_dir``, behind uvicorn on a free port (``settings``: e.g. a real broker's
+    ``enable_mqtt``/``broker_url``)."""
     data_dir.mkdir(parents=True, exist_ok=True)
-    for hub in running_hub(hub_settings(data_dir, f"sqlite:///{data_dir / 'hub.db'}")):
+    for hub in running_hub(hub_settings(data_dir, f"sqlite:///{data_dir / 'hub.db'}", **settings)):
         counter = StatusCounter(hub.app)
         with serve(counter) as url:
             yield LiveHub(hub, url, counter)
