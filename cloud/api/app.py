@@ -44,11 +44,24 @@ log = logging.getLogger("aisynergy.hub")
 VERSION = "0.1.0"
 
 
+async def _in_thread(fn: Any, *args: Any) -> None:
+    """Run a blocking ``fn`` in a worker thread. A cancel (the hub stopping) lets the run in hand end first: a
+    thread cannot be stopped, and one still in a transaction after the engine is disposed keeps its connection
+    open past the hub's end (and holds SQLite's files)."""
+    running = asyncio.ensure_future(asyncio.to_thread(fn, *args))
+    try:
+        await asyncio.shield(running)
+    except asyncio.CancelledError:
+        with contextlib.suppress(Exception):
+            await running
+        raise
+
+
 async def _every(interval_s: float, fn: Any, *args: Any) -> None:
     """Run a blocking ``fn`` in a worker thread every ``interval_s``; log and carry on on errors."""
     while True:
         try:
-            await asyncio.to_thread(fn, *args)
+            await _in_thread(fn, *args)
         except Exception:  # noqa: BLE001 - a background loop must survive a bad tick
             log.exception("background task %s failed", getattr(fn, "__name__", fn))
         await asyncio.sleep(interval_s)
@@ -74,7 +87,7 @@ async def _every_or_woken(interval_s: float, wake: asyncio.Event, fn: Any, *args
     while True:
         wake.clear()
         try:
-            await asyncio.to_thread(fn, *args)
+            await _in_thread(fn, *args)
         except Exception:  # noqa: BLE001 - a background loop must survive a bad tick
             log.exception("background task %s failed", getattr(fn, "__name__", fn))
         with contextlib.suppress(TimeoutError):
