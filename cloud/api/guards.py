@@ -147,7 +147,7 @@ class RequestGuard:
         self.engine = engine
         self.max_body_bytes = max_body_bytes
         self.streamed_uploads = frozenset(streamed_uploads)
-        self.streamed_chunks = streamed_chunks  # PUT paths whose octet-stream bodies the route streams (and bounds) itself
+        self.streamed_chunks = streamed_chunks  # paths whose octet-stream bodies the route streams (and bounds) itself (other methods: 405)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or scope["method"] not in WRITE_METHODS:
@@ -157,7 +157,7 @@ class RequestGuard:
             await self.app(scope, receive, send)
             return
         if (
-            scope["method"] == "PUT" and self.streamed_chunks is not None and self.streamed_chunks.match(scope["path"])
+            self.streamed_chunks is not None and self.streamed_chunks.match(scope["path"])
             and _media_type(scope) == "application/octet-stream"
         ):  # fmt: skip
             await self.app(scope, receive, send)

@@ -53,7 +53,11 @@ def allowed_methods(request: Request) -> str:
         table = [(re.compile("^" + re.sub(r"\\\{[^/]+?\\\}", "[^/]+", re.escape(path)) + "$"), {m.upper() for m in ops if m in HTTP_METHODS})
                  for path, ops in request.app.openapi().get("paths", {}).items()]  # fmt: skip
         state.allowed_methods = table
-    methods = set().union(*(ops for pattern, ops in table if pattern.match(request.url.path)))
+    matches = [(pattern.pattern.count("[^/]+"), ops) for pattern, ops in table if pattern.match(request.url.path)]
+    # a concrete path goes before a templated one that also matches (OpenAPI 3 "Path Templating Matching"):
+    # /artifacts/uploads is not /artifacts/{artifact_id}
+    fewest = min((templated for templated, _ in matches), default=0)
+    methods = set().union(*(ops for templated, ops in matches if templated == fewest))
     return ", ".join(sorted(methods))
 
 

@@ -55,6 +55,10 @@ WRITE_REQUESTS: dict[tuple[str, str], dict[str, Any] | None] = {
     ("POST", "/deployments/{deployment_id}/rollback"): None,
     ("POST", "/artifacts"): {"kind": "model", "name": "m", "version": "1.0", "format": "onnx"},  # 401/403 come before the body is read
     ("DELETE", "/artifacts/{artifact_id}"): None,
+    ("POST", "/artifacts/uploads"): {"kind": "model", "name": "m", "version": "1.0", "format": "onnx", "size": 1, "sha256": "0" * 64},
+    ("PUT", "/artifacts/uploads/{upload_id}/chunks/{index}"): None,
+    ("POST", "/artifacts/uploads/{upload_id}/commit"): None,
+    ("DELETE", "/artifacts/uploads/{upload_id}"): None,
     ("POST", "/tasks"): {"type": "inference", "spec": {"model": {"name": "mlp"}}},
     ("DELETE", "/tasks/{task_id}"): None,
     **{("POST", f"/tasks/{{task_id}}/{action}"): None for action in ("start", "stop", "pause", "resume", "cancel", "retry")},
@@ -69,7 +73,7 @@ def seeded(hub: HubUnderTest) -> dict[str, str]:
     device_id = hub.add_device(node_id, labels={"kind": "camera"})["id"]
     hub.request("PUT", f"/devices/{device_id}/twin", json={"desired": {"fps": 10}})
     return {"node_id": node_id, "device_id": device_id, "bootstrap_token": registered["bootstrap_token"], "deployment_id": "dep-00000000000000000000000000", "artifact_id": "art-00000000000000000000000000",
-            "task_id": "task-00000000000000000000000000", "dataset": "camera"}
+            "task_id": "task-00000000000000000000000000", "dataset": "camera", "upload_id": "upl-00000000000000000000000000", "index": "0"}
 
 
 @pytest.fixture

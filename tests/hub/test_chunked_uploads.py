@@ -286,3 +286,19 @@ def test_a_viewer_may_not_upload(hub: HubUnderTest) -> None:
     for r in answers:
         assert_problem(r, 403, "forbidden")
     assert hub.snapshot() == before and staged_files(hub) == files
+
+
+def test_other_methods_answer_405_with_the_methods_of_the_upload_paths(hub: HubUnderTest) -> None:
+    # Prepare
+    upload = session_of(hub)
+    chunk = f"/artifacts/uploads/{upload['id']}/chunks/0"
+
+    # Execute
+    posted = hub.request("POST", chunk, Role.OPERATOR, content=b"x", headers={CHUNK_SHA256_HEADER: sha(b"x"), "Content-Type": "application/octet-stream"})
+    options = hub.request("OPTIONS", "/artifacts/uploads", Role.OPERATOR)
+
+    # Assert
+    assert_problem(posted, 405, "method_not_allowed")
+    assert posted.headers["allow"] == "PUT"
+    assert_problem(options, 405, "method_not_allowed")
+    assert options.headers["allow"] == "POST"
