@@ -1,0 +1,145 @@
+"""The torch example's CNN for scikit-learn's digits, written in plain numpy, as an aisynergy algorithm.
+
+conv1 (1 -> 8 channels, 3x3, padding 1) -> ReLU -> 2x2 max-pool -> flatten (channel first) -> fc (128 -> 10), with
+the torch example's parameter names, shapes and layouts (``conv1.weight`` [8, 1, 3, 3], ``conv1.bias`` [8],
+``fc.weight`` [10, 128], ``fc.bias`` [10]), so parameters trained by either run in the other. Trained by SGD with
+momentum on the cross-entropy, gradients written out by hand. ``export`` builds the same network as ONNX with
+the ``onnx`` package's helpers.
+
+Datasets: ``train`` (required) and ``test`` (optional), ``.npz`` with ``x`` (float32, N x 1 x 8 x 8 or N x 64)
+and ``y`` (int64).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from device.algorithm import Client, Parameters
+
+CHANNELS, KERNEL, CLASSES = 8, 3, 10
+
+
+def _load(path: Path) -> tuple[np.ndarray, np.ndarray]:
+    with np.load(path) as data:
+        return data["x"].astype(np.float32).reshape(-1, 1, 8, 8), data["y"].astype(np.int64)
+
+
+def _columns(x: np.ndarray) -> np.ndarray:
+    """The 3x3 neighbourhoods of every pixel (zero padding 1): N x 64 x (C_in * 9), in the weight's order."""
+    padded = np.pad(x, ((0, 0), (0, 0), (1, 1), (1, 1)))
+    windows = np.lib.stride_tricks.sliding_window_view(padded, (KERNEL, KERNEL), axis=(2, 3))  # N, C, 8, 8, 3, 3
+    n, c, h, w = windows.shape[:4]
+    return windows.transpose(0, 2, 3, 1, 4, 5).reshape(n, h * w, c * KERNEL * KERNEL)
+
+
+def forward(parameters: Parameters, x: np.ndarray) -> tuple[np.ndarray, dict[str, np.ndarray]]:
+    """The logits and what the backward pass needs."""
+    cols = _columns(x)
+    kernel = parameters["conv1.weight"].reshape(CHANNELS, -1)
+    conv = (cols @ kernel.T + parameters["conv1.bias"]).transpose(0, 2, 1).reshape(len(x), CHANNELS, 8, 8)
+    relu = np.maximum(conv, 0)
+    blocks = relu.reshape(len(x), CHANNELS, 4, 2, 4, 2)
+    pooled = blocks.max(axis=(3, 5))
+    flat = pooled.reshape(len(x), -1)
+    logits = flat @ parameters["fc.weight"].T + parameters["fc.bias"]
+    return logits, {"cols": cols, "relu": relu, "blocks": blocks, "pooled": pooled, "flat": flat}
+
+
+def _softmax(logits: np.ndarray) -> np.ndarray:
+    e = np.exp(logits - logits.max(axis=1, keepdims=True))
+    return e / e.sum(axis=1, keepdims=True)
+
+
+def gradients(parameters: Parameters, x: np.ndarray, y: np.ndarray) -> tuple[float, dict[str, np.ndarray]]:
+    """The mean cross-entropy over (x, y) and its gradient for every parameter."""
+    logits, saved = forward(parameters, x)
+    p = _softmax(logits)
+    loss = float(-np.log(p[np.arange(len(y)), y] + 1e-12).mean())
+    d_logits = p
+    d_logits[np.arange(len(y)), y] -= 1.0
+    d_logits /= len(y)
+    grads = {"fc.weight": d_logits.T @ saved["flat"], "fc.bias": d_logits.sum(axis=0)}
+    d_pooled = (d_logits @ parameters["fc.weight"]).reshape(saved["pooled"].shape)
+    # the gradient reaches the maximum of each 2x2 block
+    winners = saved["blocks"] == saved["pooled"][:, :, :, None, :, None]
+    d_relu = (winners * d_pooled[:, :, :, None, :, None]).reshape(saved["relu"].shape) * (saved["relu"] > 0)
+    d_conv = d_relu.reshape(len(x), CHANNELS, -1).transpose(0, 2, 1)  # N, 64, C_out
+    grads["conv1.weight"] = np.einsum("npo,npk->ok", d_conv, saved["cols"]).reshape(parameters["conv1.weight"].shape)
+    grads["conv1.bias"] = d_conv.sum(axis=(0, 1))
+    return loss, {name: g.astype(np.float32) for name, g in grads.items()}
+
+
+class NumpyCNN(Client):
+    def __init__(self, config: Mapping[str, Any], datasets: Mapping[str, Path]) -> None:
+        super().__init__(config, datasets)
+        self.train = _load(self.datasets["train"])
+        self.test = _load(self.datasets["test"]) if "test" in self.datasets else self.train
+        self.latest = self.initial_parameters()
+
+    def initial_parameters(self) -> dict[str, np.ndarray]:
+        # torch's default for both layers: uniform within 1/sqrt(fan_in)
+        rng = np.random.default_rng(int(self.config["seed"]))
+        conv_bound, fc_bound = 1 / np.sqrt(KERNEL * KERNEL), 1 / np.sqrt(CHANNELS * 16)
+        return {
+            "conv1.weight": rng.uniform(-conv_bound, conv_bound, (CHANNELS, 1, KERNEL, KERNEL)).astype(np.float32),
+            "conv1.bias": rng.uniform(-conv_bound, conv_bound, CHANNELS).astype(np.float32),
+            "fc.weight": rng.uniform(-fc_bound, fc_bound, (CLASSES, CHANNELS * 16)).astype(np.float32),
+            "fc.bias": rng.uniform(-fc_bound, fc_bound, CLASSES).astype(np.float32),
+        }
+
+    def fit(self, parameters: Parameters, config: Mapping[str, Any]) -> tuple[dict[str, np.ndarray], int, dict[str, float]]:
+        weights = {name: np.array(array, np.float32) for name, array in parameters.items()}
+        velocity = {name: np.zeros_like(array) for name, array in weights.items()}
+        x, y = self.train
+        rng = np.random.default_rng(int(self.config["seed"]) + int(config.get("round", 0)))
+        rate, size, epochs = float(self.config["learning_rate"]), int(self.config["batch_size"]), int(self.config["epochs"])
+        total = 0.0
+        for _ in range(epochs):
+            order = rng.permutation(len(x))
+            for start in range(0, len(x), size):
+                batch = order[start:start + size]
+                loss, grads = gradients(weights, x[batch], y[batch])
+                total += loss * len(batch)
+                for name, grad in grads.items():
+                    velocity[name] = 0.9 * velocity[name] + grad
+                    weights[name] -= rate * velocity[name]
+        self.latest = weights
+        return weights, len(x), {"train_loss": total / (len(x) * epochs)}
+
+    def predict(self, parameters: Parameters, x: np.ndarray) -> np.ndarray:
+        """The logits for images ``x`` (N x 1 x 8 x 8)."""
+        return forward(parameters, np.asarray(x, np.float32).reshape(-1, 1, 8, 8))[0]
+
+    def evaluate(self, parameters: Parameters, config: Mapping[str, Any]) -> tuple[float, int, dict[str, float]]:
+        x, y = self.test
+        p = _softmax(self.predict(parameters, x))
+        loss = float(-np.log(p[np.arange(len(y)), y] + 1e-12).mean())
+        return loss, len(x), {"accuracy": float((p.argmax(axis=1) == y).mean())}
+
+    def export(self, parameters: Parameters) -> bytes:
+        """The network as ONNX (opset 17): input ``x`` [batch, 1, 8, 8], output ``logits`` [batch, 10]."""
+        from onnx import TensorProto, helper, numpy_helper
+
+        initialisers = [numpy_helper.from_array(np.asarray(array, np.float32), name) for name, array in parameters.items()]
+        nodes = [
+            helper.make_node("Conv", ["x", "conv1.weight", "conv1.bias"], ["conv"], kernel_shape=[3, 3], pads=[1, 1, 1, 1]),
+            helper.make_node("Relu", ["conv"], ["relu"]),
+            helper.make_node("MaxPool", ["relu"], ["pooled"], kernel_shape=[2, 2], strides=[2, 2]),
+            helper.make_node("Flatten", ["pooled"], ["flat"], axis=1),
+            helper.make_node("Gemm", ["flat", "fc.weight", "fc.bias"], ["logits"], transB=1),
+        ]
+        graph = helper.make_graph(nodes, "digits_cnn", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 1, 8, 8])],
+                                  [helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["batch", CLASSES])], initialisers)
+        model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+        model.ir_version = 8
+        return bytes(model.SerializeToString())
+
+    def checkpoint(self) -> dict[str, np.ndarray]:
+        return self.latest
+
+    def restore(self, parameters: Parameters) -> None:
+        self.latest = {name: np.array(array, np.float32) for name, array in parameters.items()}
