@@ -30,7 +30,7 @@ from sqlmodel import Session, col
 
 from cloud.artifacts.blobs import CHUNK, BlobStore, _fsync_dir
 from cloud.artifacts.records import create_artifact, ensure_absent
-from cloud.errors import Conflict, NotFound, PayloadTooLarge, ValidationFailed
+from cloud.errors import Conflict, NotFound, ValidationFailed
 from cloud.filemodes import private_dir
 from cloud.signing import SigningKey
 from cloud.tables import Artifact, ArtifactUpload
@@ -105,11 +105,14 @@ def purge_expired(session: Session, area: UploadArea, now: datetime | None = Non
 
 
 def create_upload(session: Session, area: UploadArea, body: UploadCreate, chunk_size: int, ttl_s: int, max_bytes: int) -> ArtifactUpload:
-    """A new session for ``body`` (413 above ``max_bytes``; 409 ``artifact_exists`` when the artefact is stored)."""
-    if body.size > max_bytes:
-        raise PayloadTooLarge(f"artefacts are limited to {max_bytes} bytes")
-    if chunk_count(body.size, chunk_size) > MAX_CHUNKS:
-        raise PayloadTooLarge(f"an upload has at most {MAX_CHUNKS} chunks of {chunk_size} bytes")
+    """A new session for ``body`` (422 for a ``size`` above ``max_bytes``: the request itself is small, its field is
+    out of the hub's range; 409 ``artifact_exists`` when the artefact is stored)."""
+    limit = min(max_bytes, MAX_CHUNKS * chunk_size)
+    if body.size > limit:
+        raise ValidationFailed(
+            f"artefacts are limited to {limit} bytes (max_artifact_bytes {max_bytes}, at most {MAX_CHUNKS} chunks of {chunk_size} bytes)",
+            errors=[{"loc": ["body", "size"], "msg": f"at most {limit}", "type": "less_than_equal"}],
+        )  # fmt: skip
     ensure_absent(session, _identity(body))
     purge_expired(session, area)
     now = datetime.now(UTC).replace(microsecond=0)

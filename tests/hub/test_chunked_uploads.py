@@ -264,7 +264,7 @@ def test_a_session_body_is_read_strictly(hub: HubUnderTest, fields: dict[str, An
 
 
 def test_a_session_larger_than_the_artefact_limit_is_refused(hub: HubUnderTest) -> None:
-    assert_problem(start(hub, size=hub.settings.max_artifact_bytes + 1), 413, "payload_too_large")
+    assert_problem(start(hub, size=hub.settings.max_artifact_bytes + 1), 422, "validation_failed")
     assert hub.snapshot()["artifact_uploads"] == []
 
 

@@ -47,7 +47,7 @@ def upload_area(request: Request) -> UploadArea:
 def start_upload(body: UploadCreate, request: Request, response: Response, session: SessionDep, settings: SettingsDep, _: Operator, __: IdempotencyKey = None) -> UploadSession:
     """Start a chunked upload of an artefact (its kind, name, version, format, size and SHA-256): the session says
     the chunk size and how many chunks to PUT. 409 ``artifact_exists`` when this kind, name and version is stored;
-    413 above ``max_artifact_bytes``."""
+    422 for a ``size`` above ``max_artifact_bytes``."""
     area = upload_area(request)
     row = create_upload(session, area, body, settings.upload_chunk_bytes, settings.upload_ttl_s, settings.max_artifact_bytes)
     response.headers["Location"] = f"{API_PREFIX}/artifacts/uploads/{row.id}"
