@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+import importlib.metadata
 import logging
 import os
 import shutil
@@ -23,6 +25,24 @@ from interfaces.resources import (
 )
 
 log = logging.getLogger("aisynergy.resources")
+
+FRAMEWORKS = ("torch", "numpy", "jax", "tensorflow", "onnxruntime", "scikit-learn", "safetensors")
+"""The training frameworks a site reports (as its installed distributions name them): an algorithm's manifest says
+which it needs, and only a site that has them in the versions it asks runs it."""
+
+
+@functools.cache
+def installed_frameworks() -> dict[str, str]:
+    """``{distribution: version}`` of the :data:`FRAMEWORKS` installed here (read once: installing one means restarting
+    the agent). Read from the installed distributions' metadata; nothing is imported."""
+    found = {}
+    for name in FRAMEWORKS:
+        try:
+            found[name] = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    return found
+
 
 NVIDIA_SMI_QUERY = ["--query-gpu=name,memory.total,utilization.gpu", "--format=csv,noheader,nounits"]
 
@@ -92,6 +112,7 @@ class ResourceSampler:
             disk=self._disk(),
             network=self._network(),
             accelerators=self._accelerators_cached(),
+            frameworks=installed_frameworks(),
         )
 
     def _cpu(self) -> CpuReading:

@@ -65,6 +65,7 @@ class ArtifactKind(StrEnum):
     APPLICATION = "application"
     FIRMWARE = "firmware"
     DATASET = "dataset"  # inputs of a batch task; not deployable
+    ALGORITHM = "algorithm"  # a user's training code (zip with algorithm.json); run by training tasks, not deployable
 
 
 class ArtifactFormat(StrEnum):

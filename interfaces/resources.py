@@ -61,3 +61,7 @@ class Resources(_Strict):
     disk: DiskReading
     network: NetworkReading
     accelerators: list[Accelerator] = Field(default_factory=list, max_length=64)
+    frameworks: dict[
+        Annotated[str, Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9]([A-Za-z0-9._-]*[A-Za-z0-9])?$")],
+        Annotated[str, Field(min_length=1, max_length=64)],
+    ] = Field(default_factory=dict, max_length=64, description="the training frameworks a site runs algorithms with: distribution name -> version (torch: 2.13.0)")

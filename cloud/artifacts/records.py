@@ -157,6 +157,8 @@ def create_artifact(session: Session, signing: SigningKey, blobs: BlobStore, bod
     with _REFS:
         ensure_absent(session, body)
         sha256, size = writer.commit()
+        if body.kind is ArtifactKind.ALGORITHM:
+            _check_algorithm(session, blobs, body, sha256)
         row = Artifact(
             id=new_id("art"), kind=body.kind.value, name=body.name, version=body.version, format=body.format.value,
             sha256=sha256, size=size, created_at=datetime.now(UTC).replace(microsecond=0), signature="", key_id="",
@@ -176,6 +178,19 @@ def create_artifact(session: Session, signing: SigningKey, blobs: BlobStore, bod
             raise _exists_conflict(existing) from None
     log.info("stored artifact %s: %s %s %s (%d bytes, sha256 %s)", row.id, row.kind, row.name, row.version, size, sha256)
     return row
+
+
+def _check_algorithm(session: Session, blobs: BlobStore, body: ArtifactCreate, sha256: str) -> None:
+    """A package the hub refuses (:mod:`cloud.artifacts.algorithms`) leaves no blob behind, unless others use it."""
+    from cloud.artifacts.algorithms import check_algorithm_package
+
+    try:
+        with blobs.open(sha256) as content:
+            check_algorithm_package(body, content)
+    except Exception:
+        if find_by_sha256(session, sha256) is None and not is_delta_blob(session, sha256):
+            blobs.delete(sha256)
+        raise
 
 
 TASK_TOKEN_TTL_S = 7 * 86400

@@ -105,7 +105,7 @@ def deploy(ctx: click.Context, hub_url: str, token: str | None, ca_file: Path | 
 
 @deploy.command()
 @click.argument("file", type=click.Path(exists=True, dir_okay=False, path_type=Path))
-@click.option("--kind", required=True, type=click.Choice(["model", "application", "firmware"]))
+@click.option("--kind", required=True, type=click.Choice(["model", "application", "firmware", "algorithm"]))
 @click.option("--name", required=True)
 @click.option("--version", "version", required=True)
 @click.option("--format", "fmt", required=True, help="onnx, tflite, firmware, tar.gz, zip, whl, bin")

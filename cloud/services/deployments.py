@@ -217,6 +217,8 @@ def create(session: Session, body: DeploymentCreate) -> Deployment:
     artifact = get_artifact(session, body.artifact_id, lock=True)  # no deletion slips in before this commits
     if artifact.kind == ArtifactKind.DATASET.value:
         raise BadRequest(f"artefact {artifact.id} is a dataset: it is the input of a task (POST /tasks), not something to install", status=422)
+    if artifact.kind == ArtifactKind.ALGORITHM.value:
+        raise BadRequest(f"artefact {artifact.id} is an algorithm: training tasks run it on their sites (POST /tasks), it is not something to install", status=422)
     rows, locked = _resolve_targets(session, body.target)
     if not rows:
         why = f" ({len(locked)} on LOCKED nodes)" if locked else ""

@@ -13,7 +13,7 @@ from typing import Any
 import click
 
 from device.algorithm.client import AlgorithmError, checked_evaluate, checked_fit, checked_initial_parameters, save_parameters
-from device.algorithm.loader import load_client
+from device.algorithm.loader import load_client, read_manifest
 from device.algorithm.package import build
 from device.algorithm.template import write_template
 
@@ -97,3 +97,58 @@ def run_cmd(source: Path, datasets: tuple[str, ...], config: str | None, rounds:
         raise BadInput(str(exc)) from None
     if save is not None:
         save_parameters(parameters, save)
+
+
+def _package(source: Path) -> tuple[Path, str, str]:
+    """The zip to upload for SOURCE (a package folder, built into SOURCE/dist first, or a built zip) and its name and
+    version, from its own manifest."""
+    import tempfile
+    import zipfile
+
+    from interfaces.algorithms import MANIFEST_NAME, AlgorithmManifest
+
+    if source.is_dir():
+        manifest = read_manifest(source)
+        return build(source, source / "dist"), manifest.name, manifest.version
+    try:
+        with zipfile.ZipFile(source) as archive, tempfile.TemporaryDirectory() as scratch:
+            (Path(scratch) / MANIFEST_NAME).write_bytes(archive.read(MANIFEST_NAME))
+            manifest = read_manifest(Path(scratch))
+    except (zipfile.BadZipFile, KeyError, OSError) as exc:
+        raise AlgorithmError(f"{source} is not a built algorithm package (a zip with {MANIFEST_NAME} at its root): {exc}") from None
+    assert isinstance(manifest, AlgorithmManifest)
+    return source, manifest.name, manifest.version
+
+
+@algorithm.command("upload")
+@click.argument("source", type=click.Path(exists=True, path_type=Path))
+@click.option("--hub", "hub_url", envvar="AISYNERGY_HUB_URL", default="https://127.0.0.1:8000", show_default=True, help="the hub's base URL")
+@click.option("--token", envvar="AISYNERGY_TOKEN", required=True, help="an operator token (aisynergy hub token create --role operator)")
+@click.option("--ca-file", type=click.Path(exists=True, dir_okay=False, path_type=Path), envvar="AISYNERGY_CA_FILE", default=None,
+              help="the CA bundle the hub's certificate is checked against (default: the system's)")
+def upload_cmd(source: Path, hub_url: str, token: str, ca_file: Path | None) -> None:
+    """Build SOURCE (a package folder) or take SOURCE (a built zip), and store it on the hub as the algorithm artefact
+    NAME VERSION of its manifest; prints the stored artefact as JSON. The hub signs it; training tasks name it."""
+    import httpx
+
+    from interfaces import API_PREFIX
+
+    try:
+        package, name, version = _package(source)
+    except AlgorithmError as exc:
+        raise BadInput(str(exc)) from None
+    verify: Any = str(ca_file) if ca_file is not None else True
+    fields = {"kind": "algorithm", "name": name, "version": version, "format": "zip"}
+    try:
+        with httpx.Client(base_url=hub_url.rstrip("/"), verify=verify, timeout=httpx.Timeout(120.0, connect=10.0)) as client, package.open("rb") as stream:
+            response = client.post(API_PREFIX + "/artifacts", data=fields, files={"file": (package.name, stream, "application/zip")},
+                                   headers={"Authorization": f"Bearer {token}"})
+    except httpx.HTTPError as exc:
+        raise click.ClickException(f"cannot reach the hub at {hub_url}: {exc}") from exc
+    if response.status_code >= 400:
+        try:
+            detail = response.json().get("detail", response.text[:300])
+        except ValueError:
+            detail = response.text[:300]
+        raise (BadInput if 400 <= response.status_code < 500 else click.ClickException)(f"{response.status_code}: {detail}")
+    click.echo(json.dumps(response.json()))

@@ -60,3 +60,26 @@ def test_nvidia_smi_output_groups_gpus_by_model() -> None:
         0.5,
     )
     assert (gpus["Tesla T4"].count, gpus["Tesla T4"].utilisation) == (1, 0.0)
+
+
+def test_a_site_reports_the_training_frameworks_it_has_with_their_installed_versions(tmp_path: Path) -> None:
+    import importlib.metadata
+
+    import numpy
+
+    reading = ResourceSampler(tmp_path).read()
+
+    assert reading.frameworks["numpy"] == importlib.metadata.version("numpy") == numpy.__version__
+    assert set(reading.frameworks) <= {"torch", "numpy", "jax", "tensorflow", "onnxruntime", "scikit-learn", "safetensors"}
+    assert "jax" not in reading.frameworks or reading.frameworks["jax"] == importlib.metadata.version("jax")
+    assert Resources.model_validate(reading.model_dump(mode="json")).frameworks == reading.frameworks
+
+
+def test_frameworks_are_read_strictly() -> None:
+    import pytest
+    from pydantic import ValidationError
+
+    base = Resources.model_validate(ResourceSampler(Path(".")).read().model_dump(mode="json")).model_dump(mode="json")
+    for bad in ({"torch": 2}, {"bad name!": "1.0"}, {"torch": ""}, {f"f{i}": "1" for i in range(65)}):
+        with pytest.raises(ValidationError):
+            Resources.model_validate({**base, "frameworks": bad})
