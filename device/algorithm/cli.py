@@ -12,7 +12,13 @@ from typing import Any
 
 import click
 
-from device.algorithm.client import AlgorithmError, checked_evaluate, checked_fit, checked_initial_parameters, save_parameters
+from device.algorithm.client import (
+    AlgorithmError,
+    checked_evaluate,
+    checked_fit,
+    checked_initial_parameters,
+    save_parameters,
+)
 from device.algorithm.loader import load_client, read_manifest
 from device.algorithm.package import build
 from device.algorithm.template import write_template

@@ -1,0 +1,195 @@
+"""The site runtime (device/algorithm/runtime.py, device/algorithm/runner.py): a user's algorithm in a limited process
+of its own. A run ends with its result, or FAILS with what happened (it raised, with the last lines of its traceback;
+it broke the client API; it ran past its memory limit or its timeout; it wrote outside its directory; it died), and
+a worker that fails leaves the others and the calling process unharmed. A run that is stopped resumes from its
+last checkpoint. The limits are checked both ways this machine allows: cgroups where it lets us create them, rlimits
+otherwise."""
+
+from __future__ import annotations
+
+import os
+import threading
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from device.algorithm.client import load_parameters
+from device.algorithm.runner import Job
+from device.algorithm.runtime import AlgorithmFailed, Finished, Limits, limit_support, run_worker
+
+BEHAVE = Path(__file__).resolve().parents[1] / "fixtures" / "algorithms" / "behave"
+NUMPY_CNN = Path(__file__).resolve().parents[2] / "examples" / "algorithms" / "numpy_cnn"
+LIMITS = Limits(cpu_cores=1, memory_bytes=768 << 20, timeout_s=120)
+CGROUPS = pytest.param("cgroup", marks=pytest.mark.skipif(limit_support() != "cgroup", reason="this machine lets no process create cgroups"))
+
+
+def job(mode: str = "train", steps: int = 3, **config: Any) -> Job:
+    return Job(package_dir=str(BEHAVE), config={"mode": mode, **config}, steps=steps, checkpoint_every=config.pop("every", 1) if "every" in config else 1)
+
+
+def run(tmp_path: Path, job: Job, limits: Limits = LIMITS, how: str = "cgroup", name: str = "w", **kwargs: Any) -> Finished:
+    root = Path("/sys/fs/cgroup") if how == "cgroup" else tmp_path / "no-cgroups"
+    return run_worker(f"{name}-{os.getpid()}-{tmp_path.name}", tmp_path / name, job, limits, cgroup_root=root, **kwargs)
+
+
+@pytest.fixture(params=[CGROUPS, "rlimit"])
+def how(request: pytest.FixtureRequest) -> str:
+    return str(request.param)
+
+
+def test_a_run_trains_each_step_checkpoints_and_publishes_its_outputs(tmp_path: Path, how: str) -> None:
+    # Prepare
+    lines: list[tuple[str, str]] = []
+    frames: list[dict[str, Any]] = []
+
+    # Execute
+    result = run(tmp_path, job(steps=3), how=how, on_log=lambda s, line: lines.append((s, line)), on_frame=frames.append)
+
+    # Assert
+    assert (result.steps, result.resumed_from, result.num_examples, result.metrics, result.limited_by) == (3, 0, 10, {"accuracy": 1.0}, how)
+    assert result.loss == -12.0  # four weights, each fitted three times
+    np.testing.assert_array_equal(load_parameters(result.parameters)["w"], np.full(4, 3, np.float32))
+    assert result.onnx is None  # the test algorithm has no export
+    assert [f["step"] for f in frames if f["type"] == "step"] == [1, 2, 3]
+    assert [f["step"] for f in frames if f["type"] == "checkpoint"] == [1, 2, 3]
+    assert ("stdout", "fit round 2") in lines and ("stderr", "to stderr") in lines
+
+
+def test_the_worker_sees_only_its_own_environment_and_directory(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Prepare
+    monkeypatch.setenv("AISYNERGY_TOKEN", "secret-operator-token")
+    monkeypatch.setenv("MQTT_PASSWORD", "secret")
+    lines: list[str] = []
+
+    # Execute
+    run(tmp_path, job("environment", steps=1), Limits(cpu_cores=2, accelerators=(1, 3)), how="rlimit", on_log=lambda s, line: lines.append(line))
+
+    # Assert
+    env = dict(item.split("=", 1) for item in next(line for line in lines if line.startswith("ENV ")).split()[1:])
+    assert "secret" not in " ".join(lines)
+    assert not any(k.startswith(("AISYNERGY_", "MQTT")) for k in env)
+    assert env["CUDA_VISIBLE_DEVICES"] == "1,3" and env["OMP_NUM_THREADS"] == "2"
+    assert env["HOME"] == str((tmp_path / "w").resolve())
+    assert next(line for line in lines if line.startswith("CWD ")) == f"CWD {(tmp_path / 'w').resolve()}"
+
+
+def test_no_accelerator_reserved_means_none_visible(tmp_path: Path) -> None:
+    lines: list[str] = []
+
+    run(tmp_path, job("environment", steps=1), Limits(), how="rlimit", on_log=lambda s, line: lines.append(line))
+
+    env = dict(item.split("=", 1) for item in next(line for line in lines if line.startswith("ENV ")).split()[1:] if "=" in item)
+    assert env.get("CUDA_VISIBLE_DEVICES", "") == ""
+    assert any(line.startswith("ENV ") and "CUDA_VISIBLE_DEVICES=" in line for line in lines)
+
+
+def test_a_stopped_run_resumes_from_its_last_checkpoint(tmp_path: Path) -> None:
+    # Prepare: stop it once step 3 was trained (checkpoints every 2 steps: the last one is step 2)
+    stop = threading.Event()
+    trained: list[int] = []
+
+    def on_frame(frame: dict[str, Any]) -> None:
+        if frame["type"] == "step":
+            trained.append(frame["step"])
+            if frame["step"] == 3:
+                stop.set()
+
+    first = Job(package_dir=str(BEHAVE), config={"mode": "train", "delay_s": 0.5}, steps=6, checkpoint_every=2)
+    with pytest.raises(AlgorithmFailed) as stopped:
+        run(tmp_path, first, how="rlimit", on_frame=on_frame, stop=stop)
+
+    # Execute
+    again: list[int] = []
+    result = run(tmp_path, first, how="rlimit", on_frame=lambda f: again.append(f["step"]) if f["type"] == "step" else None)
+
+    # Assert
+    assert stopped.value.reason == "stopped"
+    assert result.resumed_from == 2 and again == [3, 4, 5, 6]  # step 3 again: fewer repeated steps than the interval
+    np.testing.assert_array_equal(load_parameters(result.parameters)["w"], np.full(4, 6, np.float32))  # no step counted twice
+
+
+@pytest.mark.parametrize(
+    ("mode", "reason", "says"),
+    [
+        ("raise", "raised", "ValueError: the labels do not fit the model"),
+        ("contract", "contract", "fit returned other parameter names than it was given"),
+        ("exit", "died", "exited with status 7"),
+    ],
+)
+def test_an_algorithm_that_fails_says_why(tmp_path: Path, mode: str, reason: str, says: str) -> None:
+    with pytest.raises(AlgorithmFailed) as failed:
+        run(tmp_path, job(mode, at_step=2), how="rlimit")
+
+    assert failed.value.reason == reason, failed.value
+    assert says in str(failed.value), str(failed.value)
+    if mode == "raise":
+        assert "behave/client.py" in failed.value.tail and "raise ValueError" in failed.value.tail  # the last lines of its traceback
+
+
+def test_a_write_outside_its_directory_is_refused_and_fails_the_run(tmp_path: Path) -> None:
+    outside = tmp_path / "outside.txt"
+
+    with pytest.raises(AlgorithmFailed) as failed:
+        run(tmp_path, job("write_outside", path=str(outside)), how="rlimit")
+
+    assert failed.value.reason == "forbidden_write" and str(outside) in str(failed.value)
+    assert not outside.exists()
+
+
+def test_a_hanging_algorithm_is_killed_at_its_timeout(tmp_path: Path) -> None:
+    with pytest.raises(AlgorithmFailed) as failed:
+        run(tmp_path, job("hang"), Limits(timeout_s=3), how="rlimit")
+
+    assert failed.value.reason == "timeout" and "timeout of 3 s" in str(failed.value)
+
+
+def test_an_algorithm_beyond_its_memory_limit_is_killed_and_says_so(tmp_path: Path, how: str) -> None:
+    with pytest.raises(AlgorithmFailed) as failed:
+        run(tmp_path, job("memory"), Limits(memory_bytes=768 << 20, timeout_s=120), how=how)
+
+    assert failed.value.reason == "memory", failed.value
+    assert "memory limit of 768 MiB" in str(failed.value)
+
+
+def test_a_failing_worker_leaves_the_others_and_this_process_unharmed(tmp_path: Path) -> None:
+    # Prepare
+    results: dict[str, Any] = {}
+
+    def go(name: str, j: Job) -> None:
+        try:
+            results[name] = run(tmp_path, j, how="rlimit", name=name)
+        except AlgorithmFailed as exc:
+            results[name] = exc
+
+    threads = [threading.Thread(target=go, args=("bad", job("memory"))), threading.Thread(target=go, args=("good", job(steps=4)))]
+
+    # Execute
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+
+    # Assert
+    assert isinstance(results["bad"], AlgorithmFailed) and results["bad"].reason == "memory"
+    assert isinstance(results["good"], Finished) and results["good"].steps == 4
+
+
+def test_the_numpy_example_trains_and_exports_onnx_in_the_runtime(tmp_path: Path) -> None:
+    pytest.importorskip("onnx")
+    ort = pytest.importorskip("onnxruntime")
+    from sklearn.datasets import load_digits
+
+    digits = load_digits()
+    x, y = (digits.data / 16).astype(np.float32).reshape(-1, 1, 8, 8), digits.target.astype(np.int64)
+    np.savez(tmp_path / "train.npz", x=x[:1400], y=y[:1400])
+    np.savez(tmp_path / "test.npz", x=x[1400:], y=y[1400:])
+    j = Job(package_dir=str(NUMPY_CNN), datasets={"train": str(tmp_path / "train.npz"), "test": str(tmp_path / "test.npz")}, config={"epochs": 1}, steps=3)
+
+    result = run(tmp_path, j, how="rlimit")
+
+    assert result.onnx is not None
+    session = ort.InferenceSession(str(result.onnx))
+    logits = session.run(None, {session.get_inputs()[0].name: x[1400:]})[0]
+    assert abs(float((logits.argmax(1) == y[1400:]).mean()) - result.metrics["accuracy"]) < 0.005
