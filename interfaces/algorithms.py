@@ -15,6 +15,7 @@ JSON Schema validator).
 from __future__ import annotations
 
 import re
+from pathlib import PurePosixPath
 from typing import Annotated, Any
 
 from pydantic import AfterValidator, ConfigDict, Field
@@ -49,6 +50,13 @@ _CLAUSE = re.compile(
     rf"|===\s*[^\s,;)]+)$",
     re.IGNORECASE,
 )
+
+
+def leaves_package(member: str) -> bool:
+    """Whether a package member's path (a zip entry name) would land outside the package's folder: absolute, a drive
+    or stream (``C:``), ``..`` anywhere, or a backslash (read as a separator somewhere)."""
+    parts = PurePosixPath(member).parts
+    return member.startswith(("/", "\\")) or "\\" in member or ".." in parts or bool(parts and ":" in parts[0])
 
 
 def check_specifier(value: str) -> str:

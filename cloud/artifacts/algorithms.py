@@ -10,13 +10,12 @@ Nothing of a refused package is kept.
 from __future__ import annotations
 
 import zipfile
-from pathlib import PurePosixPath
 from typing import BinaryIO
 
 from pydantic import ValidationError
 
 from cloud.errors import BadRequest
-from interfaces.algorithms import MANIFEST_NAME, AlgorithmManifest
+from interfaces.algorithms import MANIFEST_NAME, AlgorithmManifest, leaves_package
 from interfaces.deployments import ArtifactCreate, ArtifactFormat
 
 MAX_MANIFEST_BYTES = 1 << 20
@@ -40,10 +39,8 @@ def check_algorithm_package(body: ArtifactCreate, content: BinaryIO) -> Algorith
         if len(infos) > MAX_MEMBERS:
             raise _refuse(f"it holds {len(infos)} files; at most {MAX_MEMBERS}")
         for info in infos:
-            name = info.filename
-            path = PurePosixPath(name)
-            if name.startswith(("/", "\\")) or ".." in path.parts or "\\" in name or (len(name) > 1 and name[1] == ":"):
-                raise _refuse(f"member {name!r} would be written outside the package's folder")
+            if leaves_package(info.filename):
+                raise _refuse(f"member {info.filename!r} would be written outside the package's folder")
         try:
             info = archive.getinfo(MANIFEST_NAME)
         except KeyError:

@@ -111,7 +111,7 @@ def _package(source: Path) -> tuple[Path, str, str]:
     import tempfile
     import zipfile
 
-    from interfaces.algorithms import MANIFEST_NAME, AlgorithmManifest
+    from interfaces.algorithms import MANIFEST_NAME
 
     if source.is_dir():
         manifest = read_manifest(source)
@@ -122,7 +122,6 @@ def _package(source: Path) -> tuple[Path, str, str]:
             manifest = read_manifest(Path(scratch))
     except (zipfile.BadZipFile, KeyError, OSError) as exc:
         raise AlgorithmError(f"{source} is not a built algorithm package (a zip with {MANIFEST_NAME} at its root): {exc}") from None
-    assert isinstance(manifest, AlgorithmManifest)
     return source, manifest.name, manifest.version
 
 

@@ -14,7 +14,7 @@ from pathlib import Path, PurePosixPath
 
 from device.algorithm.client import AlgorithmError
 from device.algorithm.loader import read_manifest
-from interfaces.algorithms import MANIFEST_NAME
+from interfaces.algorithms import MANIFEST_NAME, leaves_package
 
 _EPOCH = (1980, 1, 1, 0, 0, 0)
 _SKIPPED_DIRS = {"__pycache__", "dist", ".git", ".mypy_cache", ".pytest_cache"}
@@ -55,7 +55,7 @@ def build(source_dir: Path, out_dir: Path) -> Path:
 
 def _checked_name(info: zipfile.ZipInfo) -> PurePosixPath:
     name = PurePosixPath(info.filename)
-    if name.is_absolute() or info.filename.startswith(("/", "\\")) or ":" in name.parts[0] or ".." in name.parts or "\\" in info.filename:
+    if leaves_package(info.filename):
         raise AlgorithmError(f"the package entry {info.filename!r} points outside the package")
     if stat.S_ISLNK(info.external_attr >> 16):
         raise AlgorithmError(f"the package entry {info.filename!r} is a symbolic link")

@@ -65,6 +65,7 @@ class _Frames:
         self._out.flush()
 
 
+_TWO_PATHS = {"os.rename", "os.link", "shutil.move"}
 _WRITE_EVENTS = {"os.mkdir", "os.rename", "os.remove", "os.rmdir", "os.symlink", "os.link", "os.truncate", "os.chmod", "os.chown", "shutil.rmtree", "shutil.move"}
 
 
@@ -88,8 +89,11 @@ def confine_writes(root: Path, allowed: tuple[Path, ...] = ()) -> None:
             writing = (isinstance(mode, str) and any(c in mode for c in "wax+")) or (isinstance(flags, int) and flags & (os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_APPEND))
             if writing and path is not None and not inside(path):
                 raise PermissionError(f"the algorithm may write only inside its working directory; it tried to write {path}")
-        elif event in _WRITE_EVENTS and args and not inside(args[0]) or event in ("os.rename", "os.link", "shutil.move") and len(args) > 1 and not inside(args[1]):
-            raise PermissionError(f"the algorithm may write only inside its working directory; it tried {event} on {args[0]}")
+        elif event in _WRITE_EVENTS:
+            targets = args[:2] if event in _TWO_PATHS else args[:1]  # a rename's or link's destination, too
+            outside = [t for t in targets if not inside(t)]
+            if outside:
+                raise PermissionError(f"the algorithm may write only inside its working directory; it tried {event} on {outside[0]}")
 
     sys.addaudithook(hook)
 

@@ -35,7 +35,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
@@ -89,7 +89,11 @@ class AlgorithmFailed(Exception):
 class _Cgroup:
     cpu: Path | None = None
     memory: Path | None = None
-    procs: list[Path] = field(default_factory=list)
+
+    @property
+    def procs(self) -> list[Path]:
+        """The ``cgroup.procs`` files the worker joins."""
+        return [group / "cgroup.procs" for group in (self.cpu, self.memory) if group is not None]
 
     def oom_killed(self) -> bool:
         if self.memory is None:
@@ -135,7 +139,6 @@ def _make_cgroup(name: str, limits: Limits, root: Path) -> _Cgroup:
             group.cpu = cpu
             (cpu / "cpu.cfs_period_us").write_text(str(CPU_PERIOD_US))
             (cpu / "cpu.cfs_quota_us").write_text(str(max(1000, int(limits.cpu_cores * CPU_PERIOD_US))))
-            group.procs.append(cpu / "cgroup.procs")
         if limits.memory_bytes is not None:
             memory = root / "memory" / CGROUP_PARENT / name
             memory.mkdir(parents=True, exist_ok=True)
@@ -147,7 +150,6 @@ def _make_cgroup(name: str, limits: Limits, root: Path) -> _Cgroup:
                     swap.write_text(str(limits.memory_bytes))
                 except OSError:
                     pass
-            group.procs.append(memory / "cgroup.procs")
     except OSError:
         group.remove()
         raise
