@@ -1,4 +1,4 @@
-"""Chunked upload (``/artifacts/uploads``, edge/artifacts/upload.py) vs one plain ``POST /artifacts`` of the same file,
+"""Chunked upload (``/artifacts/uploads``, device/upload.py) vs one plain ``POST /artifacts`` of the same file,
 on loopback HTTP to a hub in this process (uvicorn, SQLite), run by hand:
 
     .venv/bin/python bench/uploads.py --mb 200 --runs 3
@@ -34,7 +34,7 @@ from cloud.api.app import create_app
 from cloud.api.state import hub_state
 from cloud.auth import create_api_token
 from cloud.config import Settings
-from edge.artifacts.upload import upload_artifact
+from device.upload import upload_artifact
 from interfaces import API_PREFIX
 from interfaces.auth import Role
 

@@ -137,6 +137,11 @@ def _preference(acc: Any, req: AcceleratorRequest) -> int:
     return 1 if acc.purpose == "both" else 2
 
 
+def card_order(cards: list[tuple[int, Any]], req: AcceleratorRequest) -> list[tuple[int, Any]]:
+    """The cards (index, accelerator entry) that match ``req``, in the order a reservation takes them."""
+    return sorted(((i, acc) for i, acc in cards if _matches(acc, req)), key=lambda c: (_preference(c[1], req), c[0]))
+
+
 def free_accelerators(resources: Resources | None, reserved: list[dict[str, Any]], req: AcceleratorRequest) -> int:
     """How many accelerators matching ``req`` the target has that active workers did not reserve. Each
     reservation is counted against the cards it could have been given (by type, purpose and memory), so

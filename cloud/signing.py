@@ -34,6 +34,7 @@ from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 
+from interfaces.uploads import PublishClaims, decode_publish_token, encode_publish_token, publish_signing_bytes
 from interfaces.deployments import (
     MAX_KEY_TRANSITIONS, ArtifactManifest, DownloadGrant, KeyTransition, SignedKeyTransition, SignedManifest,
     decode_download_token, download_token_signing_bytes, encode_download_token, key_transition_signing_bytes,
@@ -195,21 +196,38 @@ class SigningKey:
             grant, signature = decode_download_token(token)
         except ValueError as exc:
             raise TokenRejected(str(exc)) from exc
-        keys = self._current()
-        signed = download_token_signing_bytes(grant)
-        for public in (keys.private_key.public_key(), *reversed(keys.retired)):
-            try:
-                public.verify(signature, signed)
-                break
-            except InvalidSignature:
-                continue
-        else:
-            raise TokenRejected("the download token's signature is not valid")
+        self._check_signature(signature, download_token_signing_bytes(grant), "download token")
         if grant.exp < time.time():
             raise TokenRejected("the download token has expired")
         if grant.artifact_id != artifact_id:
             raise TokenRejected("the download token is for another artefact")
         return grant
+
+    def issue_publish_token(self, claims: PublishClaims) -> str:
+        """A publish grant (``interfaces.uploads``): the chunked upload of ``claims.names`` at ``claims.version`` only."""
+        return encode_publish_token(claims, self.private_key.sign(publish_signing_bytes(claims)))
+
+    def verify_publish_token(self, token: str) -> PublishClaims:
+        """The claims if ``token`` is a publish grant of ours (the current key's or a retired one's), unexpired; else
+        :class:`TokenRejected`."""
+        try:
+            claims, signature = decode_publish_token(token)
+        except ValueError as exc:
+            raise TokenRejected(str(exc)) from exc
+        self._check_signature(signature, publish_signing_bytes(claims), "publish grant")
+        if claims.exp < time.time():
+            raise TokenRejected("the publish grant has expired")
+        return claims
+
+    def _check_signature(self, signature: bytes, signed: bytes, what: str) -> None:
+        keys = self._current()
+        for public in (keys.private_key.public_key(), *reversed(keys.retired)):
+            try:
+                public.verify(signature, signed)
+                return
+            except InvalidSignature:
+                continue
+        raise TokenRejected(f"the {what}'s signature is not valid")
 
 
 @dataclass(frozen=True)

@@ -611,3 +611,36 @@ class TrainingResult(SQLModel, table=True):
     error: str = Field(default="", sa_column=Column(Text, nullable=False, default=""))
     created_at: datetime = _ts(nullable=False)
     published_at: datetime | None = _ts(nullable=True)
+
+
+class TrainedModelRow(SQLModel, table=True):
+    """What a ``training`` worker published and reported (its evaluation): kept once, the task's outputs."""
+
+    __tablename__ = "trained_models"
+    __table_args__ = (Index("ix_trained_models_task", "task_id"),)
+
+    worker_id: str = Field(primary_key=True, max_length=64)
+    task_id: str = Field(max_length=64)
+    node_id: str = Field(max_length=64)
+    parameters_id: str = Field(max_length=64)
+    onnx_id: str | None = Field(default=None, max_length=64)
+    steps: int
+    resumed_from: int
+    num_examples: int = Field(sa_column=Column(BigInteger, nullable=False))
+    loss: float
+    metrics: dict[str, float] = Field(default_factory=dict, sa_column=Column(JSON, nullable=False))
+    created_at: datetime = _ts(nullable=False)
+
+
+class TrainingManifest(SQLModel, table=True):
+    """A ``training`` task's algorithm as admitted: the package's id and its manifest (placement reads its frameworks),
+    and the output identity pinned for it (no other task pins the same)."""
+
+    __tablename__ = "training_manifests"
+    __table_args__ = (UniqueConstraint("output_name", "output_version", name="uq_training_manifests_output"),)
+
+    task_id: str = Field(primary_key=True, max_length=64)
+    algorithm_id: str = Field(max_length=64)
+    output_name: str = Field(max_length=128)
+    output_version: str = Field(max_length=64)
+    manifest: dict[str, Any] = Field(sa_column=Column(JSON, nullable=False))

@@ -26,7 +26,7 @@ from interfaces.resources import (
 
 log = logging.getLogger("aisynergy.resources")
 
-FRAMEWORKS = ("torch", "numpy", "jax", "tensorflow", "onnxruntime", "scikit-learn", "safetensors")
+FRAMEWORKS = ("torch", "numpy", "jax", "tensorflow", "onnx", "onnxruntime", "scikit-learn", "safetensors", "paddlepaddle", "mindspore")
 """The training frameworks a site reports (as its installed distributions name them): an algorithm's manifest says
 which it needs, and only a site that has them in the versions it asks runs it."""
 

@@ -22,7 +22,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import ssl
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from device import renewal
@@ -68,6 +68,7 @@ class AgentConfig:
     downstream_session_expiry_s: int = 3600  # the devices' broker queues their messages this long while the edge is away
     artifact_cache_bytes: int = DEFAULT_BUDGET_BYTES  # the artefact cache served on device_listen keeps within this
     renewal_check_s: float = renewal.RENEWAL_CHECK_S  # how often the node looks at how long its certificate has left
+    datasets: dict[str, Path] = field(default_factory=dict)  # the site's datasets by name (files or folders) for training tasks
 
 
 class EdgeAgent:
@@ -115,6 +116,7 @@ class EdgeAgent:
                 pin_signing_keys=self.identity.pin_signing_key,  # after a rotation of the hub's key
                 infer=self.split,
                 fl=self.fl,
+                datasets=config.datasets,
             )
             self.node = NodeService(config.node_id, self.store, sampler, config.heartbeat_interval_s, self.deployments)
             self.node.attach(self.up)

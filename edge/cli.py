@@ -11,9 +11,10 @@ agent exits 4, and the node re-enrols with a new bootstrap token (remove DIR/enr
 Devices connect to ``--downstream-mqtt-url`` (default: the hub's broker, over the same connection) and
 enrol through the proxy on ``--device-listen`` (default 127.0.0.1:8090; ``off`` disables), which tells
 them to connect to ``--device-mqtt-url`` (default: the downstream URL). The same listener serves them
-artefacts from the edge's cache in DIR/artifacts, kept within ``--artifact-cache-size`` (default 2GiB). It
-speaks HTTPS only, with the node's certificate (named by the node id); a node enrolled before node
-certificates could serve TLS must re-enrol to serve devices.
+artefacts from the edge's cache in DIR/artifacts, kept within ``--artifact-cache-size`` (default 2GiB).
+It speaks HTTPS only, with the node's certificate (named by the node id); a node enrolled before node
+certificates could serve TLS must re-enrol to serve devices. ``--dataset NAME=PATH`` (repeatable) names a file
+or folder of this site that ``training`` tasks read.
 
 Exit codes:
     0   stopped cleanly (SIGTERM / SIGINT; ``offline`` published)
@@ -105,6 +106,10 @@ def edge() -> None:
     show_default=True,
     help="size budget of the artefact cache served to devices (e.g. 500MiB, 2GiB)",
 )
+@click.option(
+    "--dataset", "datasets", multiple=True, metavar="NAME=PATH",
+    help="a dataset of this site (a file or a folder of files) that training tasks name; repeatable; its data never leaves the site",
+)
 def run(
     hub_url: str | None,
     node_id: str,
@@ -118,8 +123,10 @@ def run(
     device_mqtt_url: str | None,
     device_listen: str | None,
     artifact_cache_size: str,
+    datasets: tuple[str, ...],
 ) -> None:
     """Enrol if needed, then keep the node online until SIGTERM/SIGINT."""
+    site = _datasets(datasets)
     try:
         NODE_STATE.topic(node_id=node_id)
     except ValueError as exc:
@@ -161,10 +168,28 @@ def run(
         device_listen=listen,
         hub_url=enrolment.hub_url,
         artifact_cache_bytes=cache_bytes,
+        datasets=site,
     )
     agent = _agent(config, store, explicit_listen=device_listen is not None)
     asyncio.run(_serve(agent))
     sys.exit(EXIT_OK)
+
+
+def _datasets(options: tuple[str, ...]) -> dict[str, Path]:
+    from device.tasks.site import SiteError, site_datasets
+
+    given: dict[str, Path] = {}
+    for text in options:
+        name, sep, path = text.partition("=")
+        if not sep or not name or not path:
+            raise click.BadParameter(f"takes NAME=PATH, not {text!r}", param_hint="--dataset")
+        if name in given:
+            raise click.BadParameter(f"dataset {name} is given twice", param_hint="--dataset")
+        given[name] = Path(path)
+    try:
+        return site_datasets(given)
+    except SiteError as exc:
+        raise click.BadParameter(str(exc), param_hint="--dataset") from None
 
 
 def _agent(config: AgentConfig, store: IdentityStore, explicit_listen: bool) -> EdgeAgent:

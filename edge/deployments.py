@@ -43,6 +43,7 @@ from device.ota.models import ModelHost, model_commands
 from device.ota.updater import Updater
 from device.sequence import EventSequence
 from device.tasks import InputFetcher, WorkerHost
+from device.tasks.site import Site
 from interfaces import API_PREFIX
 from interfaces.deployments import (
     EXECUTION_EVENT,
@@ -90,9 +91,11 @@ class NodeDeployments:
         fl: FlRouter | None = None,
         verify: ssl.SSLContext | bool = True,
         pin_signing_keys: Callable[[str], None] | None = None,
+        datasets: dict[str, Path] | None = None,
     ) -> None:
         """``verify``: how the hub's HTTPS is checked when the node downloads its artefacts and task inputs;
-        ``pin_signing_keys`` stores the hub's keys when a manifest led to a new one (a rotation)."""
+        ``pin_signing_keys`` stores the hub's keys when a manifest led to a new one (a rotation); ``datasets``: the
+        site's datasets by name (files or folders) that ``training`` workers read."""
         self.node_id = node_id
         self.models = ModelHost(Path(data_dir) / "ota" / "models")
         base_url = f"{hub_url.rstrip('/')}{API_PREFIX}" if hub_url else None
@@ -106,7 +109,8 @@ class NodeDeployments:
         self._send_up = send_up
         self._event_lock = threading.Lock()  # held from taking a seq to storing the event: seqs leave in order
         fetch_inputs = InputFetcher(Path(data_dir) / "tasks" / "inputs", self.updater.signing_key, self.updater.downloader, self.updater.verify_manifest)
-        self.tasks = WorkerHost(Path(data_dir) / "tasks", self.models, self.emit, fetch_inputs, infer=infer, fl=fl)
+        site = Site(Path(data_dir) / "tasks" / "training", hub_url, dict(datasets or {}), verify)
+        self.tasks = WorkerHost(Path(data_dir) / "tasks", self.models, self.emit, fetch_inputs, infer=infer, fl=fl, site=site)
         self._version = -1  # the newest desired version seen
         self._tasks_version = -1  # the newest task orders seen
         self._pending: list[DeploymentOrder] | None = None

@@ -123,3 +123,13 @@ class AlgorithmManifest(WireModel):
     @property
     def class_name(self) -> str:
         return self.entry_point.split(":", 1)[1]
+
+
+def with_defaults(manifest: AlgorithmManifest, config: dict[str, Any]) -> dict[str, Any]:
+    """``config`` with the top-level ``default`` of each property its schema declares filled in (what the algorithm
+    is given, and what is checked against the schema: the hub at creation, the SDK when it loads the client)."""
+    filled = dict(config)
+    for name, prop in manifest.config_schema.get("properties", {}).items():
+        if isinstance(prop, dict) and "default" in prop:
+            filled.setdefault(name, prop["default"])
+    return filled

@@ -219,7 +219,7 @@ def download_token_signing_bytes(grant: DownloadGrant) -> bytes:
 def encode_download_token(grant: DownloadGrant, signature: bytes) -> str:
     """``<base64url(grant JSON)>.<base64url(signature)>``."""
     payload = _grant_json(grant)
-    return _b64(payload) + "." + _b64(signature)
+    return b64url(payload) + "." + b64url(signature)
 
 
 def decode_download_token(token: str) -> tuple[DownloadGrant, bytes]:
@@ -228,17 +228,17 @@ def decode_download_token(token: str) -> tuple[DownloadGrant, bytes]:
         raise ValueError("malformed download token")
     payload, signature = token.split(".")
     try:
-        grant = DownloadGrant.model_validate_json(_unb64(payload))
-        return grant, _unb64(signature)
+        grant = DownloadGrant.model_validate_json(unb64url(payload))
+        return grant, unb64url(signature)
     except Exception as exc:  # noqa: BLE001 - any decoding problem is one answer: malformed
         raise ValueError("malformed download token") from exc
 
 
-def _b64(data: bytes) -> str:
+def b64url(data: bytes) -> str:
     return base64.urlsafe_b64encode(data).rstrip(b"=").decode()
 
 
-def _unb64(text: str) -> bytes:
+def unb64url(text: str) -> bytes:
     return base64.urlsafe_b64decode(text + "=" * (-len(text) % 4))
 
 

@@ -11,12 +11,13 @@ checks the whole SHA-256 and stores and signs the artefact as ``POST /artifacts`
 
 from __future__ import annotations
 
+import json
 from datetime import datetime
 from typing import Annotated
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from interfaces.deployments import ArtifactFormat, ArtifactKind, ArtifactName, Sha256, Version
+from interfaces.deployments import ArtifactFormat, ArtifactKind, ArtifactName, Sha256, Version, b64url, unb64url
 from interfaces.strict import BY_VALUE, INT64_MAX
 from interfaces.text import NoNul
 
@@ -66,3 +67,52 @@ class UploadSession(BaseModel):
     received: list[int] = Field(max_length=MAX_CHUNKS, description="indexes (0-based, ascending) of the chunks the hub holds")
     created_at: datetime
     expires_at: datetime = Field(description="after this the session and its chunks are removed")
+
+
+# --- publish grants ----------------------------------------------------------------------------------
+
+PUBLISH_TOKEN_PREFIX = "aisynergy-publish."
+"""A bearer credential that starts with this is a publish grant (never an operator's token)."""
+PUBLISH_TOKEN_DOMAIN = b"aisynergy-publish-grant-v1\n"
+
+
+class PublishClaims(NoNul):
+    """What a publish grant allows: the worker ``worker_id`` of task ``task_id`` on ``target_id`` may upload, through the
+    chunked API only, model artefacts named ``names`` at ``version``, until ``exp``. Signed by the hub's signing key."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    task_id: str = Field(min_length=1, max_length=64)
+    worker_id: str = Field(min_length=1, max_length=64)
+    target_id: str = Field(min_length=1, max_length=64)
+    names: list[ArtifactName] = Field(min_length=1, max_length=2)
+    version: Version
+    exp: int = Field(ge=0, le=INT64_MAX, description="expiry, Unix seconds")
+
+    def allows(self, kind: str, name: str, version: str) -> bool:
+        return kind == ArtifactKind.MODEL.value and name in self.names and version == self.version
+
+
+def publish_signing_bytes(claims: PublishClaims) -> bytes:
+    return PUBLISH_TOKEN_DOMAIN + json.dumps(claims.model_dump(mode="json"), sort_keys=True, separators=(",", ":")).encode()
+
+
+def encode_publish_token(claims: PublishClaims, signature: bytes) -> str:
+    """``aisynergy-publish.<base64url(claims JSON)>.<base64url(signature)>``."""
+    payload = json.dumps(claims.model_dump(mode="json"), sort_keys=True, separators=(",", ":")).encode()
+    return PUBLISH_TOKEN_PREFIX + b64url(payload) + "." + b64url(signature)
+
+
+def decode_publish_token(token: str) -> tuple[PublishClaims, bytes]:
+    """Split and parse a grant (the caller verifies the signature); ValueError when malformed."""
+    if len(token) > 4096 or not token.startswith(PUBLISH_TOKEN_PREFIX):
+        raise ValueError("malformed publish grant")
+    body = token[len(PUBLISH_TOKEN_PREFIX) :]
+    if body.count(".") != 1:
+        raise ValueError("malformed publish grant")
+    payload, signature = body.split(".")
+    try:
+        return PublishClaims.model_validate_json(unb64url(payload)), unb64url(signature)
+    except Exception as exc:  # noqa: BLE001 - any decoding problem is one answer: malformed
+        raise ValueError("malformed publish grant") from exc
+

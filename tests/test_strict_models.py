@@ -73,6 +73,7 @@ from interfaces.tasks import (
     SplitOrder,
     SplitPart,
     TaskType,
+    TrainedModel,
     TrainingOrder,
     WorkerLog,
     WorkerMetrics,
@@ -189,6 +190,8 @@ EVENTS: list[tuple[str, type[BaseModel], dict[str, Any]]] = [
         "fl.update": _update(),
         "fl.key": FlKey(task_id="t-1", worker_id="w-1", public_key=KEY),
         "fl.reveal": FlReveal(task_id="t-1", worker_id="w-1", round=2, attempt=1, seeds={"dv-2": KEY}),
+        "task.trained": TrainedModel(task_id="t-1", worker_id="w-1", parameters="a-1", onnx="a-2", steps=4, resumed_from=2, num_examples=300,
+                                     loss=0.25, metrics={"accuracy": 0.9}),  # fmt: skip
     }.items()
 ]
 ACTED: list[tuple[str, type[BaseModel], dict[str, Any]]] = [
@@ -322,7 +325,9 @@ def test_the_reported_heartbeats_are_refused(path: tuple[str, ...], raw_value: s
 
 # ---- bounds -----------------------------------------------------------------------------------------
 
-FREE_FORM = {"spec", "status", "data", "args", "result"}
+FREE_FORM = {"spec", "status", "data", "args", "result", "config", "config_schema"}
+"""free-form objects (still size-bounded by JsonObject): a spec, a status, event data, command arguments and results, an
+algorithm's configuration and its JSON Schema"""
 
 
 def _unbounded(node: Any, path: str = "") -> Iterator[str]:

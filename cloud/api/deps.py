@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable, Iterator
+from dataclasses import dataclass
 from typing import Annotated, TypeVar
 
 from fastapi import Depends, Header, Query, Request
@@ -19,6 +20,7 @@ from cloud.pki import CertificateAuthority
 from interfaces.auth import Role
 from interfaces.pagination import DEFAULT_LIMIT, MAX_LIMIT
 from interfaces.selectors import SELECTOR_PATTERN
+from interfaces.uploads import PUBLISH_TOKEN_PREFIX, PublishClaims
 
 
 def get_db(request: Request) -> Iterator[Session]:
@@ -77,9 +79,61 @@ def required_role(route: object) -> Role | None:
     return max(found, key=lambda r: r.rank) if found else None
 
 
+@dataclass(frozen=True)
+class Publisher:
+    """The caller of a route that a task's publish grant may use too (the chunked upload API, reading an artefact it
+    published): an integrator's token, or the grant's claims."""
+
+    token: TokenIdentity | None = None
+    grant: PublishClaims | None = None
+
+    def check(self, kind: str, name: str, version: str) -> None:
+        """403 when the caller is a grant that does not cover this artefact."""
+        if self.grant is not None and not self.grant.allows(kind, name, version):
+            raise Forbidden(
+                f"the publish grant of worker {self.grant.worker_id} allows models {', '.join(self.grant.names)} {self.grant.version}, "
+                f"not the {kind} {name} {version}",
+            )  # fmt: skip
+
+    @property
+    def caller(self) -> str:
+        """Who this is, for an idempotency key's owner."""
+        if self.grant is not None:
+            return f"grant:{self.grant.worker_id}"
+        assert self.token is not None
+        return f"token:{self.token.id}:{self.token.role}"
+
+
+def _grant(request: Request, credentials: HTTPAuthorizationCredentials | None) -> PublishClaims | None:
+    """The claims of a publish grant presented as the bearer credential (401 when it is forged or expired), else None."""
+    from cloud.signing import TokenRejected
+
+    if credentials is None or credentials.scheme.lower() != "bearer" or not credentials.credentials.startswith(PUBLISH_TOKEN_PREFIX):
+        return None
+    try:
+        return hub_state(request).signing.verify_publish_token(credentials.credentials)
+    except TokenRejected as exc:
+        raise Unauthenticated(str(exc)) from None
+
+
+def publisher(role: Role) -> Callable[..., Awaitable[Publisher]]:
+    """``require(role)``, or a publish grant (whose scope the route checks with :meth:`Publisher.check`)."""
+    inner = require(role)
+
+    async def dependency(request: Request, credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)]) -> Publisher:
+        grant = _grant(request, credentials)
+        return Publisher(grant=grant) if grant is not None else Publisher(token=await inner(request, credentials))
+
+    dependency.required_role = role  # type: ignore[attr-defined]
+    dependency.accepts_grant = True  # type: ignore[attr-defined]  # read by idempotency_key
+    return dependency
+
+
 Viewer = Annotated[TokenIdentity, Depends(require(Role.VIEWER))]
 Operator = Annotated[TokenIdentity, Depends(require(Role.OPERATOR))]
 Admin = Annotated[TokenIdentity, Depends(require(Role.ADMIN))]
+UploadCaller = Annotated[Publisher, Depends(publisher(Role.OPERATOR))]
+ArtifactCaller = Annotated[Publisher, Depends(publisher(Role.VIEWER))]
 
 async def idempotency_key(
     request: Request,
@@ -99,10 +153,15 @@ async def idempotency_key(
     if role is None:
         caller = f"anonymous:{request.url.path}"
     else:
-        token = await require(role)(request, await _bearer(request))
-        caller = f"token:{token.id}:{token.role}"
+        credentials = await _bearer(request)
+        grant = _grant(request, credentials) if _accepts_grant(request.scope.get("route")) else None
+        caller = Publisher(grant=grant).caller if grant is not None else Publisher(token=await require(role)(request, credentials)).caller
     await slot.claim(caller)
     return key
+
+
+def _accepts_grant(route: object) -> bool:
+    return any(getattr(d.call, "accepts_grant", False) for d in getattr(getattr(route, "dependant", None), "dependencies", ()))
 
 
 IdempotencyKey = Annotated[str | None, Depends(idempotency_key)]

@@ -151,7 +151,7 @@ def publish_layer(
 
     data = surgery.with_layer(surgery.load(read_blob(blobs, base.sha256)), layer, weight, bias, metadata).SerializeToString()
     name = output.name or base.name
-    versions = [output.version] if output.version else _next_versions(session, name, base.version)
+    versions = [output.version] if output.version else next_free_versions(session, name, base.version)
     for version in versions:
         if find_by_identity(session, ArtifactKind.MODEL.value, name, version) is not None:
             continue
@@ -164,7 +164,7 @@ def publish_layer(
     raise RuntimeError(f"no free version of {name} to publish as ({versions[:1]} taken)")
 
 
-def _next_versions(session: Session, name: str, base: str, tries: int = 1000) -> list[str]:
+def next_free_versions(session: Session, name: str, base: str, tries: int = 1000) -> list[str]:
     """Patch versions after ``base`` (1.0.0 -> 1.0.1, 1.0.2, ...; 1.2 -> 1.2.1; 1.0.0.4 -> 1.0.0.5) that are not taken."""
     parse_version(base)  # ValueError for a malformed one
     core = [int(p) for p in base.partition("-")[0].split(".")]

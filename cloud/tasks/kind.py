@@ -167,6 +167,7 @@ KINDS: dict[TaskType, str] = {
     TaskType.SPLIT_INFERENCE: "cloud.split_inference:KIND",
     TaskType.INCREMENTAL_TRAINING: "cloud.incremental.kind:KIND",
     TaskType.FEDERATED_TRAINING: "cloud.fl.kind:KIND",
+    TaskType.TRAINING: "cloud.training.kind:KIND",
 }
 """type -> ``module:attribute`` of its :class:`TaskKind`"""
 

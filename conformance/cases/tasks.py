@@ -37,6 +37,7 @@ from interfaces.tasks import (
     TASK_METRICS_EVENT,
     TASK_OUTPUT_EVENT,
     TASK_WORKER_EVENT,
+    InferenceSpec,
     LogLine,
     TaskDetail,
     TaskLogLine,
@@ -718,7 +719,8 @@ def cloud_train_device_infer(check: Check) -> None:
     wait_task(check, task.id, "RUNNING")
     ws = workers(check, task.id)
     check.equal([(w.target_id, w.state.value) for w in ws], [(with_model.ident, "RUNNING")], "the only worker, on the device that runs the model")
-    check.equal(with_model.workers[ws[0].id].spec.model.model_dump(), model, "the order names the installed model")
+    spec = with_model.workers[ws[0].id].spec
+    check.equal(spec.model.model_dump() if isinstance(spec, InferenceSpec) else spec, model, "the order names the installed model")
     done = wait_task(check, task.id, {"SUCCEEDED", "FAILED", "CANCELED", "TIMED_OUT"})
     check.equal(done.state.value, "SUCCEEDED", "the inference task after duration_s")
     check.equal(without.workers, {}, "the device without the model got no order")

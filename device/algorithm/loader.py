@@ -19,7 +19,7 @@ import jsonschema_rs
 from pydantic import ValidationError
 
 from device.algorithm.client import REQUIRED, AlgorithmError
-from interfaces.algorithms import DRAFT_2020_12, MANIFEST_NAME, AlgorithmManifest
+from interfaces.algorithms import DRAFT_2020_12, MANIFEST_NAME, AlgorithmManifest, with_defaults
 
 
 def read_manifest(package_dir: Path) -> AlgorithmManifest:
@@ -43,10 +43,7 @@ def _first_errors(exc: ValidationError) -> str:
 
 def check_config(manifest: AlgorithmManifest, config: Mapping[str, Any]) -> dict[str, Any]:
     """``config`` with the schema's top-level defaults filled in, if it satisfies the schema."""
-    filled = dict(config)
-    for name, prop in manifest.config_schema.get("properties", {}).items():
-        if isinstance(prop, dict) and "default" in prop:
-            filled.setdefault(name, prop["default"])
+    filled = with_defaults(manifest, dict(config))
     validator = jsonschema_rs.Draft202012Validator(manifest.config_schema)
     problems = [f"{'/'.join(str(p) for p in e.instance_path) or 'the configuration'}: {e.message}" for e in validator.iter_errors(filled)]
     if problems:

@@ -33,6 +33,10 @@ class DownloadError(Exception):
     """The file could not be fetched (after the retries, or refused outright)."""
 
 
+class OversizedContent(DownloadError):
+    """The source sent more bytes than the signed manifest states: not the artefact that was signed."""
+
+
 class DownloadCanceled(DownloadError):
     """The agent is stopping; the partial file stays for the next attempt."""
 
@@ -125,7 +129,7 @@ class Downloader:
                 for chunk in response.iter_bytes(CHUNK):
                     if have + len(chunk) > size:
                         f.truncate(0)
-                        raise DownloadError(f"{url}: more than the {size} bytes the manifest states")
+                        raise OversizedContent(f"{url}: more than the {size} bytes the manifest states")
                     f.write(chunk)
                     have += len(chunk)
                     if on_progress is not None:

@@ -32,6 +32,7 @@ from interfaces.tasks import TASK_WORKER_EVENT, TaskType, WorkerOrder, WorkerRep
 if TYPE_CHECKING:
     from device.local_data import LocalDatasets
     from device.ota.models import ModelHost
+    from device.tasks.site import Site
 
 log = logging.getLogger("aisynergy.device.tasks")
 
@@ -57,14 +58,16 @@ class WorkerHost:
     orders still name: datasets, training bodies, split parts). ``datasets``: the device's local datasets, which
     training workers read. ``infer``: the split-inference channel (a device's
     :class:`~device.split.channel.InferChannel`, an edge's :class:`~edge.split.TailRouter`). ``fl``: the federated
-    channel (a device's :class:`~device.fl.FlChannel`, an edge's :class:`~edge.fl.FlRouter`).
+    channel (a device's :class:`~device.fl.FlChannel`, an edge's :class:`~edge.fl.FlRouter`). ``site``: what a
+    training site gives ``training`` workers (:class:`~device.tasks.site.Site`; None: this target is no site).
     """
 
     def __init__(
         self, data_dir: str | Path, models: ModelHost, emit: Emit, fetch_inputs: FetchInputs, datasets: LocalDatasets | None = None, infer: Any = None,
-        fl: Any = None,
+        fl: Any = None, site: Site | None = None,
     ) -> None:  # fmt: skip
         self.root = Path(data_dir)
+        self.site = site
         self.models = models
         self.datasets = datasets
         self.infer = infer
@@ -119,7 +122,7 @@ class WorkerHost:
                 self._repeated.add(order.worker_id)
                 self._send_again(record.report)
             return
-        worker = Worker(order, _program(order.type), self.models, self._fetch_inputs, self._emit, self._ended, self._poke, self.datasets, self.infer, self.fl)
+        worker = Worker(order, _program(order.type), self.models, self._fetch_inputs, self._emit, self._ended, self._poke, self.datasets, self.infer, self.fl, self.site)
         self._workers[order.worker_id] = worker
         self._start_ticker()
         worker.start()

@@ -1,5 +1,5 @@
 """Fetching a task's artefacts the way an update is fetched (DESIGN §4.2, §6): datasets (npy, safetensors)
-and the frozen bodies of training tasks (ONNX models).
+the frozen bodies of training tasks (ONNX models), and the packages of users' algorithms (zip).
 
 The manifest's Ed25519 signature is checked against the hub key pinned at enrolment before a byte is
 fetched; the content's size and SHA-256 before it is used. Either failing REJECTS the worker with the
@@ -19,6 +19,7 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from device.ota.download import OversizedContent
 from device.tasks.worker import Rejected
 from interfaces.deployments import ArtifactFormat, ArtifactKind, SignedManifest
 from interfaces.tasks import InputRef
@@ -35,6 +36,7 @@ log = logging.getLogger("aisynergy.device.tasks")
 FORMATS = {
     ArtifactKind.DATASET: frozenset({ArtifactFormat.NPY, ArtifactFormat.SAFETENSORS}),
     ArtifactKind.MODEL: frozenset({ArtifactFormat.ONNX, ArtifactFormat.SAFETENSORS}),  # a model file; a federated round's global layer
+    ArtifactKind.ALGORITHM: frozenset({ArtifactFormat.ZIP}),  # a training task's package
 }
 """what a task may fetch: kind -> formats"""
 
@@ -94,7 +96,7 @@ class InputFetcher:
         except (VerificationError, ValueError) as exc:
             raise Rejected(f"inputs {ref.artifact_id}: {exc}") from exc
         if m.format not in FORMATS.get(m.kind, ()):
-            raise Rejected(f"inputs {ref.artifact_id} are a {m.kind.value} in format {m.format.value}, not a dataset (npy, safetensors) or a model (onnx, safetensors)")
+            raise Rejected(f"inputs {ref.artifact_id} are a {m.kind.value} in format {m.format.value}, not a dataset (npy, safetensors), a model (onnx, safetensors) or an algorithm (zip)")
         target = self.root / f"{m.sha256}.{m.format.value}"
         with self._lock_for(m.sha256):
             if target.exists():
@@ -107,7 +109,10 @@ class InputFetcher:
             downloader = self._downloader()
             if not downloader.base_url:
                 raise RuntimeError("no artefact source known (no enrolment URL on a device, no hub URL on an edge)")
-            part = downloader.fetch(ref.path, ref.token, m.sha256, m.size)
+            try:
+                part = downloader.fetch(ref.path, ref.token, m.sha256, m.size)
+            except OversizedContent as exc:
+                raise Rejected(f"inputs {ref.artifact_id} do not verify: {exc}") from exc
             try:
                 verify_content(signed, part)
             except VerificationError as exc:

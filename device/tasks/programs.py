@@ -22,6 +22,7 @@ PROGRAMS: dict[TaskType, str] = {
     TaskType.INCREMENTAL_TRAINING: "device.tasks.incremental:run",
     TaskType.SPLIT_INFERENCE: "device.tasks.split:run",
     TaskType.FEDERATED_TRAINING: "device.tasks.federated:run",
+    TaskType.TRAINING: "device.tasks.training:run",
 }
 """type -> ``module:function`` of its program"""
 

@@ -43,6 +43,7 @@ from interfaces.tasks import (
     InputRef,
     LogLine,
     SplitInferenceOrder,
+    TrainingTaskOrder,
     WorkerAction,
     WorkerLog,
     WorkerMetrics,
@@ -68,7 +69,7 @@ FetchInputs = Callable[[InputRef], "Path"]
 MetricsSource = Callable[[], dict[str, float]]
 Program = Callable[["Worker"], None]
 M = TypeVar("M", bound=BaseModel)
-O = TypeVar("O", InferenceOrder, BatchInferenceOrder, SplitInferenceOrder, IncrementalTrainingOrder, FederatedTrainingOrder)
+O = TypeVar("O", InferenceOrder, BatchInferenceOrder, SplitInferenceOrder, IncrementalTrainingOrder, FederatedTrainingOrder, TrainingTaskOrder)
 
 LOG_FLUSH_S = 0.3
 LOG_BATCH = 50
@@ -106,9 +107,11 @@ class Worker:
     def __init__(
         self, order: WorkerOrder, program: Program, models: ModelHost, fetch_inputs: FetchInputs, emit: Emit,
         on_end: Callable[[Worker, WorkerReport], None], poke: Callable[[], None], datasets: LocalDatasets | None = None, infer: Any = None,
-        fl: Any = None,
+        fl: Any = None, site: Any = None,
     ) -> None:  # fmt: skip
         self.models, self.fetch_inputs = models, fetch_inputs
+        self.site = site
+        """a training site's datasets, directory and publishing link (``device.tasks.site.Site``; None: no site)"""
         self.datasets = datasets
         """the target's local datasets (a device's; None on an edge node)"""
         self.infer = infer

@@ -26,6 +26,11 @@ The wire contract between the hub, edges and devices for running AI tasks:
   A type whose spec model is ``None`` is known to the contract but not yet runnable (``POST /tasks`` refuses
   it with a 422).
 
+* ``training`` (``TrainingSpec``): a user's algorithm (an ``algorithm`` artefact, ``interfaces.algorithms``) trained
+  on one site's own datasets; the order's ``run`` (``AlgorithmRun``) carries the signed package, the limits and a
+  ``PublishGrant``. The site runs it in a limited process, publishes the parameters and the ONNX export through the
+  chunked upload API with the grant, and reports them with one ``TASK_TRAINED_EVENT`` (``TrainedModel``).
+
 State machines (the transitions below are the only legal moves)::
 
     task:   PENDING -> SCHEDULED -> RUNNING <-> PAUSED
@@ -53,6 +58,26 @@ from interfaces.tasks.rest import (
     TaskDetailBody as TaskDetailBody,
     TaskPublicBody as TaskPublicBody,
     TASK_CREATE_VARIANTS as TASK_CREATE_VARIANTS,
+    TrainedSummary as TrainedSummary,
+    TrainingTask as TrainingTask,
+    TrainingTaskCreate as TrainingTaskCreate,
+    TrainingTaskDetail as TrainingTaskDetail,
+)
+from interfaces.tasks.specs import (
+    MAX_TRAINING_DATASETS as MAX_TRAINING_DATASETS,
+    AlgorithmLimits as AlgorithmLimits,
+    AlgorithmRef as AlgorithmRef,
+    TrainingSpec as TrainingSpec,
+)
+from interfaces.tasks.states import (
+    TASK_TRAINED_EVENT as TASK_TRAINED_EVENT,
+)
+from interfaces.tasks.wire import (
+    PARAMETERS_SUFFIX as PARAMETERS_SUFFIX,
+    AlgorithmRun as AlgorithmRun,
+    PublishGrant as PublishGrant,
+    TrainedModel as TrainedModel,
+    TrainingTaskOrder as TrainingTaskOrder,
 )
 from interfaces.tasks.rest import (
     BatchInferenceTaskCreate as BatchInferenceTaskCreate,

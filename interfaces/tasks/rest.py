@@ -20,6 +20,7 @@ from interfaces.tasks.specs import (
     Placement,
     RetryPolicy,
     SplitInferenceSpec,
+    TrainingSpec,
     _In,
 )
 from interfaces.tasks.states import TaskState, TaskType, WorkerState
@@ -70,8 +71,14 @@ class FederatedTrainingTaskCreate(TaskCreate):
     spec: FederatedTrainingSpec  # type: ignore[assignment]
 
 
+class TrainingTaskCreate(TaskCreate):
+    type: Literal[TaskType.TRAINING]
+    spec: TrainingSpec  # type: ignore[assignment]
+
+
 TaskCreateBody = Annotated[
-    InferenceTaskCreate | BatchInferenceTaskCreate | SplitInferenceTaskCreate | IncrementalTrainingTaskCreate | FederatedTrainingTaskCreate,
+    InferenceTaskCreate | BatchInferenceTaskCreate | SplitInferenceTaskCreate | IncrementalTrainingTaskCreate | FederatedTrainingTaskCreate
+    | TrainingTaskCreate,
     Field(discriminator="type"),
 ]
 """``POST /tasks``: a :class:`TaskCreate` whose ``spec`` is its type's (one variant per type, told apart by
@@ -79,6 +86,7 @@ TaskCreateBody = Annotated[
 TASK_CREATE_VARIANTS: dict[TaskType, type[TaskCreate]] = {
     TaskType.INFERENCE: InferenceTaskCreate, TaskType.BATCH_INFERENCE: BatchInferenceTaskCreate, TaskType.SPLIT_INFERENCE: SplitInferenceTaskCreate,
     TaskType.INCREMENTAL_TRAINING: IncrementalTrainingTaskCreate, TaskType.FEDERATED_TRAINING: FederatedTrainingTaskCreate,
+    TaskType.TRAINING: TrainingTaskCreate,
 }  # fmt: skip
 
 
@@ -149,6 +157,11 @@ class FederatedTrainingTask(TaskPublic):
     spec: FederatedTrainingSpec  # type: ignore[assignment]
 
 
+class TrainingTask(TaskPublic):
+    type: Literal[TaskType.TRAINING]
+    spec: TrainingSpec  # type: ignore[assignment]
+
+
 class InferenceTaskDetail(InferenceTask, TaskDetail): ...
 
 
@@ -164,12 +177,16 @@ class IncrementalTrainingTaskDetail(IncrementalTrainingTask, TaskDetail): ...
 class FederatedTrainingTaskDetail(FederatedTrainingTask, TaskDetail): ...
 
 
+class TrainingTaskDetail(TrainingTask, TaskDetail): ...
+
+
 TaskPublicBody = Annotated[
-    InferenceTask | BatchInferenceTask | SplitInferenceTask | IncrementalTrainingTask | FederatedTrainingTask, Field(discriminator="type")
+    InferenceTask | BatchInferenceTask | SplitInferenceTask | IncrementalTrainingTask | FederatedTrainingTask | TrainingTask, Field(discriminator="type")
 ]
 """A task as the REST API answers it (lists, actions): :class:`TaskPublic` with its type's spec."""
 TaskDetailBody = Annotated[
-    InferenceTaskDetail | BatchInferenceTaskDetail | SplitInferenceTaskDetail | IncrementalTrainingTaskDetail | FederatedTrainingTaskDetail,
+    InferenceTaskDetail | BatchInferenceTaskDetail | SplitInferenceTaskDetail | IncrementalTrainingTaskDetail | FederatedTrainingTaskDetail
+    | TrainingTaskDetail,
     Field(discriminator="type"),
 ]
 """``GET /tasks/{id}`` and ``POST /tasks``: :class:`TaskDetail` with its type's spec."""
@@ -220,6 +237,18 @@ class TaskMetrics(BaseModel):
     series: list[MetricSample] = Field(default_factory=list, description="samples in order (GET ?series=true, newest last)")
 
 
+class TrainedSummary(BaseModel):
+    worker_id: str
+    target_id: str
+    parameters: str = Field(description="id of the parameters' model artefact (safetensors)")
+    onnx: str | None = Field(description="id of the ONNX export's model artefact")
+    steps: int
+    resumed_from: int
+    num_examples: int
+    loss: float
+    metrics: dict[str, float]
+
+
 class TensorInfo(BaseModel):
     name: str
     dtype: str
@@ -236,3 +265,4 @@ class TaskOutputs(BaseModel):
     content_url: str | None = Field(default=None, description="GET it for the gathered outputs as one safetensors file")
     artifacts: list[str] = Field(default_factory=list, description="ids of artefacts the task produced (models)")
     privacy: list[PrivacySpend] = Field(default_factory=list, description="incremental_training: what each worker run spent of its device's budget")
+    trained: list[TrainedSummary] = Field(default_factory=list, description="training: what each site's run reported (its evaluation) and published")

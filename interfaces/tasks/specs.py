@@ -12,7 +12,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from interfaces.deployments import ArtifactName, TargetKind, Version
 from interfaces.privacy import DatasetName, Delta, Epsilon
 from interfaces.resources import AcceleratorType
-from interfaces.strict import BY_VALUE, INT64_MAX
+from interfaces.strict import BY_VALUE, INT64_MAX, JsonObject
 from interfaces.tasks.states import MAX_TRAINING_STEPS, Id, TaskType
 from interfaces.text import NoNul
 
@@ -210,6 +210,45 @@ class FederatedTrainingSpec(_In):
         return self
 
 
+class AlgorithmRef(_In):
+    """An ``algorithm`` artefact (a package built by ``aisynergy algorithm build``) stored on this hub."""
+
+    name: ArtifactName
+    version: Version
+
+
+MAX_TRAINING_DATASETS = 16
+
+
+class AlgorithmLimits(_In):
+    """What each worker of the algorithm may use; a field left out takes the manifest's ``resources``."""
+
+    cpu_cores: float | None = Field(default=None, gt=0, le=1024, description="a CPU quota in cores (cgroup cpu.cfs_quota_us, or nice where cgroups are not allowed)")
+    memory_bytes: int | None = Field(default=None, ge=64 << 20, le=INT64_MAX, description="a memory limit (cgroup memory.limit_in_bytes, or RLIMIT_AS)")
+    timeout_s: float | None = Field(default=None, gt=0, le=30 * 86400, description="wall-clock limit of one run of the worker (it is killed at it)")
+
+
+class TrainingSpec(_In):
+    """Train (or fine-tune) a model with a user's algorithm on one site's own data (seeds/000: a user's algorithm,
+    packaged, started by the site's agent). The site fetches the signed package, runs it in a limited process of its
+    own (``fit`` ``steps`` times, a checkpoint every ``checkpoint_every`` steps, then ``evaluate`` and ``export``),
+    resumes from its last checkpoint after a restart, and publishes the trained parameters (safetensors) and the
+    ONNX export as signed model artefacts ``output.name`` ``output.version`` (the ONNX) and
+    ``<name>-parameters`` (the parameters). ``config`` must validate against the algorithm's ``config_schema``."""
+
+    algorithm: AlgorithmRef
+    datasets: dict[Annotated[str, Field(min_length=1, max_length=64, pattern=r"^[A-Za-z][A-Za-z0-9_]*$")], DatasetName] = Field(
+        default_factory=dict, max_length=MAX_TRAINING_DATASETS,
+        description="the algorithm's dataset names -> the names of datasets the site keeps (edge --dataset NAME=PATH); their data never leaves it",
+    )  # fmt: skip
+    config: JsonObject = Field(default_factory=dict, description="the algorithm's configuration, checked against its config_schema at creation")
+    initial_parameters: Id | None = Field(default=None, description="a model artefact (safetensors: the algorithm's named tensors) to start from; none: the algorithm's own")
+    steps: int = Field(ge=1, le=MAX_TRAINING_STEPS, description="fit calls (rounds of the algorithm's own local training)")
+    checkpoint_every: int = Field(default=1, ge=1, le=MAX_TRAINING_STEPS, description="steps between two checkpoints kept on the site")
+    limits: AlgorithmLimits = Field(default_factory=AlgorithmLimits)
+    output: TrainingOutput = Field(default_factory=TrainingOutput, description="default name: the algorithm's; default version: the first of the algorithm's version and its next patch versions that is free for both artefacts (pinned at creation)")
+
+
 class AcceleratorRequest(_In):
     type: Annotated[AcceleratorType, BY_VALUE]
     count: int = Field(default=1, ge=1, le=1024)
@@ -283,4 +322,5 @@ TASK_TYPES: dict[TaskType, TaskTypeInfo] = {
     TaskType.FEDERATED_TRAINING: TaskTypeInfo(
         TaskType.FEDERATED_TRAINING, FederatedTrainingSpec, "each", "reschedule", service=False, targets=frozenset({TargetKind.DEVICE}),
     ),
+    TaskType.TRAINING: TaskTypeInfo(TaskType.TRAINING, TrainingSpec, "each", "reschedule", service=False, targets=frozenset({TargetKind.NODE})),
 }

@@ -8,7 +8,8 @@ from typing import Annotated, Literal
 
 from pydantic import Field, TypeAdapter
 
-from interfaces.deployments import Sha256, SignedManifest
+from interfaces.algorithms import AlgorithmManifest
+from interfaces.deployments import ArtifactName, Sha256, SignedManifest, Version
 from interfaces.strict import BY_VALUE, INT64_MAX, AwareTimestamp, Timestamp, WireModel
 from interfaces.tasks.specs import (
     MAX_FL_UPDATE_BYTES,
@@ -19,6 +20,7 @@ from interfaces.tasks.specs import (
     InferenceSpec,
     SplitInferenceSpec,
     TensorName,
+    TrainingSpec,
 )
 from interfaces.tasks.states import (
     MAX_CHUNK_OUTPUT_BYTES,
@@ -96,6 +98,34 @@ class FlOrder(WireModel):
     )  # fmt: skip
     total_examples: int | None = Field(default=None, ge=1, le=INT64_MAX, description="secure: the participants' examples in all (the scale of each layer)")
     reveal: list[Id] = Field(default_factory=list, max_length=10_000, description="secure: participants that dropped after masking; survivors reveal their pair seeds with them")
+
+
+PARAMETERS_SUFFIX = "-parameters"
+"""A ``training`` task publishes its parameters (safetensors) as the model ``<output name><PARAMETERS_SUFFIX>``."""
+
+
+class PublishGrant(WireModel):
+    """What a ``training`` worker may publish: the model artefacts ``names`` at ``version``, through the chunked upload
+    API with ``token`` (a hub-signed grant, ``interfaces.uploads.PublishClaims``) instead of an operator's token."""
+
+    token: str = Field(min_length=1, max_length=4096)
+    names: list[ArtifactName] = Field(min_length=1, max_length=2, description="the ONNX export's name, then the parameters'")
+    version: Version
+    expires_at: AwareTimestamp
+
+
+class AlgorithmRun(WireModel):
+    """What a ``training`` worker needs beyond its spec: the signed package, the limits resolved from the spec and the
+    manifest, the cards reserved for it, and the grant to publish its result."""
+
+    package: InputRef = Field(description="the algorithm: a signed artefact of kind algorithm, format zip")
+    manifest: AlgorithmManifest = Field(description="the package's manifest as the hub read it (the site checks the package carries the same)")
+    initial: InputRef | None = Field(default=None, description="the parameters to start from: a signed model artefact (safetensors)")
+    cpu_cores: float = Field(gt=0, le=1024)
+    memory_bytes: int = Field(ge=1 << 20, le=INT64_MAX)
+    timeout_s: float | None = Field(default=None, gt=0, le=30 * 86400)
+    accelerators: list[Annotated[int, Field(ge=0, le=1023)]] = Field(default_factory=list, max_length=64, description="indices of the cards reserved for this worker (CUDA_VISIBLE_DEVICES)")
+    publish: PublishGrant
 
 
 class _Order(WireModel):
@@ -176,15 +206,28 @@ class FederatedTrainingOrder(_Order):
         return super().input_refs() + ([self.fl.weights, self.fl.body] if self.fl is not None else [])
 
 
+class TrainingTaskOrder(_Order):
+    """A ``training`` worker: the algorithm to run on this site's datasets and where its result goes."""
+
+    type: Literal[TaskType.TRAINING]
+    spec: TrainingSpec
+    run: AlgorithmRun | None = Field(default=None, description="the package, the resolved limits and the publish grant")
+
+    def input_refs(self) -> list[InputRef]:
+        if self.run is None:
+            return super().input_refs()
+        return super().input_refs() + [self.run.package] + ([self.run.initial] if self.run.initial is not None else [])
+
+
 WorkerOrder = Annotated[
-    InferenceOrder | BatchInferenceOrder | SplitInferenceOrder | IncrementalTrainingOrder | FederatedTrainingOrder,
+    InferenceOrder | BatchInferenceOrder | SplitInferenceOrder | IncrementalTrainingOrder | FederatedTrainingOrder | TrainingTaskOrder,
     Field(discriminator="type"),
 ]
 """One entry of ``DesiredBody.tasks``: run this worker (withdrawn: stop it). One variant per task type, told apart
 by ``type``: its ``spec`` is that type's, and it carries that type's part (``split``, ``training``, ``fl``)."""
 ORDER_VARIANTS: dict[TaskType, type[_Order]] = {
     TaskType.INFERENCE: InferenceOrder, TaskType.BATCH_INFERENCE: BatchInferenceOrder, TaskType.SPLIT_INFERENCE: SplitInferenceOrder,
-    TaskType.INCREMENTAL_TRAINING: IncrementalTrainingOrder, TaskType.FEDERATED_TRAINING: FederatedTrainingOrder,
+    TaskType.INCREMENTAL_TRAINING: IncrementalTrainingOrder, TaskType.FEDERATED_TRAINING: FederatedTrainingOrder, TaskType.TRAINING: TrainingTaskOrder,
 }  # fmt: skip
 ORDER_ADAPTER: TypeAdapter[WorkerOrder] = TypeAdapter(WorkerOrder)
 """Validates one order (a stored one, or one built from parts) into its type's variant."""
@@ -274,8 +317,23 @@ class FlReveal(WireModel):
     seeds: dict[Id, Annotated[str, Field(min_length=44, max_length=44)]] = Field(max_length=10_000, description="dropped participant -> base64 of the 32-byte pair seed")
 
 
-KindReport = WorkerOutput | FlUpdate | FlKey | FlReveal
+class TrainedModel(WireModel):
+    """``data`` of a ``TASK_TRAINED_EVENT``: a ``training`` worker's result, sent once the artefacts it published are
+    stored (the hub checks they are the granted names and version before it keeps the result)."""
+
+    task_id: Id
+    worker_id: Id
+    parameters: Id = Field(description="the model artefact of the trained parameters (safetensors)")
+    onnx: Id | None = Field(default=None, description="the model artefact of the ONNX export, when the algorithm exports")
+    steps: int = Field(ge=1, le=MAX_TRAINING_STEPS)
+    resumed_from: int = Field(ge=0, le=MAX_TRAINING_STEPS, description="the checkpoint's step the last run started from (0: from the start)")
+    num_examples: int = Field(ge=0, le=INT64_MAX, description="examples evaluate() scored")
+    loss: float
+    metrics: dict[MetricName, float] = Field(default_factory=dict, max_length=64, description="what evaluate() reported (accuracy, ...)")
+
+
+KindReport = WorkerOutput | FlUpdate | FlKey | FlReveal | TrainedModel
 """What a worker sends that its task's kind takes (``TaskKind.accept``): a chunk's outputs, a trained layer, a
-round's update, a key, a survivor's seeds."""
+round's update, a key, a survivor's seeds, a trained model."""
 TaskReportData = WorkerReport | WorkerLog | WorkerMetrics | KindReport
 """The ``data`` of every task event (``TASK_EVENTS``), read as its type's model."""

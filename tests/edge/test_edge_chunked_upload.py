@@ -1,4 +1,4 @@
-"""The site's client of the chunked upload API (edge/artifacts/upload.py) against a hub behind a real HTTP server:
+"""The site's client of the chunked upload API (device/upload.py) against a hub behind a real HTTP server:
 a run that dies mid-way leaves its upload id in the state file, and the next run sends only the chunks the hub
 lacks; a refusal is raised at once."""
 
@@ -12,7 +12,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from edge.artifacts.upload import UploadError, UploadRefused, upload_artifact
+from device.upload import UploadError, UploadRefused, upload_artifact
 from interfaces.auth import Role
 from tests.hub.conftest import HubUnderTest, hub_settings, running_hub
 from tests.hub.live import serve

@@ -29,6 +29,7 @@ class DevStack:
     edge: subprocess.Popen[bytes] | None = None
     enrol_port: int = field(default_factory=free_port)
     devices: list = field(default_factory=list)  # type: ignore[type-arg]
+    edge_args: list[str] = field(default_factory=list)  # more options of ``edge run`` (e.g. the site's --dataset)
 
     @property
     def enrol_url(self) -> str:
@@ -44,7 +45,7 @@ class DevStack:
                 "--downstream-mqtt-url", self.downstream.url, "--device-listen", f"127.0.0.1:{self.enrol_port}"]  # fmt: skip
         if token:
             args += ["--bootstrap-token", token]
-        self.edge = start(args, self.data / "edge.log")
+        self.edge = start([*args, *self.edge_args], self.data / "edge.log")
 
     def add_device(self, name: str, handlers: dict | None = None, on_desired=None):  # type: ignore[no-untyped-def]
         """Register a device at the hub and start it in this process, enrolling through the edge."""
@@ -94,12 +95,12 @@ class DevStack:
         stop(self.downstream.proc)
 
 
-def start_devstack(tmp_path: Path, database_url: str) -> DevStack:
+def start_devstack(tmp_path: Path, database_url: str, edge_args: list[str] | None = None) -> DevStack:
     data = tmp_path / "stack"
     upstream = start_broker(data)
     downstream = start_broker(data, instance="devices-broker")
     hub = start_hub(data, database_url, upstream.url, heartbeat_interval=HEARTBEAT_S, offline_after_missed=4)
-    stack = DevStack(data, database_url, upstream, downstream, hub)
+    stack = DevStack(data, database_url, upstream, downstream, hub, edge_args=list(edge_args or []))
     with hub.client("operator") as api:
         reg = api.post("/nodes", json={"name": "edge-under-test"}).json()
     stack.node_id = reg["node"]["id"]

@@ -1,4 +1,4 @@
-"""A 300 MB artefact published through the chunked upload API by the site's client (edge/artifacts/upload.py) over a
+"""A 300 MB artefact published through the chunked upload API by the site's client (device/upload.py) over a
 link that is cut twice in the middle of a chunk: the upload resumes, the hub stores bytes that verify against the
 signed manifest, and the hub process's memory stays within 100 MB of its idle figure throughout (chunks and the
 commit are streamed, never held whole). The hub runs in its own process; the link is a TCP proxy in this test that
@@ -19,7 +19,7 @@ import psutil
 import pytest
 
 from device.ota.verify import load_public_key, verify_manifest
-from edge.artifacts.upload import upload_artifact
+from device.upload import upload_artifact
 from tests.support import AISYNERGY, Hub, create_token, free_port, logs_on_failure, start, stop, wait_for
 
 SIZE = 300 * 1024 * 1024

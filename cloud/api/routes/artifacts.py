@@ -20,7 +20,7 @@ from python_multipart.exceptions import MultipartParseError
 from python_multipart.multipart import parse_options_header
 from sqlmodel import Session
 
-from cloud.api.deps import DEFAULT_PAGE, Cursor, IdempotencyKey, Limit, Operator, SessionDep, SettingsDep, Viewer, _bearer, require
+from cloud.api.deps import DEFAULT_PAGE, Cursor, ArtifactCaller, IdempotencyKey, Limit, Operator, SessionDep, SettingsDep, Viewer, _bearer, require
 from cloud.api import spec
 from cloud.api.problems import PROBLEM_RESPONSES, problem_response
 from cloud.api.state import hub_state
@@ -265,9 +265,11 @@ def list_all_artifacts(
 
 
 @router.get("/artifacts/{artifact_id}")
-def get_one_artifact(artifact_id: str, session: SessionDep, _: Viewer) -> ArtifactPublic:
-    """Read one artefact with its signed manifest."""
-    return artifact_to_wire(get_artifact(session, artifact_id))
+def get_one_artifact(artifact_id: str, session: SessionDep, caller: ArtifactCaller) -> ArtifactPublic:
+    """Read one artefact with its signed manifest (also with a publish grant, for an artefact it covers)."""
+    artifact = get_artifact(session, artifact_id)
+    caller.check(artifact.kind, artifact.name, artifact.version)
+    return artifact_to_wire(artifact)
 
 
 _viewer = require(Role.VIEWER)

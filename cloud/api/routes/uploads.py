@@ -2,7 +2,8 @@
 
 For artefacts too large for one unbroken ``POST /artifacts``: create a session, PUT its chunks (raw bytes with
 ``X-Chunk-SHA256``; each streamed to disk, never held whole), GET the session to resume, commit. Operators and
-admins, as for ``POST /artifacts``.
+admins, as for ``POST /artifacts``; and a ``training`` task's worker with its publish grant, for the model artefacts
+the grant names (``interfaces.uploads.PublishClaims``).
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from fastapi import APIRouter, Header, Path, Request, Response, status
 from fastapi.concurrency import run_in_threadpool
 from sqlmodel import Session
 
-from cloud.api.deps import IdempotencyKey, Operator, SessionDep, SettingsDep, read_one
+from cloud.api.deps import IdempotencyKey, Publisher, SessionDep, SettingsDep, UploadCaller, read_one
 from cloud.api.problems import PROBLEM_RESPONSES
 from cloud.api.state import hub_state
 from cloud.artifacts import CHUNK, artifact_to_wire
@@ -22,6 +23,7 @@ from cloud.artifacts.uploads import (
     ChunkStaging, UploadArea, abort_upload, commit_upload, create_upload, expected_length, get_upload, upload_to_wire,
 )  # fmt: skip
 from cloud.errors import UnsupportedMediaType, ValidationFailed
+from cloud.tables import ArtifactUpload
 from interfaces import API_PREFIX
 from interfaces.deployments import SHA256_RE, ArtifactPublic
 from interfaces.strict import INT64_MAX
@@ -44,10 +46,11 @@ def upload_area(request: Request) -> UploadArea:
 
 
 @router.post("/artifacts/uploads", status_code=status.HTTP_201_CREATED)
-def start_upload(body: UploadCreate, request: Request, response: Response, session: SessionDep, settings: SettingsDep, _: Operator, __: IdempotencyKey = None) -> UploadSession:
+def start_upload(body: UploadCreate, request: Request, response: Response, session: SessionDep, settings: SettingsDep, caller: UploadCaller, __: IdempotencyKey = None) -> UploadSession:
     """Start a chunked upload of an artefact (its kind, name, version, format, size and SHA-256): the session says
     the chunk size and how many chunks to PUT. 409 ``artifact_exists`` when this kind, name and version is stored;
     422 for a ``size`` above ``max_artifact_bytes``."""
+    caller.check(body.kind.value, body.name, body.version)
     area = upload_area(request)
     row = create_upload(session, area, body, settings.upload_chunk_bytes, settings.upload_ttl_s, settings.max_artifact_bytes)
     response.headers["Location"] = f"{API_PREFIX}/artifacts/uploads/{row.id}"
@@ -55,14 +58,20 @@ def start_upload(body: UploadCreate, request: Request, response: Response, sessi
 
 
 @router.get("/artifacts/uploads/{upload_id}")
-def read_upload(upload_id: UploadId, request: Request, session: SessionDep, _: Operator) -> UploadSession:
+def read_upload(upload_id: UploadId, request: Request, session: SessionDep, caller: UploadCaller) -> UploadSession:
     """An upload session with the chunks the hub holds (what a client resumes from)."""
     area = upload_area(request)
-    return upload_to_wire(get_upload(session, area, upload_id), area)
+    return upload_to_wire(_own_upload(session, area, upload_id, caller), area)
 
 
-def _open_chunk(session: Session, area: UploadArea, upload_id: str, index: int, sha256: str, declared: str | None) -> ChunkStaging:
+def _own_upload(session: Session, area: UploadArea, upload_id: str, caller: Publisher) -> ArtifactUpload:
     row = get_upload(session, area, upload_id)
+    caller.check(row.kind, row.name, row.version)
+    return row
+
+
+def _open_chunk(session: Session, area: UploadArea, upload_id: str, index: int, sha256: str, declared: str | None, caller: Publisher) -> ChunkStaging:
+    row = _own_upload(session, area, upload_id, caller)
     length = expected_length(row, index)
     if declared is not None and declared.isdigit() and int(declared) != length:
         raise ValidationFailed(
@@ -76,7 +85,7 @@ def _open_chunk(session: Session, area: UploadArea, upload_id: str, index: int, 
     "/artifacts/uploads/{upload_id}/chunks/{index}", status_code=status.HTTP_204_NO_CONTENT, response_class=Response,
     openapi_extra={"requestBody": {"required": True, "content": {CHUNK_MEDIA_TYPE: {"schema": {"type": "string", "format": "binary"}}}}},
 )  # fmt: skip
-async def put_chunk(upload_id: UploadId, index: ChunkIndex, sha256: ChunkSha256, request: Request, _: Operator) -> Response:
+async def put_chunk(upload_id: UploadId, index: ChunkIndex, sha256: ChunkSha256, request: Request, caller: UploadCaller) -> Response:
     """Send one chunk's bytes (``application/octet-stream``) with its SHA-256 in ``X-Chunk-SHA256``. 204 when
     stored, and again for a retry with the same SHA-256; 409 when the hub holds the chunk with another one; 422
     for a length other than the chunk's or bytes that do not match the header (nothing is kept)."""
@@ -84,7 +93,7 @@ async def put_chunk(upload_id: UploadId, index: ChunkIndex, sha256: ChunkSha256,
     if media_type != CHUNK_MEDIA_TYPE:
         raise UnsupportedMediaType(f"send the chunk's bytes as {CHUNK_MEDIA_TYPE}")
     area = upload_area(request)
-    staging = await run_in_threadpool(read_one, request, lambda s, i: _open_chunk(s, area, i, index, sha256, request.headers.get("content-length")), upload_id)
+    staging = await run_in_threadpool(read_one, request, lambda s, i: _open_chunk(s, area, i, index, sha256, request.headers.get("content-length"), caller), upload_id)
     try:
         pending: list[bytes] = []
         size = 0
@@ -102,10 +111,11 @@ async def put_chunk(upload_id: UploadId, index: ChunkIndex, sha256: ChunkSha256,
 
 
 @router.post("/artifacts/uploads/{upload_id}/commit", status_code=status.HTTP_201_CREATED)
-def commit(upload_id: UploadId, request: Request, response: Response, session: SessionDep, _: Operator, __: IdempotencyKey = None) -> ArtifactPublic:
+def commit(upload_id: UploadId, request: Request, response: Response, session: SessionDep, caller: UploadCaller, __: IdempotencyKey = None) -> ArtifactPublic:
     """Join the chunks, check the declared SHA-256, and store and sign the artefact as ``POST /artifacts`` does;
     the session ends. 422 when chunks are missing, or when the joined bytes have another SHA-256 (the session stays,
     without its chunks: send them again); 409 ``artifact_exists`` when the artefact was stored meanwhile."""
+    _own_upload(session, upload_area(request), upload_id, caller)
     state = hub_state(request)
     artifact = artifact_to_wire(commit_upload(session, state.signing, state.blobs, upload_area(request), upload_id))
     response.headers["Location"] = f"{API_PREFIX}/artifacts/{artifact.id}"
@@ -113,7 +123,8 @@ def commit(upload_id: UploadId, request: Request, response: Response, session: S
 
 
 @router.delete("/artifacts/uploads/{upload_id}", status_code=status.HTTP_204_NO_CONTENT, response_class=Response)
-def abort(upload_id: UploadId, request: Request, session: SessionDep, _: Operator, __: IdempotencyKey = None) -> Response:
+def abort(upload_id: UploadId, request: Request, session: SessionDep, caller: UploadCaller, __: IdempotencyKey = None) -> Response:
     """Abort an upload: the session and its chunks are removed."""
+    _own_upload(session, upload_area(request), upload_id, caller)
     abort_upload(session, upload_area(request), upload_id)
     return Response(status_code=status.HTTP_204_NO_CONTENT)

@@ -3,6 +3,8 @@
     aisynergy task create --type batch_inference --model detector:1.2.0 --inputs frames.npy --chunk-size 32 \\
         --selector zone=a --max-nodes 4 --watch
     aisynergy task create --type inference --model detector --nodes --accelerator gpu:1:inference --duration 1h
+    aisynergy task create --type training --algorithm digits-torch-cnn:1.0.0 --dataset train=digits-train \
+        --dataset test=digits-test --config '{"epochs": 2}' --steps 10 --checkpoint-every 2 --watch
     aisynergy task list --state RUNNING
     aisynergy task logs -f task-...          # live log lines (Server-Sent Events) until the task is final
     aisynergy task outputs task-... --out outputs.safetensors

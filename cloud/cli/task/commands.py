@@ -59,6 +59,13 @@ def task(ctx: click.Context, hub_url: str, token: str | None, ca_file: Path | No
 @click.option("--heartbeat", type=DURATION, default=None, help="how often a worker reports")
 @click.option("--max-attempts", type=int, default=None, help="tries of one piece of work before the task FAILS")
 @click.option("--backoff", type=DURATION, default=None, help="wait before the 2nd attempt (doubles each time)")
+@click.option("--algorithm", default=None, metavar="NAME:VERSION", help="training: the algorithm artefact (aisynergy algorithm upload)")
+@click.option("--dataset", "datasets", multiple=True, metavar="OWN=SITE", help="training: the algorithm's dataset name = the site's (edge run --dataset); repeatable")
+@click.option("--config", default=None, metavar="JSON|@FILE", help="training: the algorithm's configuration (checked against its config_schema)")
+@click.option("--steps", type=int, default=None, help="training: fit calls")
+@click.option("--checkpoint-every", type=int, default=None, help="training: steps between two checkpoints kept on the site")
+@click.option("--initial", default=None, metavar="ARTIFACT_ID", help="training: a safetensors model artefact to start from")
+@click.option("--output", default=None, metavar="NAME[:VERSION]", help="training: the model published (default: the algorithm's name, a free version)")
 @click.option("--hold", is_flag=True, help="create it held in PENDING: 'aisynergy task start ID' lets it run")
 @click.option("--name", default=None)
 @click.option("--watch", is_flag=True, help="live progress until the task is final; exit 0 only if it SUCCEEDED")
@@ -67,14 +74,17 @@ def task(ctx: click.Context, hub_url: str, token: str | None, ca_file: Path | No
 def create(hub: _Hub, task_type: str, spec_text: str | None, model: str | None, inputs: str | None, chunk_size: int | None, input_name: str | None,
            duration: float | None, selector: str | None, ids: str | None, nodes: bool, min_nodes: int | None, max_nodes: int | None,
            accelerators: tuple[str, ...], timeout: float | None, worker_timeout: float | None, heartbeat: float | None, max_attempts: int | None,
-           backoff: float | None, hold: bool, name: str | None, watch: bool, as_json: bool) -> None:  # fmt: skip
+           backoff: float | None, algorithm: str | None, datasets: tuple[str, ...], config: str | None, steps: int | None,
+           checkpoint_every: int | None, initial: str | None, output: str | None, hold: bool, name: str | None, watch: bool,
+           as_json: bool) -> None:  # fmt: skip
     """Create a task (and start it, unless --hold)."""
     if ids is not None and selector is not None:
         raise click.UsageError("give at most one of --ids or --selector")
     options = dict(
         model=model, chunk_size=chunk_size, input_name=input_name, duration=duration, selector=selector, ids=ids, nodes=nodes, min_nodes=min_nodes,
         max_nodes=max_nodes, accelerators=accelerators, timeout=timeout, worker_timeout=worker_timeout, heartbeat=heartbeat, max_attempts=max_attempts,
-        backoff=backoff, hold=hold, name=name,
+        backoff=backoff, hold=hold, name=name, algorithm=algorithm, datasets=datasets, config=config, steps=steps, checkpoint_every=checkpoint_every,
+        initial=initial, output=output,
     )  # fmt: skip
     spec = load_spec(spec_text)
     inputs_path = Path(inputs) if inputs is not None else None

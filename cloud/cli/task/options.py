@@ -21,7 +21,9 @@ _FLAG_OF = {
     "spec.duration_s": "--duration", "placement.selector": "--selector", "placement.ids": "--ids", "placement.min_nodes": "--min-nodes",
     "placement.max_nodes": "--max-nodes", "placement.accelerators": "--accelerator", "timeout_s": "--timeout",
     "worker_timeout_s": "--worker-timeout", "heartbeat_s": "--heartbeat", "retry.max_attempts": "--max-attempts",
-    "retry.backoff_s": "--backoff", "name": "--name", "type": "--type",
+    "retry.backoff_s": "--backoff", "name": "--name", "type": "--type", "spec.algorithm": "--algorithm", "spec.datasets": "--dataset",
+    "spec.config": "--config", "spec.steps": "--steps", "spec.checkpoint_every": "--checkpoint-every", "spec.initial_parameters": "--initial",
+    "spec.output": "--output",
 }  # fmt: skip
 
 
@@ -48,11 +50,11 @@ class _Duration(click.ParamType):
 DURATION = _Duration()
 
 
-def parse_model(text: str) -> dict[str, Any]:
+def parse_model(text: str, flag: str = "--model") -> dict[str, Any]:
     """``NAME`` or ``NAME:VERSION`` as a ``ModelRef`` document."""
     name, sep, version = text.partition(":")
     if not name or (sep and not version):
-        raise click.BadParameter(f"{text!r}: use NAME or NAME:VERSION", param_hint="--model")
+        raise click.BadParameter(f"{text!r}: use NAME or NAME:VERSION", param_hint=flag)
     return {"name": name, **({"version": version} if version else {})}
 
 
@@ -74,24 +76,24 @@ def parse_accelerator(text: str) -> dict[str, Any]:
     raise click.BadParameter(f"{text!r}: use TYPE[:COUNT[:training|inference]], e.g. gpu:2 or npu:1:inference", param_hint="--accelerator")
 
 
-def load_spec(text: str | None) -> dict[str, Any]:
-    """``--spec``: a JSON object, or ``@file.json``."""
+def load_spec(text: str | None, flag: str = "--spec") -> dict[str, Any]:
+    """``--spec`` (or ``flag``): a JSON object, or ``@file.json``."""
     if text is None:
         return {}
-    source = "--spec"
+    source = flag
     if text.startswith("@"):
         path = Path(text[1:])
         try:
             text = path.read_text(encoding="utf-8")
         except OSError as exc:
-            raise click.BadParameter(f"cannot read {path}: {exc.strerror}", param_hint="--spec") from exc
+            raise click.BadParameter(f"cannot read {path}: {exc.strerror}", param_hint=flag) from exc
         source = str(path)
     try:
         spec = json.loads(text)
     except json.JSONDecodeError as exc:
-        raise click.BadParameter(f"{source} is not JSON: {exc}", param_hint="--spec") from exc
+        raise click.BadParameter(f"{source} is not JSON: {exc}", param_hint=flag) from exc
     if not isinstance(spec, dict):
-        raise click.BadParameter(f"{source} must be a JSON object", param_hint="--spec")
+        raise click.BadParameter(f"{source} must be a JSON object", param_hint=flag)
     return spec
 
 
@@ -104,7 +106,8 @@ def build_task_body(
     input_name: str | None = None, duration: float | None = None, selector: str | None = None, ids: str | list[str] | None = None,
     nodes: bool = False, min_nodes: int | None = None, max_nodes: int | None = None, accelerators: Iterable[str] = (),
     timeout: float | None = None, worker_timeout: float | None = None, heartbeat: float | None = None, max_attempts: int | None = None,
-    backoff: float | None = None, hold: bool = False, name: str | None = None,
+    backoff: float | None = None, hold: bool = False, name: str | None = None, algorithm: str | None = None, datasets: Iterable[str] = (),
+    config: str | None = None, steps: int | None = None, checkpoint_every: int | None = None, initial: str | None = None, output: str | None = None,
 ) -> dict[str, Any]:  # fmt: skip
     """The ``TaskCreate`` body from the options of ``task create`` (``inputs``: the dataset artefact's id).
 
@@ -115,11 +118,26 @@ def build_task_body(
     spec = dict(spec or {})
     if model is not None:
         spec["model"] = parse_model(model)
-    for key, value in (("inputs", inputs), ("chunk_size", chunk_size), ("input_name", input_name), ("duration_s", duration)):
+    if algorithm is not None:
+        ref = parse_model(algorithm, "--algorithm")
+        if "version" not in ref:
+            raise click.BadParameter(f"{algorithm!r}: use NAME:VERSION", param_hint="--algorithm")
+        spec["algorithm"] = ref
+    if output is not None:
+        spec["output"] = parse_model(output, "--output")
+    for text in datasets:
+        own, sep, local = text.partition("=")
+        if not sep or not own or not local:
+            raise click.BadParameter(f"{text!r}: use ALGORITHM_NAME=SITE_NAME", param_hint="--dataset")
+        spec.setdefault("datasets", {})[own] = local
+    if config is not None:
+        spec["config"] = load_spec(config, "--config")
+    for key, value in (("inputs", inputs), ("chunk_size", chunk_size), ("input_name", input_name), ("duration_s", duration), ("steps", steps),
+                       ("checkpoint_every", checkpoint_every), ("initial_parameters", initial)):  # fmt: skip
         if value is not None:
             spec[key] = value
     placement: dict[str, Any] = {}
-    if nodes:
+    if nodes or type == "training":  # training runs on sites (edge nodes)
         placement["target"] = "node"
     if selector is not None:
         placement["selector"] = selector

@@ -32,7 +32,7 @@ from interfaces.deployments import ArtifactPublic
 from interfaces.reconnect import reconnect_delay
 from interfaces.uploads import CHUNK_MEDIA_TYPE, CHUNK_SHA256_HEADER, UploadSession, chunk_length
 
-log = logging.getLogger("aisynergy.edge.upload")
+log = logging.getLogger("aisynergy.device.upload")
 
 
 class UploadError(Exception):
@@ -142,7 +142,7 @@ def upload_artifact(
     verify: ssl.SSLContext | bool | str = True, timeout_s: float = 120.0, attempts: int = 10, transport: httpx.BaseTransport | None = None,
 ) -> ArtifactPublic:  # fmt: skip
     """Upload the file at ``path`` as the artefact ``kind`` ``name`` ``version`` (``format``) to the hub at
-    ``hub_url`` (its base, e.g. ``https://hub:8443``) with an operator token; resumes the session saved in
+    ``hub_url`` (its base, e.g. ``https://hub:8443``) with an operator token or a training task's publish grant; resumes the session saved in
     ``state_file``. Gives up (``UploadError``) after ``attempts`` failures in a row without a chunk stored;
     ``UploadRefused`` at once when the hub refuses (4xx)."""
     identity = {"kind": kind, "name": name, "version": version, "format": format, "size": path.stat().st_size, "sha256": sha256_file(path)}
