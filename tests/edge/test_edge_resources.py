@@ -70,7 +70,8 @@ def test_a_site_reports_the_training_frameworks_it_has_with_their_installed_vers
     reading = ResourceSampler(tmp_path).read()
 
     assert reading.frameworks["numpy"] == importlib.metadata.version("numpy") == numpy.__version__
-    assert set(reading.frameworks) <= {"torch", "numpy", "jax", "tensorflow", "onnxruntime", "scikit-learn", "safetensors"}
+    assert set(reading.frameworks) <= {"torch", "numpy", "jax", "tensorflow", "onnx", "onnxruntime", "scikit-learn", "safetensors", "paddlepaddle", "mindspore"}
+    assert reading.frameworks["onnx"] == importlib.metadata.version("onnx")  # what an algorithm exporting ONNX in numpy asks for
     assert "jax" not in reading.frameworks or reading.frameworks["jax"] == importlib.metadata.version("jax")
     assert Resources.model_validate(reading.model_dump(mode="json")).frameworks == reading.frameworks
 
