@@ -25,7 +25,6 @@ from typing import Any
 
 import httpx
 
-from device.ota.verify import sha256_file
 from device.tls import tls_verify
 from interfaces import API_PREFIX
 from interfaces.deployments import ArtifactPublic
@@ -89,9 +88,24 @@ class _State:
             self.path.unlink(missing_ok=True)
 
 
+GUESSED_CHUNK_BYTES = 8 * 1024 * 1024
+"""The hub's default chunk size: the chunks' SHA-256 are computed for it in the same pass as the whole file's."""
+
+
+def _digests(path: Path, chunk_size: int = GUESSED_CHUNK_BYTES) -> tuple[str, list[str]]:
+    """The file's SHA-256 and the SHA-256 of each of its ``chunk_size`` chunks, reading it once."""
+    whole, chunks = hashlib.sha256(), []
+    with path.open("rb") as f:
+        while data := f.read(chunk_size):
+            whole.update(data)
+            chunks.append(hashlib.sha256(data).hexdigest())
+    return whole.hexdigest(), chunks
+
+
 class _Uploader:
-    def __init__(self, client: httpx.Client, path: Path, identity: dict[str, Any], state: _State) -> None:
+    def __init__(self, client: httpx.Client, path: Path, identity: dict[str, Any], state: _State, chunk_digests: list[str] | None = None) -> None:
         self.client, self.path, self.identity, self.state = client, path, identity, state
+        self.chunk_digests = chunk_digests or []
 
     def session(self) -> UploadSession:
         """The saved session if the hub still has it, else a new one."""
@@ -114,7 +128,8 @@ class _Uploader:
                     continue
                 f.seek(index * session.chunk_size)
                 data = f.read(chunk_length(session.size, session.chunk_size, index))
-                headers = {CHUNK_SHA256_HEADER: hashlib.sha256(data).hexdigest(), "Content-Type": CHUNK_MEDIA_TYPE}
+                known = session.chunk_size == GUESSED_CHUNK_BYTES and index < len(self.chunk_digests)
+                headers = {CHUNK_SHA256_HEADER: self.chunk_digests[index] if known else hashlib.sha256(data).hexdigest(), "Content-Type": CHUNK_MEDIA_TYPE}
                 _checked(self.client.put(f"/artifacts/uploads/{session.id}/chunks/{index}", content=data, headers=headers), 204)
                 progress()
 
@@ -145,7 +160,8 @@ def upload_artifact(
     ``hub_url`` (its base, e.g. ``https://hub:8443``) with an operator token or a training task's publish grant; resumes the session saved in
     ``state_file``. Gives up (``UploadError``) after ``attempts`` failures in a row without a chunk stored;
     ``UploadRefused`` at once when the hub refuses (4xx)."""
-    identity = {"kind": kind, "name": name, "version": version, "format": format, "size": path.stat().st_size, "sha256": sha256_file(path)}
+    whole, chunk_digests = _digests(path)
+    identity = {"kind": kind, "name": name, "version": version, "format": format, "size": path.stat().st_size, "sha256": whole}
     state = _State(state_file, identity)
     timeout = httpx.Timeout(timeout_s, connect=min(timeout_s, 10.0))
     headers = {"Authorization": f"Bearer {token}"}
@@ -156,7 +172,7 @@ def upload_artifact(
         failures = 0
 
     with httpx.Client(base_url=hub_url.rstrip("/") + API_PREFIX, headers=headers, timeout=timeout, verify=tls_verify(verify), transport=transport) as client:
-        uploader = _Uploader(client, path, identity, state)
+        uploader = _Uploader(client, path, identity, state, chunk_digests)
         while True:
             try:
                 session = uploader.session()

@@ -90,6 +90,22 @@ class _FileBlobWriter:
                 os.unlink(self._tmp)
 
 
+class _AdoptedBlob:
+    def __init__(self, store: FileBlobStore, path: Path, sha256: str, size: int) -> None:
+        self._store, self._path, self.sha256, self.size = store, path, sha256, size
+
+    def write(self, data: bytes) -> None:
+        raise TypeError("an adopted blob is written already")
+
+    def commit(self) -> tuple[str, int]:
+        final = self._store._file(self.sha256)
+        final.parent.mkdir(exist_ok=True)
+        os.chmod(self._path, 0o644)
+        os.replace(self._path, final)  # same bytes under the same name: replacing an existing blob is harmless
+        _fsync_dir(final.parent)
+        return self.sha256, self.size
+
+
 class FileBlobStore:
     """Blobs as files ``root/ab/cdef...``; written to a temporary file under ``root/.tmp``, fsynced, then renamed."""
 
@@ -130,6 +146,11 @@ class FileBlobStore:
     def delete(self, sha256: str) -> None:
         with _suppress_missing():
             self._file(sha256).unlink()
+
+    def adopt(self, path: Path, sha256: str, size: int) -> _AdoptedBlob:
+        """A writer whose ``commit`` moves the file ``path`` (its content already hashed to ``sha256``, fsynced) into
+        the store by a rename: no copy. ``OSError`` (another filesystem) from ``commit`` leaves ``path`` as it was."""
+        return _AdoptedBlob(self, Path(path), _check_sha(sha256), size)
 
     def temporary_files(self) -> list[Path]:
         """Uploads in progress (or left by a crash)."""

@@ -1,13 +1,17 @@
 """Chunked, resumable uploads of artefacts (``/artifacts/uploads``; the wire side in :mod:`interfaces.uploads`).
 
 A session is a row (``cloud.tables.ArtifactUpload``: the declared artefact, its size, SHA-256 and chunk size,
-when it expires); its chunks are files ``<root>/<upload id>/<index>.chunk`` beside the blob store, never in the
-database. A chunk is streamed to a staging file in the session's directory, checked against its length and
-SHA-256, fsynced and hard-linked into place (``os.link`` fails when the chunk exists: two writers of one chunk
-cannot both win, on one hub or several on a shared disk). What the hub holds is what the directory lists, so a
-session resumes after a restart of the hub. A commit streams the chunks in order through SHA-256 into a blob
-writer and stores and signs the artefact with :func:`cloud.artifacts.records.create_artifact`, as
-``POST /artifacts`` does. Expired sessions (and directories whose row is gone) are removed by :func:`purge_expired`,
+when it expires); its bytes are one file ``<root>/<upload id>/data`` beside the blob store, never in the database,
+each chunk at its offset (``index * chunk_size``). A chunk is written in place while it is hashed, and only once its
+length and SHA-256 check and its bytes are on disk (``fdatasync``) does its receipt ``<index>.done`` appear (holding
+its SHA-256; linked into place, so two writers of one chunk cannot both win, on one hub or several on a shared
+disk). Writers of one chunk take no lock (a request cut mid-way may hang on until its connection times out; its
+retry must not wait for it): a retry of the same bytes writes the same bytes, and should two writers of other bytes
+overlap, the commit's whole SHA-256 finds it and the chunks are sent again. A chunk sent again while its receipt exists is only hashed, never written:
+204 for the same bytes, 409 for others. What the hub holds is what the receipts list, so a session resumes after a
+restart of the hub. A commit reads the data file once through SHA-256 and, when it matches, renames it into the blob
+store (no copy; a copy through a blob writer where the store is elsewhere) and stores and signs the artefact with
+:func:`cloud.artifacts.records.create_artifact`, as ``POST /artifacts`` does. Expired sessions (and directories whose row is gone) are removed by :func:`purge_expired`,
 which runs when a session is created and in the hub's housekeeping loop.
 """
 
@@ -40,7 +44,8 @@ from interfaces.uploads import MAX_CHUNKS, UploadCreate, UploadSession, chunk_co
 
 log = logging.getLogger("aisynergy.hub.uploads")
 
-_CHUNK_FILE = re.compile(r"^(0|[1-9][0-9]{0,9})\.chunk$")
+_CHUNK_FILE = re.compile(r"^(0|[1-9][0-9]{0,9})\.done$")
+DATA_FILE = "data"
 _STAGING_PREFIX = ".staging-"
 _COMMITTING: set[str] = set()
 _COMMITTING_LOCK = threading.Lock()
@@ -60,7 +65,12 @@ class UploadArea:
         return self.root / upload_id
 
     def chunk(self, upload_id: str, index: int) -> Path:
-        return self.dir(upload_id) / f"{index}.chunk"
+        """The receipt of chunk ``index`` (its SHA-256): the chunk's bytes are in :meth:`data`, at its offset."""
+        return self.dir(upload_id) / f"{index}.done"
+
+    def data(self, upload_id: str) -> Path:
+        return self.dir(upload_id) / DATA_FILE
+
 
     def received(self, upload_id: str) -> list[int]:
         """Indexes of the chunks held, ascending."""
@@ -167,25 +177,49 @@ def expected_length(row: ArtifactUpload, index: int) -> int:
 
 
 class ChunkStaging:
-    """One chunk being received: written to a staging file in the session's directory and hashed on the way."""
+    """One chunk being received: written in place into the session's data file and hashed on the way (a chunk already
+    held is only hashed, to answer 204 or 409)."""
 
-    def __init__(self, area: UploadArea, upload_id: str, index: int, length: int, sha256: str) -> None:
-        self.area, self.upload_id, self.index, self.length, self.sha256 = area, upload_id, index, length, sha256
+    def __init__(self, area: UploadArea, upload_id: str, index: int, length: int, sha256: str, offset: int) -> None:
+        self.area, self.upload_id, self.index, self.length, self.sha256, self.offset = area, upload_id, index, length, sha256, offset
         self.size = 0
         self._hash = hashlib.sha256()
+        self._data: int | None = None
         try:
-            fd, path = tempfile.mkstemp(dir=area.dir(upload_id), prefix=_STAGING_PREFIX)
+            self._held = self._receipt()
+            if self._held is None:
+                if not area.dir(upload_id).is_dir():
+                    raise FileNotFoundError(upload_id)
+                self._data = os.open(area.data(upload_id), os.O_WRONLY | os.O_CREAT, 0o600)
         except FileNotFoundError:
+            self.discard()
             raise NotFound(f"upload {upload_id} does not exist (aborted, committed or expired)") from None
-        self._path = Path(path)
-        self._file = os.fdopen(fd, "wb")
+        except BaseException:
+            self.discard()
+            raise
+
+    def _receipt(self) -> str | None:
+        try:
+            return self.area.chunk(self.upload_id, self.index).read_text().strip()
+        except FileNotFoundError:
+            return None
 
     def write_all(self, pieces: list[bytes]) -> None:
         for data in pieces:
-            self.size += len(data)
-            if self.size > self.length:
+            if self.size + len(data) > self.length:
                 raise self._wrong_length(f"more than {self.length} bytes")
-            self._file.write(data)
+            if self._data is not None and self.area.chunk(self.upload_id, self.index).exists():
+                self._held = self._receipt()  # another request stored it meanwhile: its bytes stay as they are
+                os.close(self._data)
+                self._data = None
+            if self._data is not None:
+                view = memoryview(data)
+                while view:
+                    written = os.pwrite(self._data, view, self.offset + self.size)
+                    view = view[written:]
+                    self.size += written
+            else:
+                self.size += len(data)
             self._hash.update(data)
 
     def _wrong_length(self, what: str) -> ValidationFailed:
@@ -196,7 +230,7 @@ class ChunkStaging:
 
     def finish(self) -> bool:
         """Check and keep the chunk: True when stored now, False when the same chunk was stored already (409 when
-        another one was; 422 for a wrong length or SHA-256)."""
+        another one was; 422 for a wrong length or SHA-256: no receipt, the bytes written count for nothing)."""
         if self.size != self.length:
             raise self._wrong_length(f"{self.size}")
         digest = self._hash.hexdigest()
@@ -205,28 +239,48 @@ class ChunkStaging:
                 f"chunk {self.index} of upload {self.upload_id} has SHA-256 {digest}, not the {self.sha256} its header names",
                 errors=[{"loc": ["header", "X-Chunk-SHA256"], "msg": "does not match the bytes", "type": "digest_mismatch"}],
             )  # fmt: skip
-        self._file.flush()
-        os.fsync(self._file.fileno())
-        self._file.close()
+        if self._held is not None:
+            if self._held != digest:
+                raise Conflict(f"chunk {self.index} of upload {self.upload_id} is held with SHA-256 {self._held}, not {digest}", sha256=self._held)
+            return False
+        assert self._data is not None
+        os.fdatasync(self._data)
         final = self.area.chunk(self.upload_id, self.index)
+        fd, staged = tempfile.mkstemp(dir=self.area.dir(self.upload_id), prefix=_STAGING_PREFIX)
         try:
-            os.link(self._path, final)  # atomic, and refuses to replace a chunk that is there
-        except FileExistsError:
-            with final.open("rb") as f:
-                held = hashlib.file_digest(f, "sha256").hexdigest()
+            with os.fdopen(fd, "w") as f:
+                f.write(digest)
+                f.flush()
+                os.fsync(f.fileno())
+            os.link(staged, final)  # atomic, and refuses to replace a receipt that is there
+        except FileExistsError:  # another hub on a shared disk won
+            held = final.read_text().strip()
             if held != digest:
                 raise Conflict(f"chunk {self.index} of upload {self.upload_id} is held with SHA-256 {held}, not {digest}", sha256=held) from None
             return False
+        finally:
+            os.unlink(staged)
         _fsync_dir(final.parent)
         return True
 
     def discard(self) -> None:
-        if not self._file.closed:
-            self._file.close()
-        self._path.unlink(missing_ok=True)
+        if self._data is not None:
+            os.close(self._data)
+            self._data = None
 
 
 # --- commit ----------------------------------------------------------------------------------------
+
+
+def _store(session: Session, signing: SigningKey, blobs: BlobStore, row: ArtifactUpload, data: Path) -> Artifact:
+    """The checked data file as the artefact: renamed into a file blob store, else copied through a blob writer."""
+    adopt = getattr(blobs, "adopt", None)
+    if adopt is not None and os.stat(data).st_dev == os.stat(getattr(blobs, "root", data.parent)).st_dev:
+        return create_artifact(session, signing, blobs, _identity(row), adopt(data, row.sha256, row.size))
+    with blobs.writer() as writer, data.open("rb") as f:
+        while piece := f.read(CHUNK):
+            writer.write(piece)
+        return create_artifact(session, signing, blobs, _identity(row), writer)
 
 
 @contextmanager
@@ -255,22 +309,18 @@ def commit_upload(session: Session, signing: SigningKey, blobs: BlobStore, area:
                 f"upload {upload_id} lacks {len(missing)} of its {count} chunks (first missing: {missing[0]})",
                 errors=[{"loc": ["chunks"], "msg": f"missing {missing[:32]}", "type": "missing"}],
             )  # fmt: skip
-        with blobs.writer() as writer:
-            digest = hashlib.sha256()
+        data = area.data(upload_id)
+        with data.open("rb") as f:
+            digest = hashlib.file_digest(f, "sha256").hexdigest()
+        if digest != row.sha256 or data.stat().st_size != row.size:
             for index in range(count):
-                with area.chunk(upload_id, index).open("rb") as f:
-                    while data := f.read(CHUNK):
-                        digest.update(data)
-                        writer.write(data)
-            if digest.hexdigest() != row.sha256:
-                for index in range(count):
-                    area.chunk(upload_id, index).unlink(missing_ok=True)
-                raise ValidationFailed(
-                    f"the chunks of upload {upload_id} join to SHA-256 {digest.hexdigest()}, not the declared {row.sha256}; "
-                    "its chunks are dropped: send them again",
-                    errors=[{"loc": ["body", "sha256"], "msg": "does not match the joined chunks", "type": "digest_mismatch"}],
-                )  # fmt: skip
-            artifact = create_artifact(session, signing, blobs, _identity(row), writer)
+                area.chunk(upload_id, index).unlink(missing_ok=True)
+            raise ValidationFailed(
+                f"the chunks of upload {upload_id} join to SHA-256 {digest}, not the declared {row.sha256}; "
+                "its chunks are dropped: send them again",
+                errors=[{"loc": ["body", "sha256"], "msg": "does not match the joined chunks", "type": "digest_mismatch"}],
+            )  # fmt: skip
+        artifact = _store(session, signing, blobs, row, data)
         session.delete(row)
         session.commit()
         area.remove(upload_id)

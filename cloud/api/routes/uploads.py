@@ -78,7 +78,7 @@ def _open_chunk(session: Session, area: UploadArea, upload_id: str, index: int, 
             f"chunk {index} of upload {upload_id} has exactly {length} bytes; Content-Length says {declared}",
             errors=[{"loc": ["header", "content-length"], "msg": f"exactly {length}", "type": "chunk_length"}],
         )  # fmt: skip
-    return ChunkStaging(area, upload_id, index, length, sha256)
+    return ChunkStaging(area, upload_id, index, length, sha256, index * row.chunk_size)
 
 
 @router.put(
