@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 from pydantic import ValidationError
 from sqlalchemy import delete, select
+from sqlalchemy.exc import IntegrityError
 from sqlmodel import col
 
 from cloud.errors import BadRequest, Conflict, ValidationFailed
@@ -182,6 +183,11 @@ class Training(TaskKind):
         assert output.name is not None and output.version is not None
         session.add(TrainingManifest(task_id=task.id, algorithm_id=algorithm.id, manifest=manifest.model_dump(mode="json"), output_name=output.name,
                                      output_version=output.version))  # fmt: skip
+        try:
+            session.flush()  # another task pinned the same output meanwhile: the unique constraint says so now
+        except IntegrityError:
+            session.rollback()
+            raise Conflict(f"another task took the output {output.name} {output.version} at the same moment; create this one again") from None
         return spec.model_copy(update={"output": output})
 
     def candidates(self, session: Session, task: Task, found: Candidates) -> Candidates:
