@@ -32,7 +32,7 @@ from pathlib import Path
 from sqlalchemy import select
 from sqlmodel import Session, col
 
-from cloud.artifacts.blobs import CHUNK, BlobStore, _fsync_dir
+from cloud.artifacts.blobs import CHUNK, BlobStore, FileBlobStore, _fsync_dir
 from cloud.artifacts.records import create_artifact, ensure_absent
 from cloud.errors import Conflict, NotFound, ValidationFailed
 from cloud.filemodes import private_dir
@@ -274,9 +274,8 @@ class ChunkStaging:
 
 def _store(session: Session, signing: SigningKey, blobs: BlobStore, row: ArtifactUpload, data: Path) -> Artifact:
     """The checked data file as the artefact: renamed into a file blob store, else copied through a blob writer."""
-    adopt = getattr(blobs, "adopt", None)
-    if adopt is not None and os.stat(data).st_dev == os.stat(getattr(blobs, "root", data.parent)).st_dev:
-        return create_artifact(session, signing, blobs, _identity(row), adopt(data, row.sha256, row.size))
+    if isinstance(blobs, FileBlobStore) and os.stat(data).st_dev == os.stat(blobs.root).st_dev:  # a rename, not a copy
+        return create_artifact(session, signing, blobs, _identity(row), blobs.adopt(data, row.sha256, row.size))
     with blobs.writer() as writer, data.open("rb") as f:
         while piece := f.read(CHUNK):
             writer.write(piece)

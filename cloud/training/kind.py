@@ -149,17 +149,22 @@ def card_indices(resources: Resources | None, mine: list[dict[str, Any]], others
     for acc in resources.accelerators:
         cards.extend((len(cards) + i, acc) for i in range(acc.count))
     taken: set[int] = set()
-    held: list[int] = []
-    for reservation, out in [*[(r, None) for rs in others for r in rs], *[(r, held) for r in mine]]:
-        try:
-            req = AcceleratorRequest.model_validate(reservation)
-        except ValidationError:
-            continue
-        free = [i for i, acc in card_order(cards, req) if i not in taken][: req.count]
-        taken.update(free)
-        if out is not None:
-            out.extend(free)
-    return sorted(held)
+
+    def take(reservations: list[dict[str, Any]]) -> list[int]:
+        got: list[int] = []
+        for reservation in reservations:
+            try:
+                req = AcceleratorRequest.model_validate(reservation)
+            except ValidationError:
+                continue
+            free = [i for i, _ in card_order(cards, req) if i not in taken][: req.count]
+            taken.update(free)
+            got.extend(free)
+        return got
+
+    for reservations in others:
+        take(reservations)
+    return sorted(take(mine))
 
 
 class Training(TaskKind):
@@ -265,8 +270,8 @@ class Training(TaskKind):
                            num_examples=r.num_examples, loss=r.loss, metrics=r.metrics)
             for r in rows
         ]  # fmt: skip
-        complete = TaskState(task.state) is TaskState.SUCCEEDED and bool(rows)
-        return outputs.model_copy(update={"artifacts": artifacts, "trained": trained, "complete": complete or (TaskState(task.state) in TASK_FINAL and bool(rows))})
+        complete = TaskState(task.state) in TASK_FINAL and bool(rows)
+        return outputs.model_copy(update={"artifacts": artifacts, "trained": trained, "complete": complete})
 
     def forget(self, session: Session, task_id: str) -> None:
         session.execute(delete(TrainedModelRow).where(TrainedModelRow.task_id == task_id))  # type: ignore[arg-type]
