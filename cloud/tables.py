@@ -239,7 +239,7 @@ class ArtifactUpload(SQLModel, table=True):
     version: str = Field(max_length=64)
     format: str = Field(max_length=16)
     size: int = Field(sa_column=Column(BigInteger, nullable=False))
-    sha256: str = Field(max_length=64)
+    sha256: str | None = Field(default=None, max_length=64, description="declared at the start, else in the commit")
     chunk_size: int = Field(sa_column=Column(BigInteger, nullable=False))
     created_at: datetime = _ts(nullable=False)
     expires_at: datetime = Field(sa_column=Column(DateTime(timezone=True), nullable=False, index=True))

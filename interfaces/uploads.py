@@ -5,7 +5,8 @@ hub's chunk size, the number of chunks and the chunks it holds. It then PUTs eac
 (``application/octet-stream``) with the chunk's SHA-256 in :data:`CHUNK_SHA256_HEADER` (lower-case hex), in any
 order and as often as it must: a chunk the hub holds with the same SHA-256 is answered 204 again, with another
 409. Every chunk is ``chunk_size`` bytes but the last, which holds the rest. Once all are in, a commit joins them,
-checks the whole SHA-256 and stores and signs the artefact as ``POST /artifacts`` does. A session lasts until
+checks the whole SHA-256 and stores and signs the artefact as ``POST /artifacts`` does. The whole SHA-256 is declared
+when the session starts or, so that a client hashes the file while it sends it, in the commit (:class:`UploadCommit`). A session lasts until
 ``expires_at``; its chunks outlive a restart of the hub, so a client resumes from ``received`` (GET the session).
 """
 
@@ -49,7 +50,7 @@ class UploadCreate(NoNul):
     version: Version
     format: Annotated[ArtifactFormat, BY_VALUE]
     size: int = Field(ge=1, le=INT64_MAX, description="bytes of the whole artefact (at most the hub's max_artifact_bytes)")
-    sha256: Sha256 = Field(description="SHA-256 of the whole artefact, checked at commit")
+    sha256: Sha256 | None = Field(default=None, description="SHA-256 of the whole artefact, checked at commit; or declare it in the commit (a client then hashes the file while it sends it)")
 
 
 class UploadSession(BaseModel):
@@ -61,12 +62,21 @@ class UploadSession(BaseModel):
     version: str
     format: ArtifactFormat
     size: int = Field(ge=1, le=INT64_MAX)
-    sha256: str
+    sha256: str | None = Field(description="as declared at the start; null when the commit declares it")
     chunk_size: int = Field(ge=1, le=INT64_MAX, description="bytes of every chunk but the last")
     chunk_count: int = Field(ge=1, le=MAX_CHUNKS)
     received: list[int] = Field(max_length=MAX_CHUNKS, description="indexes (0-based, ascending) of the chunks the hub holds")
     created_at: datetime
     expires_at: datetime = Field(description="after this the session and its chunks are removed")
+
+
+class UploadCommit(NoNul):
+    """The body of ``POST /artifacts/uploads/{id}/commit`` (optional): the whole artefact's SHA-256, when the session
+    was started without it (when it was, the same one or none)."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    sha256: Sha256 | None = Field(default=None, description="SHA-256 of the whole artefact")
 
 
 # --- publish grants ----------------------------------------------------------------------------------

@@ -1,40 +1,55 @@
 """Chunked, resumable uploads of artefacts (``/artifacts/uploads``; the wire side in :mod:`interfaces.uploads`).
 
-A session is a row (``cloud.tables.ArtifactUpload``: the declared artefact, its size, SHA-256 and chunk size,
-when it expires); its bytes are one file ``<root>/<upload id>/data`` beside the blob store, never in the database,
-each chunk at its offset (``index * chunk_size``). A chunk is written in place while it is hashed, and only once its
-length and SHA-256 check and its bytes are on disk (``fdatasync``) does its receipt ``<index>.done`` appear (holding
-its SHA-256; linked into place, so two writers of one chunk cannot both win, on one hub or several on a shared
-disk). Writers of one chunk take no lock (a request cut mid-way may hang on until its connection times out; its
-retry must not wait for it): a retry of the same bytes writes the same bytes, and should two writers of other bytes
-overlap, the commit's whole SHA-256 finds it and the chunks are sent again. A chunk sent again while its receipt exists is only hashed, never written:
-204 for the same bytes, 409 for others. What the hub holds is what the receipts list, so a session resumes after a
-restart of the hub. A commit reads the data file once through SHA-256 and, when it matches, renames it into the blob
-store (no copy; a copy through a blob writer where the store is elsewhere) and stores and signs the artefact with
-:func:`cloud.artifacts.records.create_artifact`, as ``POST /artifacts`` does. Expired sessions (and directories whose row is gone) are removed by :func:`purge_expired`,
-which runs when a session is created and in the hub's housekeeping loop.
+A session is a row (``cloud.tables.ArtifactUpload``: the declared artefact, its size, chunk size and, when the client
+declared it at the start, its SHA-256; when it expires); its bytes are one file ``<root>/<upload id>/data`` beside the
+blob store, never in the database, each chunk at its offset (``index * chunk_size``). A chunk is written in place
+while it is hashed, and only once its length and SHA-256 check does its receipt ``<index>.done`` appear (holding its
+SHA-256; linked into place, so two writers of one chunk cannot both win, on one hub or several on a shared disk). A
+chunk sent again while its receipt exists is only hashed, never written: 204 for the same bytes, 409 for others.
+What the hub holds is what the receipts list, so a session resumes after a restart of the hub.
+
+The whole SHA-256 is computed as the chunks arrive: a chunk that starts where the chunks before it end (in this
+process) carries the session's running hash on (:class:`_Chain`), so a commit after an upload in order reads nothing
+again; it reads only what the chain lacks (every byte after a restart of the hub, or from the first chunk that came
+out of order). Writers of one chunk take no lock (a request cut mid-way may hang on until its connection times out;
+its retry must not wait for it), so a chunk's bytes in the data file are trusted to be the winner's only when no other
+writer of that chunk wrote while it did: each writer leaves a mark ``<index>.w-<random>`` (``done`` once it has
+stopped) that the winner reads at its start and after its receipt, and when any other writer overlapped it, the chain
+stops there and the commit reads the rest from the file, where the whole SHA-256 finds any mixture (and the chunks
+are sent again). Chunks are not synced one by one: the commit syncs the data file once before it becomes a blob. A
+crash of the machine may leave a receipt whose bytes never reached the disk; the chain does not survive a restart, so
+that commit reads the whole file and refuses it (the chunks are sent again).
+
+A commit checks the whole SHA-256 (declared at the start, or in the commit itself) and, when it matches, renames the
+data file into the blob store (no copy; a copy through a blob writer where the store is elsewhere) and stores and
+signs the artefact with :func:`cloud.artifacts.records.create_artifact`, as ``POST /artifacts`` does. Expired
+sessions (and directories whose row is gone) are removed by :func:`purge_expired`, which runs when a session is
+created and in the hub's housekeeping loop.
 """
 
 from __future__ import annotations
 
+import errno
+import fcntl
 import hashlib
 import logging
 import os
 import re
 import shutil
+import secrets
 import tempfile
 import threading
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 from sqlalchemy import select
 from sqlmodel import Session, col
 
-from cloud.artifacts.blobs import CHUNK, BlobStore, FileBlobStore, _fsync_dir
+from cloud.artifacts.blobs import CHUNK, BlobStore, FileBlobStore
 from cloud.artifacts.records import create_artifact, ensure_absent
-from cloud.errors import Conflict, NotFound, ValidationFailed
+from cloud.errors import Conflict, NotFound, PayloadTooLarge, ValidationFailed
 from cloud.filemodes import private_dir
 from cloud.signing import SigningKey
 from cloud.tables import Artifact, ArtifactUpload
@@ -45,6 +60,8 @@ from interfaces.uploads import MAX_CHUNKS, UploadCreate, UploadSession, chunk_co
 log = logging.getLogger("aisynergy.hub.uploads")
 
 _CHUNK_FILE = re.compile(r"^(0|[1-9][0-9]{0,9})\.done$")
+_RECEIPT = re.compile(r"^[0-9a-f]{64}$")
+_MARK_DONE = b"done"
 DATA_FILE = "data"
 _STAGING_PREFIX = ".staging-"
 _COMMITTING: set[str] = set()
@@ -53,6 +70,98 @@ _COMMITTING_LOCK = threading.Lock()
 
 def _utc(value: datetime) -> datetime:
     return value.replace(tzinfo=UTC) if value.tzinfo is None else value.astimezone(UTC)
+
+
+class _Chain:
+    """The running SHA-256 of a session's data file from its start up to ``offset``, as far as its chunks are held (and
+    settled: see :func:`_settled`); ``lock`` is held by whoever carries it on."""
+
+    def __init__(self, chunk_size: int, size: int) -> None:
+        self.hash = hashlib.sha256()
+        self.offset = 0
+        self.chunk_size, self.size = chunk_size, size
+        self.lock = threading.Lock()
+
+
+class _Follower:
+    """Follows the sessions whose chunks arrive, in a thread of its own: carries each one's chain on through the chunks
+    held (their bytes read back while they are still in the page cache) and writes the data file back to disk
+    (``fdatasync``), so that a commit finds little left to hash or to sync. A chunk is stored the moment its receipt
+    appears; nothing here is on the request's path."""
+
+    def __init__(self) -> None:
+        self._pending: dict[tuple[Path, str], UploadArea] = {}
+        self._wake = threading.Condition()
+        self._thread: threading.Thread | None = None
+
+    def follow(self, area: UploadArea, upload_id: str) -> None:
+        with self._wake:
+            self._pending[(area.root, upload_id)] = area
+            if self._thread is None or not self._thread.is_alive():
+                self._thread = threading.Thread(target=self._run, name="upload-follower", daemon=True)
+                self._thread.start()
+            self._wake.notify()
+
+    def _run(self) -> None:
+        while True:
+            with self._wake:
+                if not self._wake.wait_for(lambda: bool(self._pending), timeout=60):
+                    self._thread = None
+                    return
+                (_, upload_id), area = next(iter(self._pending.items()))
+                del self._pending[(area.root, upload_id)]
+            try:
+                fd = os.open(area.data(upload_id), os.O_RDONLY)
+            except OSError:
+                continue  # committed or removed meanwhile
+            try:
+                chain = area.existing_chain(upload_id)
+                if chain is not None:
+                    with chain.lock:
+                        _carry_on(area, upload_id, chain, fd, settled_only=True)
+                os.fdatasync(fd)
+            except OSError as exc:
+                log.warning("could not follow upload %s ahead of its commit: %s", upload_id, exc)
+            finally:
+                os.close(fd)
+
+
+def _settled(area: UploadArea, upload_id: str, index: int) -> bool:
+    """Chunk ``index`` is held and no writer of it may still write (each of its marks says ``done``): its bytes in the
+    data file are final."""
+    if not area.chunk(upload_id, index).exists():
+        return False
+    for name in area.marks(upload_id, index):
+        try:
+            if (area.dir(upload_id) / name).read_bytes() != _MARK_DONE:
+                return False
+        except FileNotFoundError:
+            pass  # removed: it wrote nothing
+    return True
+
+
+def _carry_on(area: UploadArea, upload_id: str, chain: _Chain, fd: int, settled_only: bool) -> int:
+    """Carry ``chain`` on through the data file (``fd``): chunk by chunk while they are settled, or (a commit, which
+    holds the file) to its end. The caller holds ``chain.lock``; returns the bytes read."""
+    read = 0
+    while chain.offset < chain.size:
+        index = chain.offset // chain.chunk_size
+        if settled_only and not _settled(area, upload_id, index):
+            break
+        end = min(chain.offset + chain.chunk_size, chain.size) if settled_only else chain.size
+        while chain.offset < end:
+            piece = os.pread(fd, min(CHUNK * 2, end - chain.offset), chain.offset)
+            if not piece:
+                raise OSError(errno.EIO, f"the data file of upload {upload_id} ends at {chain.offset} of {chain.size} bytes")
+            chain.hash.update(piece)
+            chain.offset += len(piece)
+            read += len(piece)
+    return read
+
+
+_FOLLOWER = _Follower()
+_CHAINS: dict[Path, _Chain] = {}
+_CHAINS_LOCK = threading.Lock()
 
 
 class UploadArea:
@@ -71,6 +180,23 @@ class UploadArea:
     def data(self, upload_id: str) -> Path:
         return self.dir(upload_id) / DATA_FILE
 
+    def marks(self, upload_id: str, index: int) -> set[str]:
+        """The names of the writer marks of chunk ``index`` (see the module's text)."""
+        prefix = f"{index}.w-"
+        return {name for name in os.listdir(self.dir(upload_id)) if name.startswith(prefix)}
+
+    def chain(self, upload_id: str, chunk_size: int, size: int) -> _Chain:
+        """This process's running hash of the session (a new one, from offset 0, when it has none)."""
+        with _CHAINS_LOCK:
+            return _CHAINS.setdefault(self.dir(upload_id), _Chain(chunk_size, size))
+
+    def existing_chain(self, upload_id: str) -> _Chain | None:
+        with _CHAINS_LOCK:
+            return _CHAINS.get(self.dir(upload_id))
+
+    def drop_chain(self, upload_id: str) -> None:
+        with _CHAINS_LOCK:
+            _CHAINS.pop(self.dir(upload_id), None)
 
     def received(self, upload_id: str) -> list[int]:
         """Indexes of the chunks held, ascending."""
@@ -81,6 +207,7 @@ class UploadArea:
         return sorted(int(m.group(1)) for m in map(_CHUNK_FILE.match, names) if m is not None)
 
     def remove(self, upload_id: str) -> None:
+        self.drop_chain(upload_id)
         shutil.rmtree(self.dir(upload_id), ignore_errors=True)
 
     def sessions(self) -> list[str]:
@@ -132,9 +259,30 @@ def create_upload(session: Session, area: UploadArea, body: UploadCreate, chunk_
     )  # fmt: skip
     session.add(row)
     session.commit()
-    private_dir(area.dir(row.id))
+    try:
+        _reserve(area.data(row.id), row.size)
+    except OSError as exc:
+        session.delete(row)
+        session.commit()
+        area.remove(row.id)
+        raise PayloadTooLarge(f"the hub has no room for {row.size} bytes now ({exc.strerror})") from exc
     log.info("upload %s started: %s %s %s, %d bytes in %d chunks", row.id, row.kind, row.name, row.version, row.size, chunk_count(row.size, chunk_size))
     return row
+
+
+def _reserve(data: Path, size: int) -> None:
+    """The session's data file with its blocks allocated up front: the chunks' writes then only fill them (and a full
+    disk says so at the start, not half-way)."""
+    private_dir(data.parent)
+    fd = os.open(data, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        os.posix_fallocate(fd, 0, size)
+    except OSError as exc:
+        if exc.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
+            raise
+        os.ftruncate(fd, size)  # a file system that cannot allocate ahead
+    finally:
+        os.close(fd)
 
 
 def _identity(row: UploadCreate | ArtifactUpload) -> ArtifactCreate:
@@ -178,19 +326,30 @@ def expected_length(row: ArtifactUpload, index: int) -> int:
 
 class ChunkStaging:
     """One chunk being received: written in place into the session's data file and hashed on the way (a chunk already
-    held is only hashed, to answer 204 or 409)."""
+    held is only hashed, to answer 204 or 409). Its writer's mark (see the module's text) lives as long as it may write;
+    once stored, the session's follower carries the whole SHA-256 on through it."""
 
-    def __init__(self, area: UploadArea, upload_id: str, index: int, length: int, sha256: str, offset: int) -> None:
-        self.area, self.upload_id, self.index, self.length, self.sha256, self.offset = area, upload_id, index, length, sha256, offset
+    def __init__(self, area: UploadArea, upload_id: str, index: int, length: int, sha256: str, chunk_size: int, size: int) -> None:
+        self.area, self.upload_id, self.index, self.length, self.sha256 = area, upload_id, index, length, sha256
+        self.chunk_size, self.total, self.offset = chunk_size, size, index * chunk_size
         self.size = 0
+        self._written = 0
         self._hash = hashlib.sha256()
         self._data: int | None = None
+        self._mark: Path | None = None
+        self._stored = False
+        self._stopped = False
         try:
+            if not area.dir(upload_id).is_dir():
+                raise FileNotFoundError(upload_id)
+            # The mark comes first, the receipt is read after it: a writer that finds no receipt has a mark others see.
+            self._mark = area.dir(upload_id) / f"{index}.w-{secrets.token_hex(8)}"
+            os.close(os.open(self._mark, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))
             self._held = self._receipt()
             if self._held is None:
-                if not area.dir(upload_id).is_dir():
-                    raise FileNotFoundError(upload_id)
                 self._data = os.open(area.data(upload_id), os.O_WRONLY | os.O_CREAT, 0o600)
+            else:
+                self._drop_mark()
         except FileNotFoundError:
             self.discard()
             raise NotFound(f"upload {upload_id} does not exist (aborted, committed or expired)") from None
@@ -199,28 +358,66 @@ class ChunkStaging:
             raise
 
     def _receipt(self) -> str | None:
+        """The SHA-256 in the chunk's receipt; None when there is none (or one a crash left empty: it is removed)."""
+        path = self.area.chunk(self.upload_id, self.index)
         try:
-            return self.area.chunk(self.upload_id, self.index).read_text().strip()
+            held = path.read_text().strip()
         except FileNotFoundError:
             return None
+        if _RECEIPT.match(held) is None:
+            path.unlink(missing_ok=True)
+            return None
+        return held
+
+    def _overlapped(self) -> bool:
+        """Another writer of this chunk is there (its mark), or has stored it."""
+        assert self._mark is not None
+        try:
+            return bool(self.area.marks(self.upload_id, self.index) - {self._mark.name}) or self.area.chunk(self.upload_id, self.index).exists()
+        except FileNotFoundError:  # the session is gone
+            return False
+
+    def _drop_mark(self) -> None:
+        if self._mark is not None:
+            self._mark.unlink(missing_ok=True)
+            self._mark = None
 
     def write_all(self, pieces: list[bytes]) -> None:
-        for data in pieces:
-            if self.size + len(data) > self.length:
-                raise self._wrong_length(f"more than {self.length} bytes")
-            if self._data is not None and self.area.chunk(self.upload_id, self.index).exists():
-                self._held = self._receipt()  # another request stored it meanwhile: its bytes stay as they are
+        """Write and hash a batch of the chunk's bytes, joined first: one write and one hash update per batch (each
+        lets go of the GIL once, rather than once per piece the server read)."""
+        data = pieces[0] if len(pieces) == 1 else b"".join(pieces)
+        if not data:
+            return
+        if self.size + len(data) > self.length:
+            raise self._wrong_length(f"more than {self.length} bytes")
+        if self._data is not None:
+            fcntl.flock(self._data, fcntl.LOCK_SH)  # a commit holds it exclusively while the file becomes a blob
+            try:
+                if self._may_write():
+                    view = memoryview(data)
+                    while view:
+                        written = os.pwrite(self._data, view, self.offset + self.size + (len(data) - len(view)))
+                        view = view[written:]
+                    self._written += len(data)
+                else:
+                    self._held = self._receipt()  # another request stored it meanwhile (or the session ended): its bytes stay as they are
+                    self._stopped = True
+            finally:
+                fcntl.flock(self._data, fcntl.LOCK_UN)
+            if self._stopped:
                 os.close(self._data)
                 self._data = None
-            if self._data is not None:
-                view = memoryview(data)
-                while view:
-                    written = os.pwrite(self._data, view, self.offset + self.size)
-                    view = view[written:]
-                    self.size += written
-            else:
-                self.size += len(data)
-            self._hash.update(data)
+        self.size += len(data)
+        self._hash.update(data)
+
+    def _may_write(self) -> bool:
+        """No receipt for the chunk yet, and the session's data file is still the one this writer has open."""
+        if self.area.chunk(self.upload_id, self.index).exists():
+            return False
+        try:
+            return os.stat(self.area.data(self.upload_id)).st_ino == os.fstat(self._data).st_ino  # type: ignore[arg-type]
+        except FileNotFoundError:
+            return False
 
     def _wrong_length(self, what: str) -> ValidationFailed:
         return ValidationFailed(
@@ -243,43 +440,71 @@ class ChunkStaging:
             if self._held != digest:
                 raise Conflict(f"chunk {self.index} of upload {self.upload_id} is held with SHA-256 {self._held}, not {digest}", sha256=self._held)
             return False
-        assert self._data is not None
-        os.fdatasync(self._data)
+        if self._data is None:
+            raise NotFound(f"upload {self.upload_id} ended while chunk {self.index} was being sent")
         final = self.area.chunk(self.upload_id, self.index)
         fd, staged = tempfile.mkstemp(dir=self.area.dir(self.upload_id), prefix=_STAGING_PREFIX)
         try:
             with os.fdopen(fd, "w") as f:
                 f.write(digest)
-                f.flush()
-                os.fsync(f.fileno())
             os.link(staged, final)  # atomic, and refuses to replace a receipt that is there
-        except FileExistsError:  # another hub on a shared disk won
+        except FileExistsError:  # another writer won
             held = final.read_text().strip()
             if held != digest:
                 raise Conflict(f"chunk {self.index} of upload {self.upload_id} is held with SHA-256 {held}, not {digest}", sha256=held) from None
             return False
         finally:
             os.unlink(staged)
-        _fsync_dir(final.parent)
+        self._stored = True
+        self.discard()  # this writer is done: its mark goes before the follower looks
+        self.area.chain(self.upload_id, self.chunk_size, self.total)
+        _FOLLOWER.follow(self.area, self.upload_id)
         return True
 
     def discard(self) -> None:
+        """Close the chunk's file. A writer that wrote bytes and did not store its chunk leaves its mark, ``done``, when
+        another writer of the chunk is there or was (its mark, or the receipt): its bytes may be after theirs. Alone,
+        it leaves nothing: whoever writes the chunk next writes all of it after these bytes."""
         if self._data is not None:
             os.close(self._data)
             self._data = None
+        if self._mark is not None:
+            if self._written and not self._stored and self._overlapped():
+                with suppress(FileNotFoundError):
+                    self._mark.write_bytes(_MARK_DONE)
+                self._mark = None
+            else:
+                self._drop_mark()
 
 
 # --- commit ----------------------------------------------------------------------------------------
 
 
-def _store(session: Session, signing: SigningKey, blobs: BlobStore, row: ArtifactUpload, data: Path) -> Artifact:
+def _store(session: Session, signing: SigningKey, blobs: BlobStore, row: ArtifactUpload, data: Path, sha256: str) -> Artifact:
     """The checked data file as the artefact: renamed into a file blob store, else copied through a blob writer."""
     if isinstance(blobs, FileBlobStore) and os.stat(data).st_dev == os.stat(blobs.root).st_dev:  # a rename, not a copy
-        return create_artifact(session, signing, blobs, _identity(row), blobs.adopt(data, row.sha256, row.size))
+        return create_artifact(session, signing, blobs, _identity(row), blobs.adopt(data, sha256, row.size))
     with blobs.writer() as writer, data.open("rb") as f:
         while piece := f.read(CHUNK):
             writer.write(piece)
         return create_artifact(session, signing, blobs, _identity(row), writer)
+
+
+def expected_sha256(row: ArtifactUpload, declared: str | None) -> str:
+    """The SHA-256 the joined chunks must have: declared when the session started, or in the commit (both: the
+    same one), else 422."""
+    if row.sha256 is not None and declared is not None and declared != row.sha256:
+        raise ValidationFailed(
+            f"upload {row.id} was started with SHA-256 {row.sha256}; the commit declares {declared}",
+            errors=[{"loc": ["body", "sha256"], "msg": f"the session's is {row.sha256}", "type": "digest_mismatch"}],
+        )  # fmt: skip
+    expected = row.sha256 or declared
+    if expected is None:
+        raise ValidationFailed(
+            f"upload {row.id} was started without the artefact's SHA-256: declare it in the commit",
+            errors=[{"loc": ["body", "sha256"], "msg": "required: the session has none", "type": "missing"}],
+        )  # fmt: skip
+    return expected
 
 
 @contextmanager
@@ -295,12 +520,13 @@ def _one_commit(upload_id: str) -> Iterator[None]:
             _COMMITTING.discard(upload_id)
 
 
-def commit_upload(session: Session, signing: SigningKey, blobs: BlobStore, area: UploadArea, upload_id: str) -> Artifact:
-    """Join the chunks into a blob, check the declared SHA-256 and store the signed artefact; the session and its
-    chunks are removed. 422 when chunks are missing (the session unchanged) or the whole SHA-256 differs (the
-    session is kept, its chunks dropped: send them again)."""
+def commit_upload(session: Session, signing: SigningKey, blobs: BlobStore, area: UploadArea, upload_id: str, sha256: str | None = None) -> Artifact:
+    """Check the joined chunks against the SHA-256 declared at the start or here (``sha256``) and store the signed
+    artefact; the session and its chunks are removed. 422 when chunks are missing or no SHA-256 was declared (the
+    session unchanged), or when the whole SHA-256 differs (the session is kept, its chunks dropped: send them again)."""
     with _one_commit(upload_id):
         row = get_upload(session, area, upload_id)
+        expected = expected_sha256(row, sha256)
         count = chunk_count(row.size, row.chunk_size)
         missing = sorted(set(range(count)) - set(area.received(upload_id)))
         if missing:
@@ -309,19 +535,28 @@ def commit_upload(session: Session, signing: SigningKey, blobs: BlobStore, area:
                 errors=[{"loc": ["chunks"], "msg": f"missing {missing[:32]}", "type": "missing"}],
             )  # fmt: skip
         data = area.data(upload_id)
-        with data.open("rb") as f:
-            digest = hashlib.file_digest(f, "sha256").hexdigest()
-        if digest != row.sha256 or data.stat().st_size != row.size:
-            for index in range(count):
-                area.chunk(upload_id, index).unlink(missing_ok=True)
-            raise ValidationFailed(
-                f"the chunks of upload {upload_id} join to SHA-256 {digest}, not the declared {row.sha256}; "
-                "its chunks are dropped: send them again",
-                errors=[{"loc": ["body", "sha256"], "msg": "does not match the joined chunks", "type": "digest_mismatch"}],
-            )  # fmt: skip
-        artifact = _store(session, signing, blobs, row, data)
+        fd = os.open(data, os.O_RDONLY)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)  # writers still in flight stop: the file becomes a blob under this lock
+            chain = area.chain(upload_id, row.chunk_size, row.size)
+            with chain.lock:
+                read = _carry_on(area, upload_id, chain, fd, settled_only=False)
+                digest = chain.hash.hexdigest()
+            if digest != expected or os.fstat(fd).st_size != row.size:
+                area.drop_chain(upload_id)
+                for index in range(count):
+                    area.chunk(upload_id, index).unlink(missing_ok=True)
+                raise ValidationFailed(
+                    f"the chunks of upload {upload_id} join to SHA-256 {digest}, not the declared {expected}; "
+                    "its chunks are dropped: send them again",
+                    errors=[{"loc": ["body", "sha256"], "msg": "does not match the joined chunks", "type": "digest_mismatch"}],
+                )  # fmt: skip
+            os.fdatasync(fd)
+            artifact = _store(session, signing, blobs, row, data, expected)
+        finally:
+            os.close(fd)
         session.delete(row)
         session.commit()
         area.remove(upload_id)
-        log.info("upload %s committed as artifact %s", upload_id, artifact.id)
+        log.info("upload %s committed as artifact %s (%d of its %d bytes read again to hash them)", upload_id, artifact.id, read, row.size)
         return artifact

@@ -5,6 +5,7 @@ lacks; a refusal is raised at once."""
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 from collections.abc import Iterator
 from pathlib import Path
@@ -76,3 +77,27 @@ def test_a_refusal_is_raised_at_once(hub: HubUnderTest, tmp_path: Path) -> None:
     # Assert
     assert refused.value.status == 403 and refused.value.problem["code"] == "forbidden"
     assert transport.puts == 0
+
+
+def test_a_resumed_session_whose_chunks_are_not_this_files_is_sent_again(hub: HubUnderTest, tmp_path: Path) -> None:
+    # Prepare: the state file names a session that holds every chunk, of other bytes of the same size
+    data, other = os.urandom(2 * CHUNK + 7), os.urandom(2 * CHUNK + 7)
+    source, state = tmp_path / "model.onnx", tmp_path / "upload.json"
+    source.write_bytes(data)
+    identity = {"kind": "model", "name": "site-model", "version": "4.0.0", "format": "onnx", "size": len(data)}
+    session = hub.request("POST", "/artifacts/uploads", Role.OPERATOR, json=identity).json()
+    for index in range(3):
+        chunk = other[index * CHUNK : (index + 1) * CHUNK]
+        headers = {"X-Chunk-SHA256": hashlib.sha256(chunk).hexdigest(), "Content-Type": "application/octet-stream"}
+        assert hub.request("PUT", f"/artifacts/uploads/{session['id']}/chunks/{index}", Role.OPERATOR, content=chunk, headers=headers).status_code == 204
+    state.write_text(json.dumps({"upload_id": session["id"], "artifact": {**identity, "mtime_ns": source.stat().st_mtime_ns}}))
+    transport = Counting()
+
+    # Execute
+    with serve(hub.app) as url:
+        artifact = upload_artifact(url, hub.tokens[Role.OPERATOR], source, state_file=state, transport=transport, **{k: v for k, v in identity.items() if k != "size"})  # type: ignore[arg-type]
+
+    # Assert
+    assert transport.puts == 3  # none at first (the hub held them all), then each again
+    assert artifact.sha256 == hashlib.sha256(data).hexdigest()
+    assert hub.get(f"/artifacts/{artifact.id}/content").content == data and not state.exists()

@@ -5,7 +5,9 @@ refused with a problem and nothing stored."""
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
+import time
 from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
@@ -15,6 +17,8 @@ import httpx
 import pytest
 from sqlmodel import Session
 
+from cloud.artifacts.uploads import ChunkStaging, UploadArea, _carry_on
+from cloud.errors import NotFound
 from cloud.tables import ArtifactUpload
 from device.ota.verify import load_public_key, verify_manifest
 from interfaces.auth import Role
@@ -228,8 +232,8 @@ def test_a_new_session_removes_expired_ones(hub: HubUnderTest) -> None:
     new = session_of(hub, DATA[:10])
 
     # Assert
-    assert [p.parent.name for p in staged_files(hub)] == []
-    assert (hub.settings.data_dir / "uploads" / new["id"]).is_dir()
+    assert [(p.parent.name, p.name) for p in staged_files(hub)] == [(new["id"], "data")]  # the new one's, allocated
+    assert (hub.settings.data_dir / "uploads" / new["id"] / "data").stat().st_size == 10
     assert not (hub.settings.data_dir / "uploads" / old["id"]).exists()
 
 
@@ -302,3 +306,152 @@ def test_other_methods_answer_405_with_the_methods_of_the_upload_paths(hub: HubU
     assert posted.headers["allow"] == "PUT"
     assert_problem(options, 405, "method_not_allowed")
     assert options.headers["allow"] == "POST"
+
+
+# --- the whole SHA-256: declared in the commit, computed as the chunks arrive ----------------------------------
+
+
+def commit(hub: HubUnderTest, upload_id: str, **body: Any) -> httpx.Response:
+    return hub.request("POST", f"/artifacts/uploads/{upload_id}/commit", Role.OPERATOR, json=body or None)
+
+
+def test_a_session_started_without_its_sha256_declares_it_in_the_commit(hub: HubUnderTest) -> None:
+    # Prepare
+    r = hub.request("POST", "/artifacts/uploads", Role.OPERATOR, json={"kind": "model", "name": "detector", "version": "1.0.0", "format": "onnx", "size": len(DATA)})
+    assert r.status_code == 201, r.text
+    upload = r.json()
+    for index in range(4):
+        assert put(hub, upload["id"], index, piece(DATA, index)).status_code == 204
+    before = hub.snapshot()
+
+    # Execute
+    undeclared = commit(hub, upload["id"])
+    strict = commit(hub, upload["id"], sha256=sha(DATA).upper())
+    held = hub.request("GET", f"/artifacts/uploads/{upload['id']}", Role.OPERATOR).json()["received"]
+    refused = hub.snapshot()
+    declared = commit(hub, upload["id"], sha256=sha(DATA))
+
+    # Assert
+    assert upload["sha256"] is None
+    doc = assert_problem(undeclared, 422, "validation_failed")
+    assert doc["errors"][0]["loc"] == ["body", "sha256"] and "declare it in the commit" in doc["detail"]
+    assert_problem(strict, 422, "validation_failed")
+    assert refused == before and before["artifacts"] == [] and held == [0, 1, 2, 3]
+    assert declared.status_code == 201, declared.text
+    assert declared.json()["sha256"] == sha(DATA)
+    assert hub.get(f"/artifacts/{declared.json()['id']}/content").content == DATA
+
+
+def test_a_commit_declaring_another_sha256_than_its_session_changes_nothing(hub: HubUnderTest) -> None:
+    # Prepare
+    upload = session_of(hub)
+    for index in range(4):
+        assert put(hub, upload["id"], index, piece(DATA, index)).status_code == 204
+    before, files = hub.snapshot(), staged_files(hub)
+
+    # Execute
+    r = commit(hub, upload["id"], sha256=sha(b"other"))
+
+    # Assert
+    doc = assert_problem(r, 422, "validation_failed")
+    assert f"was started with SHA-256 {sha(DATA)}" in doc["detail"]
+    assert hub.snapshot() == before and staged_files(hub) == files
+    assert commit(hub, upload["id"], sha256=sha(DATA)).status_code == 201
+
+
+def test_chunks_sent_in_order_are_hashed_as_they_arrive_so_the_commit_reads_nothing_again(hub: HubUnderTest, caplog: pytest.LogCaptureFixture) -> None:
+    # Prepare
+    upload = session_of(hub)
+    for index in range(4):
+        assert put(hub, upload["id"], index, piece(DATA, index)).status_code == 204
+    area = UploadArea(hub.settings.data_dir / "uploads")
+    deadline = time.monotonic() + 60  # the follower thread carries the hash on; a busy machine may take a while
+    while (chain := area.existing_chain(upload["id"])) is None or chain.offset < len(DATA):
+        assert time.monotonic() < deadline, "the whole SHA-256 was never carried through the chunks held"
+        time.sleep(0.02)
+
+    # Execute
+    with caplog.at_level(logging.INFO, logger="aisynergy.hub.uploads"):
+        r = commit(hub, upload["id"])
+
+    # Assert
+    assert r.status_code == 201, r.text
+    assert f"(0 of its {len(DATA)} bytes read again to hash them)" in caplog.text
+    assert hub.get(f"/artifacts/{r.json()['id']}/content").content == DATA
+
+
+def writer(hub: HubUnderTest, upload: dict[str, Any], index: int, data: bytes) -> ChunkStaging:
+    """A writer of one chunk, as the chunk route makes it (for interleavings no HTTP client can time)."""
+    area = UploadArea(hub.settings.data_dir / "uploads")
+    return ChunkStaging(area, upload["id"], index, len(piece(DATA, index)), sha(data), CHUNK, len(DATA))
+
+
+def test_a_chunk_is_not_hashed_ahead_while_another_writer_of_it_may_still_write(hub: HubUnderTest) -> None:
+    # Prepare: two writers of chunk 0 at once; the first stores it while the second is still open
+    upload = session_of(hub)
+    first, second = writer(hub, upload, 0, piece(DATA, 0)), writer(hub, upload, 0, piece(DATA, 0))
+    first.write_all([piece(DATA, 0)])
+    assert first.finish() is True
+    area = UploadArea(hub.settings.data_dir / "uploads")
+    chain = area.chain(upload["id"], CHUNK, len(DATA))
+    fd = os.open(area.data(upload["id"]), os.O_RDONLY)
+    try:
+        # Execute
+        with chain.lock:
+            while_open = _carry_on(area, upload["id"], chain, fd, settled_only=True)
+        second.discard()
+        with chain.lock:
+            after = _carry_on(area, upload["id"], chain, fd, settled_only=True)
+    finally:
+        os.close(fd)
+
+    # Assert
+    assert while_open == 0 and after == CHUNK
+    assert chain.hash.hexdigest() == sha(piece(DATA, 0))
+
+
+def test_bytes_of_an_overlapping_writer_are_found_at_commit_and_the_chunks_sent_again(hub: HubUnderTest) -> None:
+    # Prepare: a second writer of chunk 0 with other bytes writes over part of the first's before the first stores it
+    upload = session_of(hub)
+    other = os.urandom(CHUNK)
+    first, second = writer(hub, upload, 0, piece(DATA, 0)), writer(hub, upload, 0, other)
+    first.write_all([piece(DATA, 0)])
+    second.write_all([other[: CHUNK // 2]])
+    assert first.finish() is True
+    second.discard()  # cut mid-way: its bytes stay in the file, its mark says it is done
+    for index in (1, 2, 3):
+        assert put(hub, upload["id"], index, piece(DATA, index)).status_code == 204
+
+    # Execute
+    mixed = commit(hub, upload["id"])
+    stored = hub.snapshot()["artifacts"]
+    for index in range(4):
+        assert put(hub, upload["id"], index, piece(DATA, index)).status_code == 204
+    again = commit(hub, upload["id"])
+
+    # Assert
+    doc = assert_problem(mixed, 422, "validation_failed")
+    assert doc["errors"][0]["type"] == "digest_mismatch" and stored == []
+    assert again.status_code == 201, again.text
+    assert hub.get(f"/artifacts/{again.json()['id']}/content").content == DATA
+
+
+def test_a_writer_still_open_at_the_commit_cannot_touch_the_artefact(hub: HubUnderTest) -> None:
+    # Prepare: a request for chunk 1 that hangs on while a retry of it and the other chunks arrive
+    upload = session_of(hub)
+    stale = writer(hub, upload, 1, b"\0" * CHUNK)
+    for index in range(4):
+        assert put(hub, upload["id"], index, piece(DATA, index)).status_code == 204
+    r = commit(hub, upload["id"])
+    assert r.status_code == 201, r.text
+
+    # Execute
+    stale.write_all([b"\0" * CHUNK])
+    with pytest.raises(NotFound):
+        stale.finish()
+    stale.discard()
+
+    # Assert
+    assert hub.get(f"/artifacts/{r.json()['id']}/content").content == DATA
+    blob = hub.settings.data_dir / "artifacts" / sha(DATA)[:2] / sha(DATA)[2:]
+    assert blob.read_bytes() == DATA

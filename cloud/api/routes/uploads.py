@@ -1,13 +1,15 @@
 """Chunked, resumable artefact uploads: /artifacts/uploads (the protocol in :mod:`interfaces.uploads`).
 
 For artefacts too large for one unbroken ``POST /artifacts``: create a session, PUT its chunks (raw bytes with
-``X-Chunk-SHA256``; each streamed to disk, never held whole), GET the session to resume, commit. Operators and
+``X-Chunk-SHA256``; each streamed to disk, never held whole), GET the session to resume, commit (with the whole
+SHA-256 when the session was started without it). Operators and
 admins, as for ``POST /artifacts``; and a ``training`` task's worker with its publish grant, for the model artefacts
 the grant names (``interfaces.uploads.PublishClaims``).
 """
 
 from __future__ import annotations
 
+import asyncio
 import re
 from typing import Annotated
 
@@ -27,7 +29,7 @@ from cloud.tables import ArtifactUpload
 from interfaces import API_PREFIX
 from interfaces.deployments import SHA256_RE, ArtifactPublic
 from interfaces.strict import INT64_MAX
-from interfaces.uploads import CHUNK_MEDIA_TYPE, CHUNK_SHA256_HEADER, UploadCreate, UploadSession
+from interfaces.uploads import CHUNK_MEDIA_TYPE, CHUNK_SHA256_HEADER, UploadCommit, UploadCreate, UploadSession
 
 router = APIRouter(tags=["artifacts"], responses=PROBLEM_RESPONSES)
 
@@ -35,6 +37,9 @@ UPLOADS_DIR = "uploads"
 """The chunks' directory under the hub's data dir, beside the blob store (``artifacts``)."""
 STREAMED_CHUNKS = re.compile("^" + re.escape(API_PREFIX) + r"/artifacts/uploads/[^/]+/chunks/[^/]+$")
 """The chunk PUTs whose bodies the request guard passes on unread (the route streams and bounds them itself)."""
+
+WRITE_BATCH = 4 * CHUNK
+"""Bytes of a chunk gathered before they are written and hashed (in a worker thread, while the next ones arrive)."""
 
 UploadId = Annotated[str, Path(min_length=1, max_length=64)]
 ChunkIndex = Annotated[int, Path(ge=0, le=INT64_MAX, description="0-based; every chunk has chunk_size bytes but the last")]
@@ -78,7 +83,7 @@ def _open_chunk(session: Session, area: UploadArea, upload_id: str, index: int, 
             f"chunk {index} of upload {upload_id} has exactly {length} bytes; Content-Length says {declared}",
             errors=[{"loc": ["header", "content-length"], "msg": f"exactly {length}", "type": "chunk_length"}],
         )  # fmt: skip
-    return ChunkStaging(area, upload_id, index, length, sha256, index * row.chunk_size)
+    return ChunkStaging(area, upload_id, index, length, sha256, row.chunk_size, row.size)
 
 
 @router.put(
@@ -94,30 +99,40 @@ async def put_chunk(upload_id: UploadId, index: ChunkIndex, sha256: ChunkSha256,
         raise UnsupportedMediaType(f"send the chunk's bytes as {CHUNK_MEDIA_TYPE}")
     area = upload_area(request)
     staging = await run_in_threadpool(read_one, request, lambda s, i: _open_chunk(s, area, i, index, sha256, request.headers.get("content-length"), caller), upload_id)
+    writing: asyncio.Future[None] | None = None  # the batch being written while the next one is received
     try:
         pending: list[bytes] = []
         size = 0
         async for data in request.stream():
             pending.append(data)
             size += len(data)
-            if size >= CHUNK:
-                await run_in_threadpool(staging.write_all, pending)
+            if size >= WRITE_BATCH:
+                if writing is not None:
+                    await writing
+                writing = asyncio.ensure_future(run_in_threadpool(staging.write_all, pending))
                 pending, size = [], 0
+        if writing is not None:
+            await writing
+        writing = None
         await run_in_threadpool(staging.write_all, pending)
         await run_in_threadpool(staging.finish)
     finally:
+        if writing is not None:  # the request ended mid-way: the batch in flight ends before the file is closed
+            await asyncio.wait([writing])
         await run_in_threadpool(staging.discard)
     return Response(status_code=status.HTTP_204_NO_CONTENT)
 
 
 @router.post("/artifacts/uploads/{upload_id}/commit", status_code=status.HTTP_201_CREATED)
-def commit(upload_id: UploadId, request: Request, response: Response, session: SessionDep, caller: UploadCaller, __: IdempotencyKey = None) -> ArtifactPublic:
-    """Join the chunks, check the declared SHA-256, and store and sign the artefact as ``POST /artifacts`` does;
-    the session ends. 422 when chunks are missing, or when the joined bytes have another SHA-256 (the session stays,
-    without its chunks: send them again); 409 ``artifact_exists`` when the artefact was stored meanwhile."""
+def commit(upload_id: UploadId, request: Request, response: Response, session: SessionDep, caller: UploadCaller, body: UploadCommit | None = None, __: IdempotencyKey = None) -> ArtifactPublic:
+    """Join the chunks, check the SHA-256 declared at the start (or in this body, when the session was started
+    without one), and store and sign the artefact as ``POST /artifacts`` does; the session ends. 422 when chunks are
+    missing or no SHA-256 was declared, or when the joined bytes have another SHA-256 (the session stays, without its
+    chunks: send them again); 409 ``artifact_exists`` when the artefact was stored meanwhile."""
     _own_upload(session, upload_area(request), upload_id, caller)
     state = hub_state(request)
-    artifact = artifact_to_wire(commit_upload(session, state.signing, state.blobs, upload_area(request), upload_id))
+    declared = body.sha256 if body is not None else None
+    artifact = artifact_to_wire(commit_upload(session, state.signing, state.blobs, upload_area(request), upload_id, declared))
     response.headers["Location"] = f"{API_PREFIX}/artifacts/{artifact.id}"
     return artifact
 
