@@ -125,6 +125,7 @@ if TYPE_CHECKING:
     from device.ota.models import ModelHost
     from device.ota.updater import Updater
     from device.tasks import WorkerHost
+    from device.tasks.site import Site
 
 log = logging.getLogger("aisynergy.device")
 
@@ -321,8 +322,19 @@ class Device:
 
         fetch_inputs = InputFetcher.through(self.data_dir / "tasks" / "inputs", self._ota)
         return WorkerHost(
-            self.data_dir / "tasks", self.models, self._task_event, fetch_inputs, self.datasets, infer=self.infer, fl=self.fl
+            self.data_dir / "tasks", self.models, self._task_event, fetch_inputs, self.datasets, infer=self.infer, fl=self.fl, site=self._training_site()
         )
+
+    def _training_site(self) -> Site | None:
+        """What a ``training`` worker gets here: the local datasets, a directory under the data dir, and the edge the
+        device enrolled through, which relays the upload of its results to the hub (``edge.upload_relay``)."""
+        from device.tasks.site import Site
+
+        enrolment = self._enrolled
+        if enrolment is None:
+            return None
+        return Site(self.data_dir / "tasks" / "training", enrolment.enrol_url, self.datasets.paths(), verify=self._server_context(),
+                    server_name=enrolment.tls_server_name)  # fmt: skip
 
     def _model_command(self, name: str) -> CommandHandler:
         """The built-in command ``name`` over :attr:`models` (``device.ota.models`` loads at its first call)."""

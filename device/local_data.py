@@ -20,7 +20,7 @@ import shutil
 import tempfile
 import threading
 import zipfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -92,6 +92,10 @@ class LocalDatasets:
             raise DatasetError(f"invalid dataset name {name!r} (letters, digits, '_', '.', '-'; at most 128)")
         return self.root / f"{name}{SUFFIX}"
 
+    def paths(self) -> Mapping[str, Path]:
+        """The datasets as ``{name: path}``, read when asked (a ``training`` worker's site datasets on a device)."""
+        return _DatasetPaths(self)
+
     # ---- writing ------------------------------------------------------------------------------------
     def add(self, name: str, source: Path) -> LocalDataset:
         """Copy the ``.npz`` file ``source`` in as ``name`` (checked first; an identical file is left alone)."""
@@ -143,6 +147,22 @@ class LocalDatasets:
                 self.on_change()
             except Exception:  # the dataset is stored; reporting it waits for the next report
                 log.exception("reporting the changed datasets failed")
+
+
+class _DatasetPaths(Mapping[str, Path]):
+    def __init__(self, datasets: LocalDatasets) -> None:
+        self._datasets = datasets
+
+    def __getitem__(self, name: str) -> Path:
+        if name not in self._datasets.names():
+            raise KeyError(name)
+        return self._datasets.path(name)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._datasets.names())
+
+    def __len__(self) -> int:
+        return len(self._datasets.names())
 
 
 def _same_file(a: Path, b: Path) -> bool:

@@ -41,6 +41,7 @@ from edge.relay import DeviceRelay
 from edge.fl import FlRouter
 from edge.split import TailRouter
 from edge.store import EdgeStore, LearnedFrom
+from edge.upload_relay import UploadRelay
 from device.session import Presence, SessionPlan
 from interfaces.reconnect import RECONNECT_CAP_S
 from interfaces.topics import NODE_STATE
@@ -142,6 +143,7 @@ class EdgeAgent:
                     ca_pem=self.identity.ca_path.read_text(),
                     verify=hub_tls,
                     artifacts=self.artifacts,
+                    uploads=UploadRelay(config.hub_url or "", verify=hub_tls),
                 )
             prefetch = self.artifacts.prefetch if self.artifacts is not None else None
             self.relay = DeviceRelay(config.node_id, self.store, self.up, self.down, prefetch=prefetch, on_task_orders=self.split.learn_orders)

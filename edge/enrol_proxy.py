@@ -8,7 +8,9 @@ the broker the edge's devices use. The hub's refusals pass through unchanged (st
 unreachable hub is 503 ``hub_unreachable``. Errors are RFC 9457 problem documents (DESIGN §4).
 
 With an ``ArtifactCache`` the same server also answers ``GET|HEAD /api/v1/artifacts/{id}/content`` and
-``.../delta?from=`` from the edge's artefact cache (:mod:`edge.artifacts`), so devices need not reach the hub.
+``.../delta?from=`` from the edge's artefact cache (:mod:`edge.artifacts`), so devices need not reach the hub; with an
+``UploadRelay`` it forwards the chunked upload API (``/api/v1/artifacts/uploads...``) for a training device's publish
+grant (:mod:`edge.upload_relay`).
 
 It serves HTTPS only (the bootstrap tokens and the trust it hands out must not travel in clear), with the
 node's own certificate, which the hub CA issues for the node id (devices check that name: ``tls_server_name``),
@@ -20,8 +22,8 @@ was given before it sends its token (:mod:`device.enrol`).
 
 Runs a stdlib ``ThreadingHTTPServer`` in a thread of its own; ``on_enrolled`` is called from it.
 
-It stays one module: the forwarding, the failure limit, the TLS set-up and the artefact routes are the one HTTPS
-server's, and share its handler.
+It stays one module: the forwarding, the failure limit, the TLS set-up and the artefact and upload routes are the one
+HTTPS server's, and share its handler.
 """
 
 from __future__ import annotations
@@ -49,6 +51,7 @@ from pydantic import ValidationError
 from device.tls import tls_verify
 from edge.artifacts.answers import Answer
 from edge.artifacts.cache import ArtifactCache
+from edge.upload_relay import UploadRelay
 from interfaces import API_PREFIX
 from interfaces.errors import ERROR_TYPE_PREFIX, PROBLEM_MEDIA_TYPE, ErrorCode
 from interfaces.ids import new_id
@@ -106,6 +109,7 @@ class ProxyAnswer:
     body: bytes
     content_type: str
     retry_after_s: int | None = None  # a Retry-After header (429)
+    location: str | None = None  # a Location header (a relayed upload session or artefact)
 
 
 class FailureLimit:
@@ -180,10 +184,12 @@ class EnrolmentProxy:
         timeout_s: float = 15.0,
         artifacts: ArtifactCache | None = None,
         failures: FailureLimit | None = None,
+        uploads: UploadRelay | None = None,
     ) -> None:
         """``tls``: the listener's (:func:`server_context`); ``ca_pem``: the hub CA, answered on ``GET /api/v1/ca.crt``;
         ``verify``: how the hub is checked when a request is forwarded to it; ``failures``: the limit on refused
-        enrolments per address (default :class:`FailureLimit`)."""
+        enrolments per address (default :class:`FailureLimit`); ``uploads``: the relay of the chunked upload API
+        (:mod:`edge.upload_relay`)."""
         self.failures = failures or FailureLimit()
         self.hub_url = hub_url.rstrip("/")
         self.ca_pem = ca_pem.encode()
@@ -193,6 +199,7 @@ class EnrolmentProxy:
         self._verify = verify
         self._timeout_s = timeout_s
         self.artifacts = artifacts
+        self.uploads = uploads
         try:
             self._server = _Server(listen, _Handler, tls)
         except OSError as exc:
@@ -215,6 +222,8 @@ class EnrolmentProxy:
             self._server.shutdown()
             self._thread.join(5)
         self._server.server_close()
+        if self.uploads is not None:
+            self.uploads.close()
 
     def enrol(self, device_id: str, body: bytes, headers: dict[str, str], route: str = "certificate") -> ProxyAnswer:
         """Forward one certificate request (``route`` ``certificate``) or renewal (``certificate/renewal``) to the
@@ -301,6 +310,8 @@ class _Handler(BaseHTTPRequestHandler):
     timeout = IDLE_TIMEOUT_S  # a silent connection (idle keep-alive, a stalled client) gives its thread back
 
     def do_POST(self) -> None:
+        if self._relayed():
+            return
         match = _PATH.match(urlsplit(self.path).path)
         if match is None:
             self._not_allowed()
@@ -340,14 +351,38 @@ class _Handler(BaseHTTPRequestHandler):
     def _not_allowed(self) -> None:
         path = urlsplit(self.path).path
         cache = self.server.proxy.artifacts
-        if (_PATH.match(path) and self.command != "POST") or (cache is not None and cache.handles(path)):
+        relay = self.server.proxy.uploads
+        if (_PATH.match(path) and self.command != "POST") or (cache is not None and cache.handles(path)) or (relay is not None and relay.handles(path)):
             self._send(problem(405, ErrorCode.METHOD_NOT_ALLOWED.value, "Method not allowed", self.command), close=True)
         else:
             self._send(problem(404, ErrorCode.NOT_FOUND.value, "Not found", self.path), close=True)
 
-    do_PUT = do_PATCH = do_DELETE = _not_allowed
+    def _relayed(self) -> bool:
+        """A request of the chunked upload API, forwarded to the hub and answered here (True), or another (False)."""
+        relay, path = self.server.proxy.uploads, urlsplit(self.path).path
+        if relay is None or not relay.handles(path) or urlsplit(self.path).query:
+            return False
+        headers = {name.lower(): value for name, value in self.headers.items()}
+        try:
+            answer = relay.forward(self.command, path, headers, self.rfile)
+        except Exception:  # a bug here must still answer the device
+            incident = new_id("inc")
+            log.exception("the upload request %s failed (%s)", path, incident)
+            self._send(problem(500, ErrorCode.INTERNAL.value, "Internal error", incident), close=True)
+            return True
+        self._send(ProxyAnswer(answer.status, answer.body, answer.content_type, location=answer.location), close=answer.close)
+        return True
+
+    def do_PUT(self) -> None:
+        if not self._relayed():
+            self._not_allowed()
+
+    do_DELETE = do_PUT
+    do_PATCH = _not_allowed
 
     def do_GET(self) -> None:
+        if self.command == "GET" and self._relayed():
+            return
         if urlsplit(self.path).path == CA_PATH:  # public, as at the hub: what a device checks its pin against
             self._send(ProxyAnswer(200, self.server.proxy.ca_pem, "application/x-pem-file"))
             return
@@ -393,6 +428,8 @@ class _Handler(BaseHTTPRequestHandler):
         self.send_header("Content-Length", str(len(answer.body)))
         if answer.retry_after_s is not None:
             self.send_header("Retry-After", str(answer.retry_after_s))
+        if answer.location is not None:
+            self.send_header("Location", answer.location)
         if close:
             self.send_header("Connection", "close")
             self.close_connection = True

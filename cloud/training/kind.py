@@ -1,11 +1,12 @@
-"""The ``training`` kind (issue 18): a user's algorithm (an ``algorithm`` artefact) trained on one site's datasets.
+"""The ``training`` kind (issue 18): a user's algorithm (an ``algorithm`` artefact) trained on one site's datasets (a
+site: an edge node, or a device, as the placement's ``target`` says).
 
 * Admission: the algorithm is an artefact of this hub and its manifest is read from the stored package; the
   configuration, with the schema's defaults filled in, must satisfy the manifest's ``config_schema`` (422 naming each
   failing path); initial parameters, when given, are a safetensors model artefact; the output identity is pinned:
   ``output.name`` (default: the algorithm's name) at ``output.version`` (default: the first of the algorithm's
   version and its next patch versions that is free for both the ONNX export and ``<name>-parameters``).
-* Placement: sites (edge nodes) whose reported ``resources.frameworks`` satisfy every PEP 440 specifier the manifest
+* Placement: sites (edge nodes, or devices) whose reported ``resources.frameworks`` satisfy every PEP 440 specifier the manifest
   declares; a site without one is left out and the task waits in PENDING saying which framework each lacks. One
   site trains: the one with the most free compute.
 * The order: the package (and initial parameters) as signed inputs, the limits (the spec's, else the manifest's
@@ -27,10 +28,10 @@ from sqlalchemy.exc import IntegrityError
 from sqlmodel import col
 
 from cloud.errors import BadRequest, Conflict, ValidationFailed
-from cloud.tables import Artifact, Node, TrainedModelRow, TrainingManifest
+from cloud.tables import Artifact, Device, Node, TrainedModelRow, TrainingManifest
 from cloud.tasks.kind import HubParts, TaskKind
 from interfaces.algorithms import MANIFEST_NAME, AlgorithmManifest, with_defaults
-from interfaces.deployments import ArtifactFormat, ArtifactKind
+from interfaces.deployments import ArtifactFormat, ArtifactKind, TargetKind
 from interfaces.resources import Resources
 from interfaces.tasks import (
     PARAMETERS_SUFFIX, TASK_FINAL, TASK_TRAINED_EVENT, AcceleratorRequest, AlgorithmRun, PublishGrant, TaskOutputs, TaskState, TaskType,
@@ -221,8 +222,8 @@ class Training(TaskKind):
         algorithm_id, manifest = admitted(session, task)
         name, version = spec.output.name, spec.output.version
         assert name is not None and version is not None  # pinned at admission
-        node = session.get(Node, worker.target_id)
-        resources = Resources.model_validate(node.resources) if node is not None and node.resources else None
+        target: Device | Node | None = session.get(Device, worker.target_id) if worker.target_kind == TargetKind.DEVICE.value else session.get(Node, worker.target_id)
+        resources = Resources.model_validate(target.resources) if target is not None and target.resources else None
         others = [w.accelerators for w in active_workers(session, task.id) if w.target_id == worker.target_id and w.id != worker.id]
         expires = int(time.time()) + GRANT_TTL_S
         claims = PublishClaims(task_id=task.id, worker_id=worker.id, target_id=worker.target_id, names=[name, name + PARAMETERS_SUFFIX], version=version, exp=expires)

@@ -2,7 +2,8 @@
 that outlives the agent (checkpoints, so that a restarted site resumes), and the link to publish results to the hub.
 
 A site dataset is a file or a folder of files the operator names when starting the agent
-(``aisynergy edge run --dataset NAME=PATH``). The path is handed to the algorithm as it is (read-only to it: a
+(``aisynergy edge run --dataset NAME=PATH``); on a device, one of its local datasets (``aisynergy device run
+--dataset NAME=PATH.npz``, arrays ``x`` and ``y``). The path is handed to the algorithm as it is (read-only to it: a
 worker may write only inside its own directory); its bytes never leave the site.
 """
 
@@ -38,13 +39,15 @@ def site_datasets(given: Mapping[str, Path]) -> dict[str, Path]:
 
 @dataclass
 class Site:
-    """``datasets``: name -> file or folder; ``root``: the training workers' directories; ``hub_url`` and ``verify``:
-    where results are published (the chunked upload API, with each order's publish grant)."""
+    """``datasets``: name -> file or folder; ``root``: the training workers' directories; ``hub_url``, ``verify`` and
+    ``server_name`` (the name in that server's certificate, when not the URL's host): where results are published
+    (the chunked upload API, with each order's publish grant; on a device: its edge, which relays them to the hub)."""
 
     root: Path
     hub_url: str | None
-    datasets: dict[str, Path] = field(default_factory=dict)
+    datasets: Mapping[str, Path] = field(default_factory=dict)
     verify: ssl.SSLContext | bool = True
+    server_name: str | None = None
 
     def dataset(self, name: str) -> Path:
         """The path of dataset ``name``; ``KeyError`` naming the datasets this site has."""
@@ -61,5 +64,5 @@ class Site:
         if not self.hub_url:
             raise UploadError("this site has no hub URL to publish to")
         stored = upload_artifact(self.hub_url, token, path, kind=ArtifactKind.MODEL.value, name=name, version=version, format=fmt,
-                                 state_file=state_file, verify=self.verify)  # fmt: skip
+                                 state_file=state_file, verify=self.verify, server_name=self.server_name)  # fmt: skip
         return stored.id

@@ -48,7 +48,7 @@ def run(worker: Worker) -> None:
         raise Rejected("a training order must carry its run (the package, the limits, the publish grant)")
     site = worker.site
     if site is None:
-        raise Rejected("this target is no training site (an edge node runs training tasks)")
+        raise Rejected("this target is no training site (an edge node, or a device enrolled through one)")
     try:
         datasets = {name: str(site.dataset(local)) for name, local in spec.datasets.items()}
     except KeyError as exc:

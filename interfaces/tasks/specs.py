@@ -322,5 +322,5 @@ TASK_TYPES: dict[TaskType, TaskTypeInfo] = {
     TaskType.FEDERATED_TRAINING: TaskTypeInfo(
         TaskType.FEDERATED_TRAINING, FederatedTrainingSpec, "each", "reschedule", service=False, targets=frozenset({TargetKind.DEVICE}),
     ),
-    TaskType.TRAINING: TaskTypeInfo(TaskType.TRAINING, TrainingSpec, "each", "reschedule", service=False, targets=frozenset({TargetKind.NODE})),
+    TaskType.TRAINING: TaskTypeInfo(TaskType.TRAINING, TrainingSpec, "each", "reschedule", service=False),
 }

@@ -302,6 +302,17 @@ def test_batch_body_from_flags() -> None:
     assert BatchInferenceSpec.model_validate(created.spec).chunk_size == 32
 
 
+def test_training_goes_to_sites_unless_devices_are_asked_for() -> None:
+    # Act
+    on_sites = build_task_body("training", algorithm="cnn:1.0.0", datasets=["train=digits"], steps=4)
+    on_devices = build_task_body("training", algorithm="cnn:1.0.0", datasets=["train=digits"], steps=4, devices=True, selector="tier=board")
+
+    # Assert
+    assert on_sites["placement"] == {"target": "node"}
+    assert on_devices["placement"] == {"selector": "tier=board"}  # the default target: devices
+    assert TaskCreate.model_validate(on_devices).placement.target.value == "device"
+
+
 def test_spec_file_is_the_base_and_flags_override(tmp_path: Path) -> None:
     # Prepare
     spec_file = tmp_path / "spec.json"

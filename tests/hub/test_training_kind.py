@@ -91,8 +91,9 @@ def test_admission_checks_the_algorithm_its_configuration_and_the_initial_parame
     assert first["spec"]["output"] == {"name": "behave", "version": "1.0.0"} and second["spec"]["output"] == {"name": "behave", "version": "1.0.1"}
     assert_problem(fleet.hub.request("POST", "/tasks", Role.OPERATOR, json={
         "type": "training", "spec": {"algorithm": ALGORITHM, "steps": 1, "output": {"version": "1.0.1"}}, "placement": {"target": "node"}}), 409, "conflict")  # fmt: skip
-    # devices are no sites
-    fleet.create("training", {"algorithm": ALGORITHM, "steps": 1}, expect=422, placement={"target": "device"})
+    # devices are sites too (placed like nodes, by their frameworks)
+    on_device = fleet.create("training", {"algorithm": ALGORITHM, "steps": 1}, placement={"target": "device"})
+    assert on_device["placement"]["target"] == "device" and on_device["spec"]["output"] == {"name": "behave", "version": "1.0.2"}
 
 
 def test_placement_takes_one_site_with_the_frameworks_and_says_why_the_others_are_left_out(fleet: TaskFleet, tmp_path: Path) -> None:

@@ -116,6 +116,36 @@ def test_an_example_algorithm_trains_on_the_site_and_its_onnx_answers_on_a_devic
     assert abs(_infer_accuracy(site, device.device_id, test["x"], test["y"]) - reported) <= 0.005
 
 
+def test_a_device_trains_with_its_own_datasets_publishes_through_its_edge_and_its_onnx_answers_as_reported(site: DevStack, tmp_path: Path) -> None:
+    # Prepare: a device that keeps the digits as two local datasets (the edge keeps its own; this task does not use them)
+    algorithm = _upload_algorithm(site, EXAMPLES / "numpy_cnn", tmp_path)
+    train, test = write_digits(tmp_path / "device-data", seed=1)
+    device = site.add_device("trainer-1")
+    device.datasets.add("train-set", train)
+    device.datasets.add("test-set", test)
+    wait_for(lambda: site.device_state(device.device_id) == "ONLINE", 60, what="the device ONLINE")
+
+    # Execute
+    spec = {"algorithm": {"name": algorithm["name"], "version": algorithm["version"]}, "datasets": {"train": "train-set", "test": "test-set"},
+            "config": {"epochs": 2}, "steps": 3, "checkpoint_every": 1}  # fmt: skip
+    task = _create(site, spec, placement={"target": "device", "ids": [device.device_id]})
+    done = _final(site, task["id"])
+
+    # Assert: trained on the device, published through its edge, deployed back to it and scoring as reported there
+    assert done["state"] == "SUCCEEDED", (done, _workers(site, task["id"]), _logs(site, task["id"])[-20:])
+    (worker,) = _workers(site, task["id"])
+    assert (worker["target_kind"], worker["target_id"]) == ("device", device.device_id)
+    (trained,) = api(site, "GET", f"/tasks/{task['id']}/outputs", "viewer")["trained"]
+    assert trained["steps"] == 3
+    relayed = [line for line in (site.data / "edge.log").read_text().splitlines() if "relayed the commit of upload" in line]
+    assert len(relayed) == 2 and all("201" in line for line in relayed), relayed  # the ONNX export and the parameters
+    reported = trained["metrics"]["accuracy"]
+    deployment = create_deployment(site, trained["onnx"], {"ids": [device.device_id]})
+    assert wait_deployment_final(site, deployment["id"])["state"] == "SUCCEEDED"
+    held = np.load(test)
+    assert abs(_infer_accuracy(site, device.device_id, held["x"], held["y"]) - reported) <= 0.005
+
+
 def test_a_site_killed_mid_training_resumes_from_its_checkpoint_and_the_task_succeeds(site: DevStack, tmp_path: Path) -> None:
     # Prepare: steps of 0.4 s, a checkpoint every 4
     algorithm = _upload_algorithm(site, BEHAVE, tmp_path)

@@ -51,6 +51,7 @@ def task(ctx: click.Context, hub_url: str, token: str | None, ca_file: Path | No
 @click.option("--selector", default=None, help="targets by label selector, e.g. zone=a,tier!=x")
 @click.option("--ids", default=None, help="targets by comma-separated ids")
 @click.option("--nodes", is_flag=True, help="place on nodes (edges) instead of devices")
+@click.option("--devices", is_flag=True, help="training: place on devices (with the frameworks and the datasets) instead of edge sites")
 @click.option("--min-nodes", type=int, default=None, help="wait in PENDING until this many targets qualify")
 @click.option("--max-nodes", type=int, default=None, help="use at most this many targets")
 @click.option("--accelerator", "accelerators", multiple=True, metavar="TYPE[:COUNT[:PURPOSE]]", help="e.g. gpu:2 or gpu:1:training; repeatable, every one must be free on a target")
@@ -60,7 +61,7 @@ def task(ctx: click.Context, hub_url: str, token: str | None, ca_file: Path | No
 @click.option("--max-attempts", type=int, default=None, help="tries of one piece of work before the task FAILS")
 @click.option("--backoff", type=DURATION, default=None, help="wait before the 2nd attempt (doubles each time)")
 @click.option("--algorithm", default=None, metavar="NAME:VERSION", help="training: the algorithm artefact (aisynergy algorithm upload)")
-@click.option("--dataset", "datasets", multiple=True, metavar="OWN=SITE", help="training: the algorithm's dataset name = the site's (edge run --dataset); repeatable")
+@click.option("--dataset", "datasets", multiple=True, metavar="OWN=SITE", help="training: the algorithm's dataset name = the site's (edge run --dataset, device run --dataset); repeatable")
 @click.option("--config", default=None, metavar="JSON|@FILE", help="training: the algorithm's configuration (checked against its config_schema)")
 @click.option("--steps", type=int, default=None, help="training: fit calls")
 @click.option("--checkpoint-every", type=int, default=None, help="training: steps between two checkpoints kept on the site")
@@ -72,7 +73,7 @@ def task(ctx: click.Context, hub_url: str, token: str | None, ca_file: Path | No
 @_json_option
 @click.pass_obj
 def create(hub: _Hub, task_type: str, spec_text: str | None, model: str | None, inputs: str | None, chunk_size: int | None, input_name: str | None,
-           duration: float | None, selector: str | None, ids: str | None, nodes: bool, min_nodes: int | None, max_nodes: int | None,
+           duration: float | None, selector: str | None, ids: str | None, nodes: bool, devices: bool, min_nodes: int | None, max_nodes: int | None,
            accelerators: tuple[str, ...], timeout: float | None, worker_timeout: float | None, heartbeat: float | None, max_attempts: int | None,
            backoff: float | None, algorithm: str | None, datasets: tuple[str, ...], config: str | None, steps: int | None,
            checkpoint_every: int | None, initial: str | None, output: str | None, hold: bool, name: str | None, watch: bool,
@@ -80,8 +81,10 @@ def create(hub: _Hub, task_type: str, spec_text: str | None, model: str | None, 
     """Create a task (and start it, unless --hold)."""
     if ids is not None and selector is not None:
         raise click.UsageError("give at most one of --ids or --selector")
+    if nodes and devices:
+        raise click.UsageError("give at most one of --nodes or --devices")
     options = dict(
-        model=model, chunk_size=chunk_size, input_name=input_name, duration=duration, selector=selector, ids=ids, nodes=nodes, min_nodes=min_nodes,
+        model=model, chunk_size=chunk_size, input_name=input_name, duration=duration, selector=selector, ids=ids, nodes=nodes, devices=devices, min_nodes=min_nodes,
         max_nodes=max_nodes, accelerators=accelerators, timeout=timeout, worker_timeout=worker_timeout, heartbeat=heartbeat, max_attempts=max_attempts,
         backoff=backoff, hold=hold, name=name, algorithm=algorithm, datasets=datasets, config=config, steps=steps, checkpoint_every=checkpoint_every,
         initial=initial, output=output,

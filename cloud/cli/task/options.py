@@ -104,7 +104,7 @@ def _split_ids(text: str) -> list[str]:
 def build_task_body(
     type: str, spec: dict[str, Any] | None = None, *, model: str | None = None, inputs: str | None = None, chunk_size: int | None = None,
     input_name: str | None = None, duration: float | None = None, selector: str | None = None, ids: str | list[str] | None = None,
-    nodes: bool = False, min_nodes: int | None = None, max_nodes: int | None = None, accelerators: Iterable[str] = (),
+    nodes: bool = False, devices: bool = False, min_nodes: int | None = None, max_nodes: int | None = None, accelerators: Iterable[str] = (),
     timeout: float | None = None, worker_timeout: float | None = None, heartbeat: float | None = None, max_attempts: int | None = None,
     backoff: float | None = None, hold: bool = False, name: str | None = None, algorithm: str | None = None, datasets: Iterable[str] = (),
     config: str | None = None, steps: int | None = None, checkpoint_every: int | None = None, initial: str | None = None, output: str | None = None,
@@ -137,7 +137,7 @@ def build_task_body(
         if value is not None:
             spec[key] = value
     placement: dict[str, Any] = {}
-    if nodes or type == "training":  # training runs on sites (edge nodes)
+    if nodes or (type == "training" and not devices):  # training: on sites (edge nodes) unless --devices
         placement["target"] = "node"
     if selector is not None:
         placement["selector"] = selector
