@@ -12,7 +12,8 @@ own (its number in ``AISYNERGY_FRAMES_FD``); the algorithm's stdout and stderr c
   kernel accounts it) in a cgroup of its own under ``/sys/fs/cgroup/{cpu,memory}/aisynergy/`` where the site lets
   the agent create one (cgroup v1, as root); otherwise ``RLIMIT_AS`` for memory and ``nice`` 10 for CPU
   (:func:`limit_support` says which). Always ``RLIMIT_CORE`` 0 and ``RLIMIT_NOFILE`` 1024;
-* a wall-clock timeout, after which the whole group is killed;
+* a wall-clock timeout, after which the whole group is killed (time spent paused does not count: while its task is
+  paused the group is stopped with ``SIGSTOP`` and continued with ``SIGCONT``);
 * writes only inside its directory (the runner's audit hook; see its module).
 
 The outcome is a :class:`Finished` (the result frame) or an :class:`AlgorithmFailed` whose ``reason`` says what
@@ -222,11 +223,13 @@ def _pump(stream: Any, sink: Callable[[str], None], tail: deque[str]) -> None:
 def run_worker(
     name: str, work: Path, job: Job, limits: Limits, *, on_log: Callable[[str, str], None] = lambda stream, line: None,
     on_frame: Callable[[dict[str, Any]], None] = lambda frame: None, stop: threading.Event | None = None, cgroup_root: Path = CGROUP_ROOT,
-    python: str = sys.executable,
+    python: str = sys.executable, paused: Callable[[], bool] | None = None,
 ) -> Finished:  # fmt: skip
     """Run one worker (``name``: unique on this site, e.g. its worker id) in ``work`` and wait for it; see the module
     docstring. ``on_log(stream, line)`` gets each line of its stdout and stderr, ``on_frame`` each frame (started,
-    step, checkpoint) as it comes; ``stop`` set: the worker is killed and the run raises ``stopped``."""
+    step, checkpoint) as it comes; ``stop`` set: the worker is killed and the run raises ``stopped``; while
+    ``paused()`` says so the worker's processes are stopped (``SIGSTOP`` to its process group: it holds its memory,
+    takes no CPU, and goes on where it was at ``SIGCONT``), and paused time does not count towards its timeout."""
     work = Path(work).resolve()
     work.mkdir(parents=True, exist_ok=True)
     group: _Cgroup | None = None
@@ -281,14 +284,23 @@ def run_worker(
         except BrokenPipeError:
             pass
         why: Reason | None = None
+        held_since: float | None = None
         while child.poll() is None:
             if stop is not None and stop.is_set():
                 why = "stopped"
-            elif limits.timeout_s is not None and time.monotonic() - started > limits.timeout_s:
+            elif held_since is None and limits.timeout_s is not None and time.monotonic() - started > limits.timeout_s:
                 why = "timeout"
             if why is not None:
                 _kill(child)
                 break
+            hold = paused is not None and paused()
+            if hold and held_since is None:
+                held_since = time.monotonic()
+                _signal(child, signal.SIGSTOP)
+            elif not hold and held_since is not None:
+                started += time.monotonic() - held_since  # paused time is not running time
+                held_since = None
+                _signal(child, signal.SIGCONT)
             time.sleep(0.05)
         child.wait()
         reader.join(5)
@@ -301,8 +313,13 @@ def run_worker(
 
 
 def _kill(child: subprocess.Popen[bytes]) -> None:
+    _signal(child, signal.SIGKILL)
+
+
+def _signal(child: subprocess.Popen[bytes], signum: signal.Signals) -> None:
+    """``signum`` to the worker's process group (it is the leader of its own session)."""
     try:
-        os.killpg(child.pid, signal.SIGKILL)
+        os.killpg(child.pid, signum)
     except ProcessLookupError:
         pass
 

@@ -11,7 +11,9 @@ limits of the order; every step's metrics become the worker's metrics (``step``,
 what ``fit`` reported), its stdout and stderr become log lines, each checkpoint a log line. A run started where
 ``work/checkpoint`` holds one resumes from it (the agent was killed mid-training: the steps since the last
 checkpoint are taken again, no others). A failure of the algorithm FAILS the worker with its reason (raised,
-contract, memory, timeout, forbidden_write, died) and the last lines of its traceback.
+contract, memory, timeout, forbidden_write, died) and the last lines of its traceback. While the task is paused the
+algorithm's processes are stopped where they are (no CPU, their memory kept) and go on when it resumes; the
+heartbeats say paused meanwhile.
 
 At the end the ONNX export (when the algorithm has one) and the parameters are uploaded through the chunked upload
 API with the order's publish grant (resumable: a restart continues the upload) and one ``TrainedModel`` event names
@@ -86,7 +88,7 @@ def run(worker: Worker) -> None:
         watcher.start()
         try:
             result = run_worker(order.worker_id, work, job, limits, stop=stop, on_log=lambda stream, line: worker.log(line, "warning" if stream == "stderr" else "info"),
-                                on_frame=lambda frame: _frame(worker, progress, frame))  # fmt: skip
+                                on_frame=lambda frame: _frame(worker, progress, frame), paused=worker.pause_requested)  # fmt: skip
         except AlgorithmFailed as exc:
             if exc.reason == "stopped":
                 return

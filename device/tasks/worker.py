@@ -250,6 +250,16 @@ class Worker:
             self._hold(False)
         return not self._stop
 
+    def pause_requested(self) -> bool:
+        """Whether the order says PAUSE now (and the worker is not stopping), for a worker that cannot hold between
+        items itself (a training run in a process of its own, which its host freezes meanwhile); the heartbeats say
+        paused from the first call that sees it until the first that does not."""
+        with self._control:
+            wanted = not self._stop and self._order.action is WorkerAction.PAUSE
+        if wanted != self._held:
+            self._hold(wanted)
+        return wanted
+
     def wait(self, timeout_s: float | None = None) -> bool:
         """Sleep until the order changes, the worker must stop or ``timeout_s`` pass; ``False``: stop now."""
         with self._control:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +19,7 @@ import pytest
 from device.algorithm.client import load_parameters
 from device.algorithm.runner import Job
 from device.algorithm.runtime import AlgorithmFailed, Finished, Limits, limit_support, run_worker
+from tests.support import wait_for
 
 BEHAVE = Path(__file__).resolve().parents[1] / "fixtures" / "algorithms" / "behave"
 NUMPY_CNN = Path(__file__).resolve().parents[2] / "examples" / "algorithms" / "numpy_cnn"
@@ -193,3 +195,46 @@ def test_the_numpy_example_trains_and_exports_onnx_in_the_runtime(tmp_path: Path
     session = ort.InferenceSession(str(result.onnx))
     logits = session.run(None, {session.get_inputs()[0].name: x[1400:]})[0]
     assert abs(float((logits.argmax(1) == y[1400:]).mean()) - result.metrics["accuracy"]) < 0.005
+
+
+def _frozen(work: Path) -> bool:
+    """Every process working in ``work`` is stopped (state T), and there is one."""
+    states = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            if os.readlink(f"/proc/{pid}/cwd") == str(work):
+                states.append(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0])
+        except OSError:
+            continue
+    return bool(states) and all(state == "T" for state in states)
+
+
+def test_a_paused_run_takes_no_step_until_it_resumes_and_its_paused_time_is_not_running_time(tmp_path: Path) -> None:
+    # Prepare: steps of 0.3 s under a 12 s timeout; paused after step 2, for longer than that timeout
+    held = threading.Event()
+    steps: list[int] = []
+
+    def on_frame(frame: dict[str, Any]) -> None:
+        if frame["type"] == "step":
+            steps.append(frame["step"])
+            if frame["step"] == 2:
+                held.set()
+
+    result: list[Finished] = []
+    runner = threading.Thread(target=lambda: result.append(run(tmp_path, job(steps=5, delay_s=0.3), Limits(timeout_s=12), how="rlimit", on_frame=on_frame,
+                                                               paused=held.is_set)))  # fmt: skip
+    runner.start()
+    wait_for(lambda: held.is_set() and _frozen((tmp_path / "w").resolve()), 120, what="the worker stopped")
+    time.sleep(0.5)  # frames written before the stop are read by now
+
+    # Execute
+    during = list(steps)
+    time.sleep(12.5)
+    still = _frozen((tmp_path / "w").resolve())
+    after_pause = list(steps)
+    held.clear()
+    runner.join(120)
+
+    # Assert
+    assert still and during == after_pause, (during, after_pause)
+    assert result and result[0].steps == 5 and steps == [1, 2, 3, 4, 5]
