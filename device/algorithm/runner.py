@@ -5,7 +5,9 @@ broker credentials, no environment beyond what it sets) and writes one :class:`J
 runner then
 
 1. refuses, from an audit hook (PEP 578), every file the algorithm opens for writing, creates, renames or removes
-   outside its working directory (``PermissionError`` naming the path; the run FAILS saying so);
+   outside its working directory (``PermissionError`` naming the path; the run FAILS saying so), and has the kernel
+   refuse the same to native code, with no TCP and no signal outside its domain (:mod:`device.algorithm.landlock`,
+   where the kernel has Landlock; the ``started`` frame says which: ``confinement``);
 2. builds the client from the unpacked package (its configuration checked against the manifest's schema);
 3. resumes from ``<work>/checkpoint/`` when a checkpoint is there (the step it reached, the parameters, and the
    client's own ``restore``), else starts from the job's initial parameters or the client's ``initial_parameters()``;
@@ -29,6 +31,8 @@ from pathlib import Path
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
+
+from device.algorithm import landlock
 
 FRAMES_ENV = "AISYNERGY_FRAMES_FD"
 """the environment variable naming the descriptor of the frames pipe"""
@@ -134,7 +138,7 @@ def _load_checkpoint(work: Path) -> tuple[int, Any, Any] | None:
     return None
 
 
-def run(job: Job, work: Path, frames: _Frames) -> None:
+def run(job: Job, work: Path, frames: _Frames, confinement: str = "audit hook") -> None:
     from device.algorithm.client import (
         AlgorithmError,
         checked_evaluate,
@@ -154,7 +158,7 @@ def run(job: Job, work: Path, frames: _Frames) -> None:
     else:
         start = 0
         parameters = load_parameters(Path(job.initial_parameters)) if job.initial_parameters else checked_initial_parameters(client)
-    frames.send("started", resumed_from=start, steps=job.steps)
+    frames.send("started", resumed_from=start, steps=job.steps, confinement=confinement)
     for step in range(start + 1, job.steps + 1):
         fitted = checked_fit(client, parameters, {"round": step})
         parameters = fitted.parameters
@@ -190,7 +194,12 @@ def main() -> int:
     sys.path.insert(0, job.package_dir)
     confine_writes(work)
     try:
-        run(job, work, frames)
+        version = landlock.confine([work])
+    except OSError as exc:  # the kernel has Landlock and refused: the algorithm does not run unconfined
+        frames.send("error", kind="raised", message=f"the site could not confine the algorithm: {exc}")
+        return EXIT_ERROR
+    try:
+        run(job, work, frames, confinement=f"landlock abi {version}" if version else "audit hook")
     except AlgorithmError as exc:
         frames.send("error", kind="contract", message=str(exc))
         return EXIT_ERROR

@@ -154,6 +154,7 @@ def _frame(worker: Worker, progress: _Progress, frame: dict[str, Any]) -> None:
         progress.update(step=int(frame.get("resumed_from", 0)))
         if frame.get("resumed_from"):
             worker.log(f"resumed from the checkpoint of step {frame['resumed_from']}")
+        worker.log(f"the algorithm's writes are confined to its directory by the {str(frame.get('confinement', 'audit hook'))[:40]}")
     elif kind == "step":
         step = int(frame.get("step", 0))
         metrics = frame.get("metrics") if isinstance(frame.get("metrics"), dict) else {}

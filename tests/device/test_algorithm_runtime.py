@@ -8,6 +8,7 @@ otherwise."""
 from __future__ import annotations
 
 import os
+import socket
 import threading
 import time
 from pathlib import Path
@@ -16,6 +17,7 @@ from typing import Any
 import numpy as np
 import pytest
 
+from device.algorithm import landlock
 from device.algorithm.client import load_parameters
 from device.algorithm.runner import Job
 from device.algorithm.runtime import AlgorithmFailed, Finished, Limits, limit_support, run_worker
@@ -238,3 +240,46 @@ def test_a_paused_run_takes_no_step_until_it_resumes_and_its_paused_time_is_not_
     # Assert
     assert still and during == after_pause, (during, after_pause)
     assert result and result[0].steps == 5 and steps == [1, 2, 3, 4, 5]
+
+
+LANDLOCK = landlock.abi_version()
+
+
+@pytest.mark.skipif(LANDLOCK is None, reason="this kernel has no Landlock")
+def test_a_native_write_outside_its_directory_is_refused_by_the_kernel(tmp_path: Path) -> None:
+    # Prepare: libc's open(2) through ctypes, which no audit hook sees
+    outside = tmp_path / "outside.txt"
+    started: list[dict[str, Any]] = []
+
+    # Execute
+    with pytest.raises(AlgorithmFailed) as failed:
+        run(tmp_path, job("write_outside_native", path=str(outside)), how="rlimit", on_frame=lambda f: started.append(f) if f["type"] == "started" else None)
+
+    # Assert
+    assert failed.value.reason == "raised" and "Permission denied" in str(failed.value), failed.value
+    assert not outside.exists()
+    assert started[0]["confinement"] == f"landlock abi {LANDLOCK}"
+
+
+@pytest.mark.skipif(LANDLOCK is None or LANDLOCK < 4, reason="this kernel's Landlock has no network rules")
+def test_an_algorithm_cannot_open_a_tcp_connection(tmp_path: Path) -> None:
+    # Prepare: something listening on the loopback, as a hub or a broker would
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen()
+        listener.settimeout(0.5)
+
+        # Execute
+        with pytest.raises(AlgorithmFailed) as failed:
+            run(tmp_path, job("connect", port=listener.getsockname()[1]), how="rlimit")
+        try:
+            accepted = listener.accept()[0]
+            accepted.close()
+            reached = True
+        except TimeoutError:
+            reached = False
+
+    # Assert
+    assert failed.value.reason == "raised" and "Permission denied" in str(failed.value), failed.value
+    assert not reached
+
