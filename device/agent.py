@@ -334,7 +334,7 @@ class Device:
         if enrolment is None:
             return None
         return Site(self.data_dir / "tasks" / "training", enrolment.enrol_url, self.datasets.paths(), verify=self._server_context(),
-                    server_name=enrolment.tls_server_name)  # fmt: skip
+                    server_name=enrolment.tls_server_name, private=self.data_dir)  # fmt: skip
 
     def _model_command(self, name: str) -> CommandHandler:
         """The built-in command ``name`` over :attr:`models` (``device.ota.models`` loads at its first call)."""

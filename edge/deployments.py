@@ -109,7 +109,7 @@ class NodeDeployments:
         self._send_up = send_up
         self._event_lock = threading.Lock()  # held from taking a seq to storing the event: seqs leave in order
         fetch_inputs = InputFetcher(Path(data_dir) / "tasks" / "inputs", self.updater.signing_key, self.updater.downloader, self.updater.verify_manifest)
-        site = Site(Path(data_dir) / "tasks" / "training", hub_url, dict(datasets or {}), verify)
+        site = Site(Path(data_dir) / "tasks" / "training", hub_url, dict(datasets or {}), verify, private=Path(data_dir))
         self.tasks = WorkerHost(Path(data_dir) / "tasks", self.models, self.emit, fetch_inputs, infer=infer, fl=fl, site=site)
         self._version = -1  # the newest desired version seen
         self._tasks_version = -1  # the newest task orders seen

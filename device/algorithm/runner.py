@@ -58,6 +58,7 @@ class Job(BaseModel):
     checkpoint_every: int = Field(default=1, ge=1, le=1_000_000)
     initial_parameters: str | None = Field(default=None, max_length=4096)
     export: bool = True
+    private_dir: str | None = Field(default=None, max_length=4096, description="the agent's data directory: unreadable to the algorithm (where the kernel has Landlock) but for its package, its datasets and its own directory")
 
 
 class _Frames:
@@ -194,7 +195,8 @@ def main() -> int:
     sys.path.insert(0, job.package_dir)
     confine_writes(work)
     try:
-        version = landlock.confine([work])
+        readable = [Path(job.package_dir), *map(Path, job.datasets.values())] + ([Path(job.initial_parameters)] if job.initial_parameters else [])
+        version = landlock.confine([work], hidden=Path(job.private_dir) if job.private_dir else None, readable=readable)
     except OSError as exc:  # the kernel has Landlock and refused: the algorithm does not run unconfined
         frames.send("error", kind="raised", message=f"the site could not confine the algorithm: {exc}")
         return EXIT_ERROR

@@ -48,6 +48,8 @@ class Site:
     datasets: Mapping[str, Path] = field(default_factory=dict)
     verify: ssl.SSLContext | bool = True
     server_name: str | None = None
+    private: Path | None = None
+    """the agent's data directory: no algorithm may read it (but for its package, datasets and directory)"""
 
     def dataset(self, name: str) -> Path:
         """The path of dataset ``name``; ``KeyError`` naming the datasets this site has."""

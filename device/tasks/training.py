@@ -81,7 +81,7 @@ def run(worker: Worker) -> None:
                    f"{spec.steps} steps, a checkpoint every {spec.checkpoint_every}, {algorithm.cpu_cores:g} cores, "
                    f"{algorithm.memory_bytes >> 20} MiB" + (", resuming from the last checkpoint" if resuming else ""))  # fmt: skip
         job = Job(package_dir=str(package), datasets=datasets, config=dict(spec.config), steps=spec.steps, checkpoint_every=spec.checkpoint_every,
-                  initial_parameters=str(initial) if initial is not None else None)  # fmt: skip
+                  initial_parameters=str(initial) if initial is not None else None, private_dir=str(site.private) if site.private else None)  # fmt: skip
         limits = Limits(cpu_cores=algorithm.cpu_cores, memory_bytes=algorithm.memory_bytes, timeout_s=algorithm.timeout_s, accelerators=tuple(algorithm.accelerators))
         stop = threading.Event()
         watcher = threading.Thread(target=_watch, args=(worker, stop), daemon=True)

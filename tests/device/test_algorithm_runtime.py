@@ -283,3 +283,37 @@ def test_an_algorithm_cannot_open_a_tcp_connection(tmp_path: Path) -> None:
     assert failed.value.reason == "raised" and "Permission denied" in str(failed.value), failed.value
     assert not reached
 
+
+
+@pytest.mark.skipif(LANDLOCK is None, reason="this kernel has no Landlock")
+@pytest.mark.parametrize(("what", "readable"), [("the agent's key", False), ("its dataset", True), ("another task's file", False)])
+def test_nothing_of_the_agents_directory_is_readable_but_its_own(tmp_path: Path, what: str, readable: bool) -> None:
+    # Prepare: an agent's data dir with its key, a dataset and another task's directory; the worker's inside it
+    agent = tmp_path / "agent"
+    (agent / "identity").mkdir(parents=True)
+    (agent / "identity" / "node.key").write_text("-----BEGIN PRIVATE KEY-----")
+    (agent / "datasets").mkdir()
+    (agent / "datasets" / "digits.npz").write_bytes(b"x" * 100)
+    (agent / "tasks" / "training" / "task-other").mkdir(parents=True)
+    (agent / "tasks" / "training" / "task-other" / "checkpoint.bin").write_bytes(b"theirs")
+    (tmp_path / "up").symlink_to(tmp_path)  # links beside it to what holds it, and into it: neither is a way in
+    (tmp_path / "in").symlink_to(agent / "identity")
+    work = agent / "tasks" / "training" / "task-1" / "work"
+    target = {"the agent's key": agent / "identity" / "node.key", "its dataset": agent / "datasets" / "digits.npz",
+              "another task's file": agent / "tasks" / "training" / "task-other" / "checkpoint.bin"}[what]  # fmt: skip
+    lines: list[str] = []
+    confined = Job(package_dir=str(BEHAVE), datasets={"train": str(agent / "datasets" / "digits.npz")}, config={"mode": "read", "path": str(target)},
+                   steps=1, private_dir=str(agent))  # fmt: skip
+
+    # Execute
+    try:
+        result: Finished | AlgorithmFailed = run_worker(f"r-{os.getpid()}-{tmp_path.name}", work, confined, LIMITS, cgroup_root=tmp_path / "no-cgroups",
+                                                        on_log=lambda stream, line: lines.append(line))  # fmt: skip
+    except AlgorithmFailed as exc:
+        result = exc
+
+    # Assert
+    if readable:
+        assert isinstance(result, Finished) and f"read 100 bytes of {target}" in lines, (result, lines)
+    else:
+        assert isinstance(result, AlgorithmFailed) and result.reason == "raised" and "Permission denied" in str(result), (result, lines)
