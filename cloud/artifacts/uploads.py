@@ -259,30 +259,21 @@ def create_upload(session: Session, area: UploadArea, body: UploadCreate, chunk_
     )  # fmt: skip
     session.add(row)
     session.commit()
-    try:
-        _reserve(area.data(row.id), row.size)
-    except OSError as exc:
-        session.delete(row)
-        session.commit()
-        area.remove(row.id)
-        raise PayloadTooLarge(f"the hub has no room for {row.size} bytes now ({exc.strerror})") from exc
+    private_dir(area.dir(row.id))
+    os.close(os.open(area.data(row.id), os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))
     log.info("upload %s started: %s %s %s, %d bytes in %d chunks", row.id, row.kind, row.name, row.version, row.size, chunk_count(row.size, chunk_size))
     return row
 
 
-def _reserve(data: Path, size: int) -> None:
-    """The session's data file with its blocks allocated up front: the chunks' writes then only fill them (and a full
-    disk says so at the start, not half-way)."""
-    private_dir(data.parent)
-    fd = os.open(data, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+def _allocate(fd: int, offset: int, length: int) -> None:
+    """The blocks of one chunk's range allocated before it is written (its writes then only fill them; a full disk
+    says so before the bytes are taken): only what a client sends is ever allocated."""
     try:
-        os.posix_fallocate(fd, 0, size)
+        os.posix_fallocate(fd, offset, length)
     except OSError as exc:
-        if exc.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
-            raise
-        os.ftruncate(fd, size)  # a file system that cannot allocate ahead
-    finally:
-        os.close(fd)
+        if exc.errno in (errno.EOPNOTSUPP, errno.EINVAL):  # a file system that cannot allocate ahead
+            return
+        raise PayloadTooLarge(f"the hub has no room for {length} more bytes now ({exc.strerror})") from exc
 
 
 def _identity(row: UploadCreate | ArtifactUpload) -> ArtifactCreate:
@@ -348,6 +339,7 @@ class ChunkStaging:
             self._held = self._receipt()
             if self._held is None:
                 self._data = os.open(area.data(upload_id), os.O_WRONLY | os.O_CREAT, 0o600)
+                _allocate(self._data, self.offset, length)
             else:
                 self._drop_mark()
         except FileNotFoundError:

@@ -232,8 +232,8 @@ def test_a_new_session_removes_expired_ones(hub: HubUnderTest) -> None:
     new = session_of(hub, DATA[:10])
 
     # Assert
-    assert [(p.parent.name, p.name) for p in staged_files(hub)] == [(new["id"], "data")]  # the new one's, allocated
-    assert (hub.settings.data_dir / "uploads" / new["id"] / "data").stat().st_size == 10
+    assert [(p.parent.name, p.name) for p in staged_files(hub)] == [(new["id"], "data")]  # the new one's, empty so far
+    assert (hub.settings.data_dir / "uploads" / new["id"] / "data").stat().st_size == 0
     assert not (hub.settings.data_dir / "uploads" / old["id"]).exists()
 
 
