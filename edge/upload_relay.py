@@ -103,6 +103,8 @@ class UploadRelay:
         has_body = method in ("POST", "PUT")
         if has_body and (length is None or not length.isdigit()):
             return _problem(411, ErrorCode.MALFORMED_REQUEST.value, "Content-Length required", f"{method} {path} needs a Content-Length", close=True)
+        if not has_body and length not in (None, "0"):  # a body nobody reads: the connection cannot carry another request
+            return _problem(400, ErrorCode.MALFORMED_REQUEST.value, "Unexpected body", f"{method} {path} takes no body", close=True)
         size = int(length) if has_body and length is not None else 0
         limit = MAX_CHUNK_BYTES if method == "PUT" else MAX_BODY_BYTES
         if size > limit:

@@ -125,9 +125,11 @@ def test_bad_requests_are_answered_at_the_edge(hub: HubUnderTest, edge: Listener
     put_post = edge.request("POST", "/api/v1/artifacts/uploads/upl-1/chunks/0", headers=bearer, content=b"x")
     no_length = edge.request("PUT", "/api/v1/artifacts/uploads/upl-1/chunks/0", headers=bearer, content=iter([b"x"]))
     too_large = edge.request("POST", "/api/v1/artifacts/uploads", headers=bearer, content=b"{" + b" " * (64 * 1024) + b"}")
+    get_with_body = edge.request("GET", "/api/v1/artifacts/uploads/upl-1", headers=bearer, content=b"{}")
 
     # Assert
     assert (wrong_method.status_code, put_post.status_code, no_length.status_code, too_large.status_code) == (405, 405, 411, 413)
+    assert get_with_body.status_code == 400
     assert edge.relay.forwarded == 0
 
 
