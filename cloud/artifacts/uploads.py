@@ -8,17 +8,19 @@ SHA-256; linked into place, so two writers of one chunk cannot both win, on one 
 chunk sent again while its receipt exists is only hashed, never written: 204 for the same bytes, 409 for others.
 What the hub holds is what the receipts list, so a session resumes after a restart of the hub.
 
-The whole SHA-256 is computed as the chunks arrive: a chunk that starts where the chunks before it end (in this
-process) carries the session's running hash on (:class:`_Chain`), so a commit after an upload in order reads nothing
-again; it reads only what the chain lacks (every byte after a restart of the hub, or from the first chunk that came
-out of order). Writers of one chunk take no lock (a request cut mid-way may hang on until its connection times out;
-its retry must not wait for it), so a chunk's bytes in the data file are trusted to be the winner's only when no other
-writer of that chunk wrote while it did: each writer leaves a mark ``<index>.w-<random>`` (``done`` once it has
-stopped) that the winner reads at its start and after its receipt, and when any other writer overlapped it, the chain
-stops there and the commit reads the rest from the file, where the whole SHA-256 finds any mixture (and the chunks
-are sent again). Chunks are not synced one by one: the commit syncs the data file once before it becomes a blob. A
-crash of the machine may leave a receipt whose bytes never reached the disk; the chain does not survive a restart, so
-that commit reads the whole file and refuses it (the chunks are sent again).
+The whole SHA-256 is computed as the chunks arrive: once a chunk's receipt appears, a follower thread
+(:class:`_Follower`) carries the session's running hash (:class:`_Chain`) on through every chunk held from where it
+ends, reading their bytes back while they are still in the page cache, and writes the data file back to disk; a
+commit then hashes only what the chain lacks (every byte after a restart of the hub, or when another replica served
+the chunks). Writers of one chunk take no lock (a request cut mid-way may hang on until its connection times out;
+its retry must not wait for it), so a chunk is followed only once no other writer of it may still write: each writer
+leaves a mark ``<index>.w-<random>`` while it may write (``done`` when it wrote bytes beside another writer), and a
+chunk with a mark not ``done`` is left for later; the bytes followed are those in the file, so any mixture of two
+writers' bytes is found by the whole SHA-256 at commit (and the chunks are sent again). A commit holds the data file
+exclusively (``flock``; writers hold it shared while they write), so a writer still hanging on cannot touch the file
+once it becomes a blob. Chunks are not synced one by one: the follower and the commit sync the data file. A crash of
+the machine may leave a receipt whose bytes never reached the disk; the chain does not survive a restart, so that
+commit reads the whole file and refuses it (the chunks are sent again).
 
 A commit checks the whole SHA-256 (declared at the start, or in the commit itself) and, when it matches, renames the
 data file into the blob store (no copy; a copy through a blob writer where the store is elsewhere) and stores and
