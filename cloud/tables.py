@@ -10,6 +10,7 @@ from datetime import datetime
 from typing import Any
 
 from sqlalchemy import JSON, BigInteger, Column, DateTime, Index, LargeBinary, Text, UniqueConstraint
+from sqlalchemy import true as sa_true
 from sqlmodel import Field, SQLModel
 
 
@@ -546,7 +547,9 @@ class FlUpdateRow(SQLModel, table=True):
     worker_id: str = Field(max_length=64)
     contributors: list[str] = Field(sa_column=Column(JSON, nullable=False))
     num_examples: int
-    data: bytes = Field(sa_column=Column(LargeBinary, nullable=False))
+    data: bytes = Field(sa_column=Column(LargeBinary, nullable=False), description="a last layer (safetensors); empty for a whole model's update")
+    artifact_id: str | None = Field(default=None, max_length=64, description="a whole model's update: the model artefact the participant uploaded")
+    vetted: bool = Field(default=True, sa_column_kwargs={"server_default": sa_true()}, description="a whole model's update: its tensors were read through and fit the model")
     metrics: dict[str, float] = Field(default_factory=dict, sa_column=Column(JSON, nullable=False))
     stale: bool = Field(default=False, description="arrived after its round closed; fused into a later round (late_updates=stale)")
     used_in: int | None = Field(default=None, description="the round whose fusion used it")

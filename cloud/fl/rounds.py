@@ -52,6 +52,7 @@ from sqlalchemy.engine import Engine
 from sqlmodel import Session
 
 from cloud.convert import utc
+from cloud.fl import whole
 from cloud.fl.task import spec_of
 from cloud.incremental import budgets, surgery
 from cloud.tables import Artifact, Device, FlPlan, FlRoundRow, FlUpdateRow, Task, TaskMetric, TaskWorker
@@ -85,21 +86,33 @@ def accept(session: Session, task: Task, kind: str, target_id: str, data: FlUpda
     spec = spec_of(task)
     if data.masked != spec.secure_aggregation:
         return "refused"
-    layer = surgery.DenseLayer.from_json(plan.layer)
-    try:
-        frame = base64.b64decode(data.data, validate=True)
-        _layer(frame, layer, data.masked)
-    except ValueError as exc:
-        log.warning("task %s: refused an update from %s: %s", task.id, data.worker_id, exc)
-        return "refused"
-    bound = _examples_bound(session, data.contributors, spec.dataset)
+    frame, artifact_id = b"", None
+    if spec.whole:  # the update is an uploaded artefact: its identity now, its tensors before the round closes
+        why = whole.identity_wrong(session, task.id, target_id, data.parameters, data.round, data.attempt) if data.parameters else "it carries no parameters"
+        if why is not None:
+            hub_log(session, task.id, f"refused an update from worker {data.worker_id}: {why}", "warning", at, data.worker_id, target_id)
+            return "refused"
+        artifact_id = data.parameters
+    else:
+        layer = surgery.DenseLayer.from_json(plan.layer)
+        try:
+            if data.data is None:
+                raise ValueError("it carries no layer")
+            frame = base64.b64decode(data.data, validate=True)
+            _layer(frame, layer, data.masked)
+        except ValueError as exc:
+            log.warning("task %s: refused an update from %s: %s", task.id, data.worker_id, exc)
+            return "refused"
+    dataset = spec.dataset or next(iter(spec.datasets.values()), None)
+    bound = _examples_bound(session, data.contributors, dataset, lenient=spec.whole) if dataset else data.num_examples
     num_examples = min(data.num_examples, bound)
     if num_examples < data.num_examples:
         hub_log(session, task.id, f"an update from worker {data.worker_id} claimed {data.num_examples} examples; its contributors "
-                f"reported {bound} rows of {spec.dataset}: counted as {bound}", "warning", at, data.worker_id, target_id)  # fmt: skip
+                f"reported {bound} rows of {dataset}: counted as {bound}", "warning", at, data.worker_id, target_id)  # fmt: skip
     row = FlUpdateRow(
         task_id=task.id, round=data.round, attempt=data.attempt, worker_id=data.worker_id, contributors=list(data.contributors),
-        num_examples=num_examples, data=frame, metrics={k: float(v) for k, v in data.metrics.items() if math.isfinite(v)}, received_at=at,
+        num_examples=num_examples, data=frame, artifact_id=artifact_id, vetted=not spec.whole,
+        metrics={k: float(v) for k, v in data.metrics.items() if math.isfinite(v)}, received_at=at,
     )  # fmt: skip
     if plan.attempt > 0 and (data.round, data.attempt) == (plan.round, plan.attempt):
         if not set(data.contributors) <= set(plan.participants):
@@ -110,6 +123,10 @@ def accept(session: Session, task: Task, kind: str, target_id: str, data: FlUpda
         if plan.unmasking:  # the survivors are revealing their seeds with the dropped: too late to count
             return "late"
         session.add(row)
+        if spec.whole:
+            ran = whole.algorithm_for(whole.WholePlan.of(plan), whole.labels_of(session, kind, target_id)).manifest
+            hub_log(session, task.id, f"round {data.round}: the update of {target_id} is in ({ran['name']} {ran['version']}, {num_examples} examples)",
+                    at=at, worker_id=data.worker_id, target_id=target_id)  # fmt: skip
         if seen | set(data.contributors) >= set(plan.participants):
             plan.deadline_at = min(utc(plan.deadline_at) or at, at)  # everyone answered: close at the next look
             session.add(plan)
@@ -175,7 +192,7 @@ def _revealed(session: Session, task_id: str, plan: FlPlan) -> bool:
 def _contributors(session: Session, task_id: str, round: int, attempt: int) -> set[str]:
     rows = session.execute(
         select(FlUpdateRow.contributors).where(FlUpdateRow.task_id == task_id, FlUpdateRow.round == round, FlUpdateRow.attempt == attempt,
-                                               FlUpdateRow.stale.is_(False))  # type: ignore[attr-defined]
+                                               FlUpdateRow.stale.is_(False), _not_refused())  # type: ignore[attr-defined]
     ).scalars()  # fmt: skip
     return {c for row in rows for c in row}
 
@@ -186,10 +203,21 @@ def _closing_participants(session: Session, task_id: str, round: int, attempt: i
     return set(row.participant_ids or []) if row is not None and row.attempts == attempt else set()
 
 
-def _examples_bound(session: Session, contributors: list[str], dataset: str) -> int:
-    """The most examples ``contributors`` can have trained on: the rows they reported of ``dataset``, at least 1 each."""
+def _not_refused() -> Any:
+    from sqlalchemy import func
+
+    return func.coalesce(FlUpdateRow.used_in, 0) != whole.REFUSED
+
+
+def _examples_bound(session: Session, contributors: list[str], dataset: str, lenient: bool = False) -> int:
+    """The most examples ``contributors`` can have trained on: the rows they reported of ``dataset``, at least 1 each.
+    ``lenient`` (a whole model's update): a contributor that reports no such dataset (a site: edge nodes report
+    none) is not bounded."""
     rows = {d.id: d for d in session.execute(select(Device).where(Device.id.in_(contributors))).scalars()}  # type: ignore[attr-defined]
-    return sum(max(1, info.rows if (info := budgets.reported_dataset(rows[c], dataset)) else 1) if c in rows else 1 for c in set(contributors))
+    infos = {c: budgets.reported_dataset(rows[c], dataset) if c in rows else None for c in set(contributors)}
+    if lenient and any(info is None for info in infos.values()):
+        return 2**62
+    return sum(max(1, info.rows if info else 1) for info in infos.values())
 
 
 def _one_vote_each(fresh: list[FlUpdateRow], stale: list[FlUpdateRow]) -> tuple[list[FlUpdateRow], list[FlUpdateRow]]:
@@ -259,10 +287,12 @@ def drive(session: Session, task: Task, at: datetime, driver: Driver, blobs: Any
             return done
         _open(session, task, plan, spec, devices, 1, at, done, driver)
         return done
-    contributed = _contributors(session, task.id, plan.round, plan.attempt)
     deadline = utc(plan.deadline_at) or at
     if at < deadline:
         return done
+    if spec.whole and blobs is not None:
+        whole.vet(session, blobs, task, plan, at)
+    contributed = _contributors(session, task.id, plan.round, plan.attempt)
     k = spec.min_participants
     dropped = set(plan.participants) - contributed
     if spec.secure_aggregation and dropped and len(contributed) >= k:
@@ -305,7 +335,7 @@ def _open(session: Session, task: Task, plan: FlPlan, spec: FederatedTrainingSpe
     plan.trained = {**plan.trained, **{d: plan.trained.get(d, 0) + 1 for d in running}}  # what a DP task charges each device
     if spec.secure_aggregation:
         rows = {d.id: d for d in session.execute(select(Device).where(Device.id.in_(running))).scalars()}  # type: ignore[attr-defined]
-        plan.total_examples = sum(max(1, (info.rows if (info := budgets.reported_dataset(rows[d], spec.dataset)) else 1)) for d in running if d in rows)
+        plan.total_examples = sum(max(1, (info.rows if (info := budgets.reported_dataset(rows[d], spec.dataset or "")) else 1)) for d in running if d in rows)
     plan.opened_at, plan.deadline_at = at, at + timedelta(seconds=_timeout(session, task.id, spec))
     session.add(plan)
     session.flush()
@@ -335,6 +365,10 @@ def _timeout(session: Session, task_id: str, spec: FederatedTrainingSpec) -> flo
 def _strategy(plan: FlPlan, spec: FederatedTrainingSpec) -> Strategy:
     from safetensors.numpy import load
 
+    from interfaces.aggregation import strategy_from_meta
+
+    if plan.strategy_state and spec.whole:  # its arrays are a tensor file of the plan (cloud.fl.whole)
+        return strategy_from_meta(plan.strategy_state)
     if plan.strategy_state:
         return strategy_from_state(plan.strategy_state, load(plan.strategy_arrays) if plan.strategy_arrays else {})
     return strategy_from_spec(spec.strategy, **spec.strategy_params)
@@ -343,30 +377,37 @@ def _strategy(plan: FlPlan, spec: FederatedTrainingSpec) -> Strategy:
 def _close(session: Session, task: Task, plan: FlPlan, spec: FederatedTrainingSpec, at: datetime, done: Ticked, blobs: Any = None) -> None:
     from safetensors.numpy import load, save
 
-    layer = surgery.DenseLayer.from_json(plan.layer)
     fresh = list(session.execute(
         select(FlUpdateRow).where(FlUpdateRow.task_id == task.id, FlUpdateRow.round == plan.round, FlUpdateRow.attempt == plan.attempt,
-                                  FlUpdateRow.stale.is_(False)).order_by(FlUpdateRow.id)  # type: ignore[attr-defined]
+                                  FlUpdateRow.stale.is_(False), _not_refused()).order_by(FlUpdateRow.id)  # type: ignore[attr-defined]
     ).scalars())  # fmt: skip
     stale = list(session.execute(
         select(FlUpdateRow).where(FlUpdateRow.task_id == task.id, FlUpdateRow.stale.is_(True), FlUpdateRow.used_in.is_(None),  # type: ignore[attr-defined,union-attr]
                                   FlUpdateRow.round >= plan.round - spec.max_staleness).order_by(FlUpdateRow.id)
     ).scalars()) if spec.late_updates == "stale" else []  # fmt: skip
     stale, outvoted = _one_vote_each(fresh, stale)
-    if spec.secure_aggregation:
-        updates = [_unmasked(plan, layer, fresh)]
-    else:
-        updates = [ClientUpdate(_layer(r.data, layer), r.num_examples, r.metrics, r.worker_id) for r in fresh]
-    updates += [ClientUpdate(_layer(r.data, layer), max(1, round(r.num_examples / (1 + plan.round - r.round))), r.metrics, r.worker_id) for r in stale]
     strategy = _strategy(plan, spec)
-    new = strategy.aggregate(load(plan.weights), updates)
-    meta, arrays = strategy.state()
+    new: dict[str, np.ndarray] | None = None
+    if spec.whole:  # tensor by tensor over the uploaded files (cloud.fl.whole)
+        weighted = [(r, r.num_examples) for r in fresh] + [(r, _stale_weight(r.num_examples, plan.round - r.round)) for r in stale]
+        moved = whole.fuse(session, blobs, plan, strategy, weighted, task.id)
+        meta, arrays = strategy.state_meta(), dict[str, np.ndarray]()
+    else:
+        layer = surgery.DenseLayer.from_json(plan.layer)
+        if spec.secure_aggregation:
+            updates = [_unmasked(plan, layer, fresh)]
+        else:
+            updates = [ClientUpdate(_layer(r.data, layer), r.num_examples, r.metrics, r.worker_id) for r in fresh]
+        updates += [ClientUpdate(_layer(r.data, layer), _stale_weight(r.num_examples, plan.round - r.round), r.metrics, r.worker_id) for r in stale]
+        new = strategy.aggregate(load(plan.weights), updates)
+        meta, arrays = strategy.state()
+        moved = {}
     metrics = weighted_metrics([ClientUpdate({}, r.num_examples, r.metrics) for r in fresh])
     contributors = {c for r in fresh for c in r.contributors}
     opened = utc(plan.opened_at) or at
     metrics |= {"round": float(plan.round), "participants": float(len(plan.participants)), "contributors": float(len(contributors)),
-                "stale": float(len(stale)), "outvoted": float(len(outvoted)), "round_s": (at - opened).total_seconds(), "examples": float(sum(r.num_examples for r in fresh))}  # fmt: skip
-    if spec.eval_inputs and blobs is not None:
+                "stale": float(len(stale)), "outvoted": float(len(outvoted)), "round_s": (at - opened).total_seconds(), "examples": float(sum(r.num_examples for r in fresh))} | moved  # fmt: skip
+    if spec.eval_inputs and blobs is not None and new is not None:
         metrics |= _evaluate(session, blobs, task, plan, spec, layer, new)
     session.add(FlRoundRow(
         task_id=task.id, round=plan.round, attempts=plan.attempt, participants=len(plan.participants), contributors=len(contributors), stale=len(stale),
@@ -377,13 +418,19 @@ def _close(session: Session, task: Task, plan: FlPlan, spec: FederatedTrainingSp
     ids = [r.id for r in fresh + stale + outvoted]
     if ids:
         session.execute(update(FlUpdateRow).where(FlUpdateRow.id.in_(ids)).values(used_in=plan.round))  # type: ignore[union-attr]
-    plan.weights = save({k: np.ascontiguousarray(v, dtype=np.float32) for k, v in new.items()})
+    if new is not None:
+        plan.weights = save({k: np.ascontiguousarray(v, dtype=np.float32) for k, v in new.items()})
     plan.strategy_state, plan.strategy_arrays = meta, (save(arrays) if arrays else None)
     plan.round, plan.attempt, plan.participants = plan.round + 1, 0, []
     plan.unmasking, plan.reveals, plan.total_examples = [], {}, None
     plan.weights_artifact_id, plan.opened_at, plan.deadline_at = None, None, None
     session.add(plan)
     done.closed = done.changed = True
+
+
+def _stale_weight(num_examples: int, staleness: int) -> int:
+    """What a stale update counts for: ``n / (1 + staleness)``, at least 1."""
+    return max(1, round(num_examples / (1 + staleness)))
 
 
 def _unmasked(plan: FlPlan, layer: surgery.DenseLayer, rows: list[FlUpdateRow]) -> ClientUpdate:
@@ -437,6 +484,11 @@ def prepare(engine: Engine, signing: Any, blobs: Any) -> int:
             stored += _prepare_one(engine, signing, blobs, task_id)
         except Exception:  # noqa: BLE001 - tried again on the next tick
             log.exception("task %s: storing the federated model failed", task_id)
+    try:
+        with Session(engine) as session:
+            whole.sweep(session, blobs)
+    except Exception:  # noqa: BLE001 - tried again on the next tick
+        log.exception("deleting fused federated updates failed")
     return stored
 
 
@@ -449,6 +501,12 @@ def _prepare_one(engine: Engine, signing: Any, blobs: Any, task_id: str) -> int:
         model = session.get(Artifact, plan.model_artifact_id)
         if model is None:
             raise LookupError(f"the model of task {task_id} is gone")
+        if spec.whole:  # the fused parameters are a blob already: record them as the next round's, or the published model
+            stored = whole.store(session, signing, blobs, task, plan, spec)
+            if stored is not None and plan.round > spec.rounds:
+                hub_log(session, task_id, f"published model {stored.name} {stored.version} ({stored.id}) after {spec.rounds} federated rounds")
+                session.commit()
+            return int(stored is not None)
         if plan.round > spec.rounds:
             if plan.published_artifact_id:
                 return 0
@@ -493,7 +551,7 @@ def _publish(session: Session, signing: Any, blobs: Any, task: Task, plan: FlPla
     from cloud.incremental.results import publish_layer
     layer = surgery.DenseLayer.from_json(plan.layer)
     fused = load(plan.weights)
-    metadata = {"aisynergy.trained_from": f"{model.name} {model.version}", "aisynergy.task": task.id, "aisynergy.dataset": spec.dataset,
+    metadata = {"aisynergy.trained_from": f"{model.name} {model.version}", "aisynergy.task": task.id, "aisynergy.dataset": spec.dataset or "",
                 "aisynergy.fl_rounds": str(spec.rounds), "aisynergy.fl_strategy": spec.strategy}  # fmt: skip
     artifact = publish_layer(session, signing, blobs, model, layer, fused["weight"], fused["bias"], metadata, spec.output)
     hub_log(session, task.id, f"published model {artifact.name} {artifact.version} ({artifact.id}) after {spec.rounds} federated rounds")

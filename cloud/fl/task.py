@@ -41,6 +41,7 @@ from cloud.incremental import budgets, surgery
 from cloud.placement import Candidates, installed_model, installed_version, matching_devices
 from cloud.tables import Artifact, Device, FlPlan, FlRoundRow, FlUpdateRow, Task, TaskWorker
 from interfaces.aggregation import strategy_from_spec
+from interfaces.deployments import TargetKind
 from interfaces.tasks import FL_AGGREGATOR, MAX_FL_UPDATE_BYTES, FederatedTrainingSpec, FlOrder, InputRef, Placement
 
 log = logging.getLogger("aisynergy.hub.fl")
@@ -52,7 +53,9 @@ def spec_of(task: Task) -> FederatedTrainingSpec:
 
 def via_edge(spec: FederatedTrainingSpec) -> bool:
     """Whether devices send their updates to their edge's aggregator (else to the hub, as events)."""
-    return spec.topology == "hierarchical" and strategy_from_spec(spec.strategy, **spec.strategy_params).decomposable
+    if spec.whole:
+        return False  # whole-model rounds are flat in this version (a device uploads through its edge's relay)
+    return (spec.topology or "hierarchical") == "hierarchical" and strategy_from_spec(spec.strategy, **spec.strategy_params).decomposable
 
 
 # --- admission -------------------------------------------------------------------------------------
@@ -71,10 +74,18 @@ def admit(session: Session, task: Task, spec: FederatedTrainingSpec, placement: 
         raise BadRequest(str(exc), status=422) from None
     if spec.min_participants < strategy.min_updates:
         raise BadRequest(f"{spec.strategy} needs at least {strategy.min_updates} updates per round; min_participants is {spec.min_participants}", status=422)
-    keeps = lambda d: budgets.reported_dataset(d, spec.dataset) is not None  # noqa: E731
-    version = spec.model.version or installed_version(session, placement, spec.model.name, keep=keeps)
-    spec = spec.model_copy(update={"model": spec.model.model_copy(update={"version": version})})
-    model = onnx_model_artifact(session, spec.model.name, version, "federated training")
+    if spec.whole:
+        from cloud.fl import whole
+
+        return whole.admit(session, task, spec, blobs)
+    if placement.target is not TargetKind.DEVICE:
+        raise BadRequest("a last-layer task (model) does not run on nodes: it trains on devices (placement.target device); sites train whole models (algorithm)", status=422)
+    ref, dataset = spec.model, spec.dataset
+    assert ref is not None and dataset is not None
+    keeps = lambda d: budgets.reported_dataset(d, dataset) is not None  # noqa: E731
+    version = ref.version or installed_version(session, placement, ref.name, keep=keeps)
+    spec = spec.model_copy(update={"model": ref.model_copy(update={"version": version})})
+    model = onnx_model_artifact(session, ref.name, version, "federated training")
     able = [d.id for d in matching_devices(session, placement) if keeps(d) and _runs(d, model)]
     if len(able) < spec.min_participants:
         raise BadRequest(
@@ -95,7 +106,7 @@ def admit(session: Session, task: Task, spec: FederatedTrainingSpec, placement: 
     body_row = store_derived_model(session, signing, blobs, f"{model.name[:123]}.body", model.version, body)
     if spec.dp is not None:  # take the budgets and check again, now that writes follow
         for target, run, delta in _privacy(session, spec, able, lock=True):
-            budgets.reserve(session, (target.device_id, spec.dataset), task.id, run, delta, task.created_at)
+            budgets.reserve(session, (target.device_id, dataset), task.id, run, delta, task.created_at)
     session.add(FlPlan(
         task_id=task.id, model_artifact_id=model.id, body_artifact_id=body_row.id, layer=layer.to_json(), weights=weights,
     ))  # fmt: skip
@@ -110,7 +121,7 @@ def _privacy(session: Session, spec: FederatedTrainingSpec, device_ids: list[str
     from interfaces.errors import ErrorCode
     from interfaces.tasks import MAX_TRAINING_STEPS, IncrementalTrainingSpec
 
-    assert spec.dp is not None
+    assert spec.dp is not None and spec.model is not None and spec.dataset is not None
     steps = spec.rounds * spec.local_steps
     if steps > MAX_TRAINING_STEPS:
         raise BadRequest(f"rounds x local_steps = {steps} DP-SGD steps; at most {MAX_TRAINING_STEPS}", status=422)
@@ -146,7 +157,7 @@ def readmit(session: Session, task: Task, at: datetime) -> None:
     plan.unmasking, plan.reveals, plan.total_examples, plan.keys = [], {}, None, {}
     session.add(plan)
     spec = spec_of(task)
-    if spec.dp is not None:
+    if spec.dp is not None and spec.dataset is not None:
         model = session.get(Artifact, plan.model_artifact_id)
         placement = Placement.model_validate(task.placement)
         able = [d.id for d in matching_devices(session, placement) if budgets.reported_dataset(d, spec.dataset) is not None and model is not None and _runs(d, model)]
@@ -189,6 +200,11 @@ def keeping_dataset(session: Session, task: Task, found: Candidates) -> Candidat
     if not found.eligible:
         return found
     spec = spec_of(task)
+    if spec.whole:
+        from cloud.fl import whole
+
+        return whole.candidates(session, task, found)
+    assert spec.dataset is not None
     rows = {d.id: d for d in session.execute(select(Device).where(Device.id.in_([c.id for c in found.eligible]))).scalars()}  # type: ignore[attr-defined]
     kept = [c for c in found.eligible if c.id in rows and budgets.reported_dataset(rows[c.id], spec.dataset) is not None]
     if spec.dp is not None:  # only devices whose budget was reserved at creation
@@ -199,7 +215,9 @@ def keeping_dataset(session: Session, task: Task, found: Candidates) -> Candidat
 
 def forget(session: Session, task_id: str) -> None:
     """A deleted task's plan, updates and round history (its artefacts stay and can be deleted now)."""
-    for table in (FlUpdateRow, FlRoundRow, FlPlan):
+    from cloud.tables import TrainingManifest
+
+    for table in (FlUpdateRow, FlRoundRow, FlPlan, TrainingManifest):
         session.execute(delete(table).where(table.task_id == task_id))  # type: ignore[attr-defined]
 
 
@@ -219,11 +237,16 @@ def fl_order(session: Session, task: Task, worker: TaskWorker, signing: Any) -> 
     def ref(artifact_id: str) -> InputRef:
         return task_input(session, artifact_id, worker.target_id, signing, f"task {task.id}'s federated")
 
+    spec = spec_of(task)
+    if spec.whole:
+        from cloud.fl import whole
+
+        return FlOrder(round=plan.round, attempt=plan.attempt, deadline_at=utc(plan.deadline_at), weights=ref(plan.weights_artifact_id), via_edge=False,
+                       run=whole.run_for(session, task, plan, worker, signing), participant=worker.target_id)  # fmt: skip
     model = session.get(Artifact, plan.model_artifact_id)
     if model is None:
         raise LookupError(f"the model of task {task.id}'s federated plan is gone")
     layer = surgery.DenseLayer.from_json(plan.layer)
-    spec = spec_of(task)
     participants: list[str] = []
     if worker.role == FL_AGGREGATOR:
         under = set(session.execute(select(Device.id).where(Device.node_id == worker.target_id, Device.id.in_(plan.participants))).scalars())  # type: ignore[attr-defined]

@@ -34,7 +34,7 @@ from interfaces.algorithms import MANIFEST_NAME, AlgorithmManifest, with_default
 from interfaces.deployments import ArtifactFormat, ArtifactKind, TargetKind
 from interfaces.resources import Resources
 from interfaces.tasks import (
-    PARAMETERS_SUFFIX, TASK_FINAL, TASK_TRAINED_EVENT, AcceleratorRequest, AlgorithmRun, PublishGrant, TaskOutputs, TaskState, TaskType,
+    PARAMETERS_SUFFIX, TASK_FINAL, TASK_TRAINED_EVENT, AcceleratorRequest, AlgorithmRun, FederatedTrainingSpec, PublishGrant, TaskOutputs, TaskState, TaskType,
     TrainedModel, TrainedSummary, TrainingOutput, TrainingSpec, TrainingTaskOrder,
 )  # fmt: skip
 from interfaces.uploads import PublishClaims
@@ -101,10 +101,13 @@ def _free(session: Session, name: str, version: str) -> bool:
     return session.execute(taken).first() is None and session.execute(pinned).first() is None
 
 
-def pin_output(session: Session, spec: TrainingSpec) -> TrainingOutput:
-    """The output identity, free for both artefacts: a 409 for a taken explicit version."""
+def pin_output(session: Session, spec: TrainingSpec | FederatedTrainingSpec) -> TrainingOutput:
+    """The output identity, free for both artefacts: a 409 for a taken explicit version (a training task's, or a
+    whole-model federated one's)."""
     from cloud.incremental.results import next_free_versions
 
+    if spec.algorithm is None:
+        raise ValueError("only a task with an algorithm has an output to pin")
     name = spec.output.name or spec.algorithm.name
     if len(name) + len(PARAMETERS_SUFFIX) > 128:
         raise BadRequest(f"the output name {name!r} leaves no room for {PARAMETERS_SUFFIX!r} (at most {128 - len(PARAMETERS_SUFFIX)} characters)", status=422)

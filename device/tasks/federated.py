@@ -53,7 +53,11 @@ IDLE_WAIT_S = 5.0
 
 
 def run(worker: Worker) -> None:
-    if worker.order.role == FL_AGGREGATOR:
+    if worker.spec(FederatedTrainingSpec).whole:
+        from device.tasks.fl_whole import run as run_whole
+
+        run_whole(worker)
+    elif worker.order.role == FL_AGGREGATOR:
         _aggregate(worker)
     else:
         _Participant(worker).run()
@@ -83,17 +87,20 @@ class _Participant:
     def __init__(self, worker: Worker) -> None:
         self.worker = worker
         self.spec = worker.spec(FederatedTrainingSpec)
+        if self.spec.model is None or self.spec.dataset is None:
+            raise Rejected("a last-layer participant needs the task's model and dataset")
+        self.dataset: str = self.spec.dataset
         self.model = require_model(worker.models, self.spec.model)
         if worker.datasets is None:
             raise Rejected("this target keeps no local datasets")
         from device.local_data import DatasetError
 
         try:
-            self.x, self.y = worker.datasets.load(self.spec.dataset)
+            self.x, self.y = worker.datasets.load(self.dataset)
         except DatasetError as exc:
             raise Rejected(str(exc)) from None
         if len(self.y) == 0:
-            raise Rejected(f"dataset {self.spec.dataset} has no rows")
+            raise Rejected(f"dataset {self.dataset} has no rows")
         self.identity = getattr(worker.fl, "identity", None)
         if self.identity is None:
             raise Rejected("this target has no federated channel (it is not a device)")
@@ -111,7 +118,7 @@ class _Participant:
         w = self.worker
         w.metrics_source(self._sample)
         w.running()
-        w.log(f"taking part in {self.spec.rounds} rounds on {len(self.y)} rows of {self.spec.dataset} ({self.spec.strategy})")
+        w.log(f"taking part in {self.spec.rounds} rounds on {len(self.y)} rows of {self.dataset} ({self.spec.strategy})")
         if self.spec.secure_aggregation:
             self._send_key()
         while w.checkpoint():
@@ -139,20 +146,23 @@ class _Participant:
         from device.training.features import Stopped, body_features
 
         w, spec = self.worker, self.spec
-        if self.model.sha256 != fl.base_sha256:
-            raise Rejected(f"the loaded {self.model.name} {self.model.version} ({self.model.sha256[:12]}) is not the model the hub cut ({fl.base_sha256[:12]})")
+        body, feature, base_sha256 = fl.body, fl.feature, fl.base_sha256
+        if body is None or feature is None or base_sha256 is None:
+            raise Rejected("a last-layer round's order names the body, its feature and the model it was cut from")
+        if self.model.sha256 != base_sha256:
+            raise Rejected(f"the loaded {self.model.name} {self.model.version} ({self.model.sha256[:12]}) is not the model the hub cut ({base_sha256[:12]})")
         started = time.perf_counter()
-        if self.features is None or self.body_sha != fl.body.signed_manifest.manifest.sha256:
+        if self.features is None or self.body_sha != body.signed_manifest.manifest.sha256:
             try:
-                self.features = body_features(w.fetch_inputs(fl.body), self.x, fl.feature, go_on=w.checkpoint, with_ones=True)
+                self.features = body_features(w.fetch_inputs(body), self.x, feature, go_on=w.checkpoint, with_ones=True)
             except Stopped:
                 return False
             except ValueError as exc:
-                raise Failed(f"the body does not run on {spec.dataset}: {exc}") from exc
-            self.body_sha = fl.body.signed_manifest.manifest.sha256
+                raise Failed(f"the body does not run on {self.dataset}: {exc}") from exc
+            self.body_sha = body.signed_manifest.manifest.sha256
         weight, bias = _layer(w.fetch_inputs(fl.weights).read_bytes())
         if self.y.min() < 0 or self.y.max() >= weight.shape[1]:
-            raise Rejected(f"dataset {spec.dataset}'s labels run {int(self.y.min())}..{int(self.y.max())}; the layer has {weight.shape[1]} classes")
+            raise Rejected(f"dataset {self.dataset}'s labels run {int(self.y.min())}..{int(self.y.max())}; the layer has {weight.shape[1]} classes")
         mu = float(spec.strategy_params.get("mu", 0.01)) if spec.strategy == "fedprox" else 0.0
         if spec.dp is not None and fl.sample_rate is None:
             raise Rejected("a differentially private round must carry the sampling rate the hub accounted")
@@ -271,11 +281,11 @@ def _aggregate(worker: Worker) -> None:
     def send(updates: list[FlUpdate], fl: FlOrder) -> None:
         if len(updates) == 1:
             (one,) = updates
-            frame, examples, metrics, contributors = base64.b64decode(one.data), one.num_examples, one.metrics, one.contributors
+            frame, examples, metrics, contributors = base64.b64decode(one.data or ""), one.num_examples, one.metrics, one.contributors
         elif fl.secure:  # masked: only their sum (mod 2^32) means anything; the hub removes the masks
             from safetensors.numpy import load, save
 
-            frames = [load(base64.b64decode(u.data)) for u in updates]
+            frames = [load(base64.b64decode(u.data or "")) for u in updates]
             frame = save({name: sum(f[name] for f in frames[1:]) + frames[0][name] for name in frames[0]})
             examples = sum(u.num_examples for u in updates)
             metrics = weighted_metrics([ClientUpdate({}, u.num_examples, u.metrics) for u in updates])
@@ -283,7 +293,7 @@ def _aggregate(worker: Worker) -> None:
         else:
             from safetensors.numpy import load, save
 
-            merged = combine([ClientUpdate(load(base64.b64decode(u.data)), u.num_examples, u.metrics, u.contributors[0]) for u in updates])
+            merged = combine([ClientUpdate(load(base64.b64decode(u.data or "")), u.num_examples, u.metrics, u.contributors[0]) for u in updates])
             frame, examples, metrics = save(dict(merged.weights)), merged.num_examples, merged.metrics
             contributors = sorted(c for u in updates for c in u.contributors)
         worker.event(FL_UPDATE_EVENT, FlUpdate(

@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from device.tasks.worker import Failed, Rejected, Worker
+from interfaces.algorithms import AlgorithmManifest
 from interfaces.tasks import PARAMETERS_SUFFIX, TASK_TRAINED_EVENT, TrainedModel, TrainingSpec, TrainingTaskOrder
 
 PACKAGE_DIR, WORK_DIR, LOCK_FILE = "package", "work", ".lock"
@@ -37,8 +38,6 @@ MAX_DETAIL = 2000
 
 
 def run(worker: Worker) -> None:
-    from device.algorithm.loader import AlgorithmError, read_manifest
-    from device.algorithm.package import unpack
     from device.algorithm.runner import Job
     from device.algorithm.runtime import AlgorithmFailed, Limits, run_worker
     from device.upload import UploadError
@@ -63,15 +62,7 @@ def run(worker: Worker) -> None:
         if not held:
             return  # stopped while another worker of the task ran here
         package = home / PACKAGE_DIR
-        if package.exists():
-            shutil.rmtree(package)
-        try:
-            unpack(package_zip, package)
-            manifest = read_manifest(package)
-        except (AlgorithmError, ValueError, OSError) as exc:
-            raise Rejected(f"the algorithm package does not unpack: {exc}") from None
-        if manifest != algorithm.manifest:
-            raise Rejected(f"the package's manifest is not the one the hub admitted ({manifest.name} {manifest.version})")
+        manifest = unpack_admitted(package_zip, package, algorithm.manifest)
         work = home / WORK_DIR
         resuming = (work / "checkpoint" / "state.json").exists()
         progress = _Progress(spec.steps)
@@ -111,6 +102,24 @@ def run(worker: Worker) -> None:
         worker.items_done = result.steps
         worker.log(f"published {name} {grant.version}" + (f" (ONNX {onnx})" if onnx else "") + f" and its parameters ({parameters})")
     shutil.rmtree(home, ignore_errors=True)
+
+
+def unpack_admitted(archive: Path, package: Path, admitted: AlgorithmManifest) -> AlgorithmManifest:
+    """Unpack the package ``archive`` into ``package`` (replacing what is there); :class:`Rejected` when it does not
+    unpack or its manifest is not the one the hub ``admitted``."""
+    from device.algorithm.loader import AlgorithmError, read_manifest
+    from device.algorithm.package import unpack
+
+    if package.exists():
+        shutil.rmtree(package)
+    try:
+        unpack(archive, package)
+        manifest = read_manifest(package)
+    except (AlgorithmError, ValueError, OSError) as exc:
+        raise Rejected(f"the algorithm package does not unpack: {exc}") from None
+    if manifest != admitted:
+        raise Rejected(f"the package's manifest is not the one the hub admitted ({manifest.name} {manifest.version})")
+    return manifest
 
 
 def _detail(exc: Any) -> str:

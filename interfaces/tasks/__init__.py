@@ -65,6 +65,7 @@ from interfaces.tasks.rest import (
 )
 from interfaces.tasks.specs import (
     MAX_TRAINING_DATASETS as MAX_TRAINING_DATASETS,
+    FlVariant as FlVariant,
     AlgorithmLimits as AlgorithmLimits,
     AlgorithmRef as AlgorithmRef,
     TrainingSpec as TrainingSpec,

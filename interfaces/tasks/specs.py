@@ -147,6 +147,24 @@ MAX_FL_UPDATE_BYTES = 180 * 1024
 """Largest safetensors frame of trained weights one ``FlUpdate`` carries (inline, like a chunk's outputs)."""
 
 
+class AlgorithmRef(_In):
+    """An ``algorithm`` artefact (a package built by ``aisynergy algorithm build``) stored on this hub."""
+
+    name: ArtifactName
+    version: Version
+
+
+MAX_TRAINING_DATASETS = 16
+
+
+class AlgorithmLimits(_In):
+    """What each worker of the algorithm may use; a field left out takes the manifest's ``resources``."""
+
+    cpu_cores: float | None = Field(default=None, gt=0, le=1024, description="a CPU quota in cores (cgroup cpu.cfs_quota_us, or nice where cgroups are not allowed)")
+    memory_bytes: int | None = Field(default=None, ge=64 << 20, le=INT64_MAX, description="a memory limit (cgroup memory.limit_in_bytes, or RLIMIT_AS)")
+    timeout_s: float | None = Field(default=None, gt=0, le=30 * 86400, description="wall-clock limit of one run of the worker (it is killed at it)")
+
+
 class FlPrivacy(_In):
     """DP-SGD on every participant (per-example clipping to ``clip_norm``, Gaussian noise ``noise_multiplier * clip_norm``,
     Poisson sampling at ``batch_size / rows``). Each device's privacy budget for the dataset must afford all its rounds
@@ -159,25 +177,58 @@ class FlPrivacy(_In):
     epsilon: Epsilon | None = Field(default=None, description="the most this task may spend on each device (at delta)")
 
 
-class FederatedTrainingSpec(_In):
-    """Train the last dense layer of an installed model across devices without their data leaving them (seeds/000:
-    several parties, fusion strategies, reset of timed-out local training). Each round every participant starts
-    from the round's global layer, takes ``local_steps`` SGD steps on its own ``dataset`` (on the features of the
-    frozen body, as ``incremental_training``), and sends the trained layer back; the round closes when every
-    participant answered, or at ``round_timeout_s`` with at least ``min_participants`` (k of n), and the strategy
-    fuses what arrived into the next global layer. ``hierarchical``: each edge node combines its devices' updates
-    first (decomposable strategies) and sends one; ``flat``: every device's update goes to the hub. After
-    ``rounds`` rounds the hub publishes the model with the fused layer as a new version."""
+class FlVariant(_In):
+    """Another algorithm for some participants of a whole-model task (another framework training the same network):
+    a participant whose labels match ``selector`` runs it (the first variant that matches), the others the task's
+    ``algorithm``. Its parameters must carry the same names and shapes (the hub aggregates by name)."""
 
-    model: ModelRef = Field(description="the installed model whose last dense layer is trained; a missing version is resolved (and pinned) at creation")
-    dataset: DatasetName = Field(description="the name of a dataset each device keeps (it never leaves it)")
+    selector: str = Field(min_length=1, max_length=4096, description="label selector of the participants that run this algorithm")
+    algorithm: AlgorithmRef
+    config: JsonObject | None = Field(default=None, description="its configuration (checked against its config_schema); none: the task's")
+
+
+LAYER_ONLY = ("local_steps", "batch_size", "learning_rate", "layer", "eval_inputs")
+"""Fields of the last-layer mode that a whole-model task (``algorithm``) does not take."""
+
+
+class FederatedTrainingSpec(_In):
+    """Train a model across participants without their data leaving them (seeds/000: several parties, fusion
+    strategies, reset of timed-out local training), in one of two modes.
+
+    **Last layer** (``model``): the last dense layer of an installed ONNX model on devices. Each round every
+    participant starts from the round's global layer, takes ``local_steps`` SGD steps on its own ``dataset`` (on the
+    features of the frozen body, as ``incremental_training``), and sends the trained layer back inline.
+
+    **Whole model** (``algorithm``): every parameter of a user's algorithm (an ``algorithm`` artefact, as ``training``
+    runs) on sites (edge nodes, ``placement.target: node``) or capable devices. Each round every participant runs the
+    algorithm from the round's global parameters (a signed safetensors artefact) for ``local_fits`` calls of its
+    ``fit`` on its own ``datasets`` and uploads its parameters through the chunked upload API; the hub aggregates them
+    tensor by tensor, by name.
+
+    Either way the round closes when every participant answered, or at ``round_timeout_s`` with at least
+    ``min_participants`` (k of n), and the strategy fuses what arrived into the next global model. ``hierarchical``
+    (last layer): each edge node combines its devices' updates first (decomposable strategies) and sends one;
+    ``flat``: every participant's update goes to the hub. After ``rounds`` rounds the hub publishes the model."""
+
+    model: ModelRef | None = Field(default=None, description="last layer: the installed model whose last dense layer is trained; a missing version is resolved (and pinned) at creation")
+    dataset: DatasetName | None = Field(default=None, description="last layer: the name of a dataset each device keeps (it never leaves it)")
+    algorithm: AlgorithmRef | None = Field(default=None, description="whole model: the algorithm every participant runs (but those a variant names)")
+    variants: list[FlVariant] = Field(default_factory=list, max_length=8, description="whole model: other algorithms for the participants their selectors match")
+    datasets: dict[Annotated[str, Field(min_length=1, max_length=64, pattern=r"^[A-Za-z][A-Za-z0-9_]*$")], DatasetName] = Field(
+        default_factory=dict, max_length=MAX_TRAINING_DATASETS,
+        description="whole model: the algorithm's dataset names -> the names of datasets each participant keeps (their data never leaves them)",
+    )  # fmt: skip
+    config: JsonObject = Field(default_factory=dict, description="whole model: the algorithm's configuration, checked against its config_schema at creation")
+    initial_parameters: Id | None = Field(default=None, description="whole model (required): a model artefact (safetensors: the algorithm's named tensors) the first round starts from")
+    local_fits: int = Field(default=1, ge=1, le=MAX_TRAINING_STEPS, description="whole model: fit calls per participant per round")
+    limits: AlgorithmLimits = Field(default_factory=AlgorithmLimits, description="whole model: what each participant's worker may use")
     rounds: int = Field(ge=1, le=10_000)
     local_steps: int = Field(default=20, ge=1, le=100_000, description="SGD steps per participant per round")
     batch_size: int = Field(default=32, ge=1, le=65536)
     learning_rate: float = Field(default=0.1, gt=0, le=1000)
     strategy: Literal["fedavg", "fedprox", "fedadam", "median", "trimmed_mean"] = "fedavg"
     strategy_params: dict[Annotated[str, Field(min_length=1, max_length=16)], float] = Field(default_factory=dict, max_length=8, description="fedprox: mu; fedadam: eta, beta_1, beta_2, tau; trimmed_mean: beta")
-    topology: Literal["hierarchical", "flat"] = "hierarchical"
+    topology: Literal["hierarchical", "flat"] | None = Field(default=None, description="default: hierarchical for a last layer, flat for a whole model")
     min_participants: int = Field(default=1, ge=1, le=10_000, description="k: a round closes at its timeout with at least this many updates")
     round_timeout_s: float = Field(default=60, ge=0.5, le=86400)
     sync: Literal["fixed", "adaptive"] = Field(
@@ -207,25 +258,36 @@ class FederatedTrainingSpec(_In):
             raise ValueError(f"secure aggregation reveals only the sum of the updates; {self.strategy} needs each of them")
         if self.secure_aggregation and self.late_updates == "stale":
             raise ValueError("secure aggregation cannot fuse a late update (its masks cancel only within its round): use late_updates drop")
+        if (self.model is None) == (self.algorithm is None):
+            raise ValueError("give either model (its last layer is trained) or algorithm (the whole model is trained)")
+        if self.model is not None:
+            if self.dataset is None:
+                raise ValueError("a last-layer task names the dataset each device keeps")
+            whole = self._not_default(("variants", "datasets", "config", "initial_parameters", "local_fits", "limits"))
+            if whole:
+                raise ValueError(f"{', '.join(whole)}: whole-model fields; a last-layer task (model) does not take them")
+            return self
+        layer = self._not_default(("dataset", *LAYER_ONLY))
+        if layer:
+            raise ValueError(f"{', '.join(layer)}: last-layer fields; a whole-model task (algorithm) does not take them (datasets, local_fits, config)")
+        if self.initial_parameters is None:
+            raise ValueError("a whole-model task starts from initial_parameters: a model artefact of the algorithm's named tensors (aisynergy algorithm run writes them)")
+        if self.topology == "hierarchical":
+            raise ValueError("whole-model rounds are flat in this version (every participant uploads to the hub, a device through its edge): topology flat")
+        for what, on in (("dp", self.dp is not None), ("secure_aggregation", self.secure_aggregation)):
+            if on:
+                raise ValueError(f"{what} is not available for whole-model rounds in this version")
         return self
 
+    def _not_default(self, names: tuple[str, ...]) -> list[str]:
+        """Those of ``names`` set to something else than their default (a stored spec holds every default)."""
+        fields = type(self).model_fields
+        return [n for n in names if getattr(self, n) != fields[n].get_default(call_default_factory=True)]
 
-class AlgorithmRef(_In):
-    """An ``algorithm`` artefact (a package built by ``aisynergy algorithm build``) stored on this hub."""
-
-    name: ArtifactName
-    version: Version
-
-
-MAX_TRAINING_DATASETS = 16
-
-
-class AlgorithmLimits(_In):
-    """What each worker of the algorithm may use; a field left out takes the manifest's ``resources``."""
-
-    cpu_cores: float | None = Field(default=None, gt=0, le=1024, description="a CPU quota in cores (cgroup cpu.cfs_quota_us, or nice where cgroups are not allowed)")
-    memory_bytes: int | None = Field(default=None, ge=64 << 20, le=INT64_MAX, description="a memory limit (cgroup memory.limit_in_bytes, or RLIMIT_AS)")
-    timeout_s: float | None = Field(default=None, gt=0, le=30 * 86400, description="wall-clock limit of one run of the worker (it is killed at it)")
+    @property
+    def whole(self) -> bool:
+        """Whether the task trains a whole model with an algorithm (else an installed model's last layer)."""
+        return self.algorithm is not None
 
 
 class TrainingSpec(_In):
@@ -320,7 +382,7 @@ TASK_TYPES: dict[TaskType, TaskTypeInfo] = {
         TaskType.INCREMENTAL_TRAINING, IncrementalTrainingSpec, "each", "reschedule", service=False, targets=frozenset({TargetKind.DEVICE}),
     ),
     TaskType.FEDERATED_TRAINING: TaskTypeInfo(
-        TaskType.FEDERATED_TRAINING, FederatedTrainingSpec, "each", "reschedule", service=False, targets=frozenset({TargetKind.DEVICE}),
+        TaskType.FEDERATED_TRAINING, FederatedTrainingSpec, "each", "reschedule", service=False,
     ),
     TaskType.TRAINING: TaskTypeInfo(TaskType.TRAINING, TrainingSpec, "each", "reschedule", service=False),
 }

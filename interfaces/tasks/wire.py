@@ -6,7 +6,7 @@ from __future__ import annotations
 from enum import StrEnum
 from typing import Annotated, Literal
 
-from pydantic import Field, TypeAdapter
+from pydantic import Field, TypeAdapter, model_validator
 
 from interfaces.algorithms import AlgorithmManifest
 from interfaces.deployments import ArtifactName, Sha256, SignedManifest, Version
@@ -85,10 +85,12 @@ class FlOrder(WireModel):
     round: int = Field(ge=1, le=INT64_MAX, description="the round in progress (1-based)")
     attempt: int = Field(default=1, ge=1, le=INT64_MAX, description="a round short of k at its timeout runs again as the next attempt")
     deadline_at: AwareTimestamp = Field(description="updates for this round attempt must reach the hub by then")
-    weights: InputRef = Field(description="the round's global layer: a signed safetensors artefact (weight [features, classes], bias [classes])")
-    body: InputRef = Field(description="the frozen body: a signed ONNX artefact, the model's inputs -> feature")
-    base_sha256: Sha256 = Field(description="the installed model the body was cut from")
-    feature: str = Field(min_length=1, max_length=256)
+    weights: InputRef = Field(description="the round's global model: a signed safetensors artefact (last layer: weight [features, classes], bias [classes]; whole model: the algorithm's named tensors)")
+    body: InputRef | None = Field(default=None, description="last layer: the frozen body, a signed ONNX artefact, the model's inputs -> feature")
+    base_sha256: Sha256 | None = Field(default=None, description="last layer: the installed model the body was cut from")
+    feature: str | None = Field(default=None, min_length=1, max_length=256, description="last layer: the body's output the layer reads")
+    run: AlgorithmRun | None = Field(default=None, description="whole model: this participant's algorithm (package, limits) and the grant to upload its update of this round attempt")
+    participant: Id | None = Field(default=None, description="whole model: this participant's id (a node's or a device's), the contributor its update names")
     sample_rate: float | None = Field(default=None, gt=0, le=1, description="dp: the Poisson sampling rate q the hub accounted for this device")
     via_edge: bool = Field(description="send the update to the edge's aggregator on fl (hierarchical), else as an event to the hub (flat)")
     participants: list[Id] = Field(default_factory=list, max_length=10_000, description="aggregators: the devices under this node taking part in this round")
@@ -203,7 +205,9 @@ class FederatedTrainingOrder(_Order):
     fl: FlOrder | None = Field(default=None, description="the round in progress")
 
     def input_refs(self) -> list[InputRef]:
-        return super().input_refs() + ([self.fl.weights, self.fl.body] if self.fl is not None else [])
+        if self.fl is None:
+            return super().input_refs()
+        return super().input_refs() + [ref for ref in (self.fl.weights, self.fl.body, self.fl.run.package if self.fl.run else None) if ref is not None]
 
 
 class TrainingTaskOrder(_Order):
@@ -294,9 +298,16 @@ class FlUpdate(WireModel):
     attempt: int = Field(ge=1, le=INT64_MAX)
     contributors: list[Id] = Field(min_length=1, max_length=10_000, description="the devices whose training is in it")
     num_examples: int = Field(ge=1, le=INT64_MAX)
-    data: str = Field(min_length=1, max_length=MAX_FL_UPDATE_BYTES * 4 // 3 + 4, description="base64 safetensors: weight [features, classes], bias [classes]")
+    data: str | None = Field(default=None, min_length=1, max_length=MAX_FL_UPDATE_BYTES * 4 // 3 + 4, description="last layer: base64 safetensors, weight [features, classes], bias [classes]")
+    parameters: Id | None = Field(default=None, description="whole model: the model artefact (safetensors) the participant uploaded with its round grant")
     metrics: dict[MetricName, float] = Field(default_factory=dict, max_length=64, description="sample-weighted means over the contributors: loss, accuracy (on their own data)")
     masked: bool = Field(default=False, description="secure aggregation: weight and bias are uint32 masked encodings (an edge's: their sum)")
+
+    @model_validator(mode="after")
+    def _one_payload(self) -> FlUpdate:
+        if (self.data is None) == (self.parameters is None):
+            raise ValueError("an update carries either data (a last layer, inline) or parameters (a whole model, uploaded)")
+        return self
 
 
 class FlKey(WireModel):

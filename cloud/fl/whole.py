@@ -1,0 +1,436 @@
+"""Whole-model federated rounds with users' algorithms (``federated_training`` with ``algorithm``; DESIGN §5, seeds/000).
+
+The rounds themselves (open, k of n, deadlines, retries, stale updates, one vote per participant, restart-resume)
+are :mod:`cloud.fl.rounds`'; this module is what differs when the model is a user's algorithm's named tensors:
+
+* **Admission** (:func:`admit`): the task's algorithm and each variant's are artefacts of this hub, each
+  configuration satisfies its algorithm's ``config_schema`` (422 naming the paths); ``initial_parameters`` is a
+  safetensors model whose header gives the model every update must match: its tensor names, dtypes and shapes
+  (floating point only). The output identity is pinned as a ``training`` task's (``<name>-parameters`` at
+  ``output.version``). The plan (:class:`WholePlan`, in ``fl_plans.layer``) keeps the tensors and the algorithms;
+  the first round starts from the initial parameters' artefact itself.
+* **Placement** (:func:`candidates`): every site (or device) of the placement that has the frameworks of the
+  algorithm it would run (the first variant whose selector its labels match, else the task's); the others are
+  left out, the reason in the task's wait.
+* **Orders** (:func:`run_for`): the package and limits of the participant's algorithm and a publish grant for
+  exactly one model, its update of the round attempt in progress: ``fl-update.<task>.<target>`` at version
+  ``<round>.<attempt>`` (:func:`update_identity`).
+* **Updates**: an ``fl.update`` names the artefact; the ingest keeps it when the artefact is that identity
+  (:func:`identity_wrong`), and before a round closes every update kept is read through (:func:`vet`): its tensors
+  must be the plan's names and shapes, floating point, with finite values (read one tensor at a time); one that is
+  not is dropped, with the reason in the task's log.
+* **Fusion** (:func:`fuse`): the strategy runs tensor by tensor over the stored files
+  (``interfaces.aggregation.Strategy.aggregate_stream``): one tensor of each update is read at a time, never a
+  whole model in memory, and the result is written to the blob store as it is computed; a server optimiser's
+  moments live in a tensor file of their own. The artefact of the next round's parameters (or, after the last
+  round, the published ``<name>-parameters``) is recorded by :func:`store` in the hub's tick, on its own
+  transaction; the fused updates' artefacts are deleted then (:func:`sweep`).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import tempfile
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field
+from sqlalchemy import select, update
+from sqlmodel import Session
+
+from cloud.errors import BadRequest, Conflict
+from cloud.tables import Artifact, Device, FlPlan, FlUpdateRow, Node, Task, TaskWorker, TrainingManifest
+from interfaces.algorithms import AlgorithmManifest
+from interfaces.deployments import ArtifactCreate, ArtifactFormat, ArtifactKind, TargetKind
+from interfaces.tasks import PARAMETERS_SUFFIX, AlgorithmRun, FederatedTrainingSpec, PublishGrant
+from interfaces.tensorfile import TensorFile, TensorFileError, TensorInfo, TensorWriter
+from interfaces.uploads import PublishClaims
+
+log = logging.getLogger("aisynergy.hub.fl")
+
+UPDATE_PREFIX = "fl-update"
+FLOATS = frozenset({"float16", "float32", "float64"})
+GRANT_TTL_S = 7 * 86400
+REFUSED = -1
+"""``fl_updates.used_in`` of an update that did not fit the model when read through (never fused)"""
+COPY_BYTES = 4 << 20
+
+
+class PlanAlgorithm(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    artifact_id: str
+    manifest: dict[str, Any]
+    selector: str | None = None
+    config: dict[str, Any] = Field(default_factory=dict)
+
+
+class PlanTensor(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    dtype: str
+    shape: list[int]
+
+
+class PendingBlob(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    sha256: str
+    size: int
+
+
+class WholePlan(BaseModel):
+    """What a whole-model plan keeps beside the rounds (``fl_plans.layer`` as ``{"whole": ...}``)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    tensors: dict[str, PlanTensor]
+    algorithms: list[PlanAlgorithm] = Field(min_length=1, description="the task's first, then its variants'")
+    pending: PendingBlob | None = Field(default=None, description="the fused parameters stored as a blob, not yet an artefact")
+    state_sha256: str | None = Field(default=None, description="the blob of the strategy's arrays (a server optimiser's moments)")
+
+    @classmethod
+    def of(cls, plan: FlPlan) -> WholePlan:
+        return cls.model_validate(plan.layer["whole"])
+
+    def put(self, plan: FlPlan) -> None:
+        plan.layer = {"whole": self.model_dump(mode="json")}
+
+    def infos(self) -> dict[str, TensorInfo]:
+        return {name: TensorInfo(t.dtype, tuple(t.shape)) for name, t in self.tensors.items()}
+
+
+def is_whole(plan: FlPlan) -> bool:
+    return isinstance(plan.layer, dict) and "whole" in plan.layer
+
+
+def update_identity(task_id: str, target_id: str, round: int, attempt: int) -> tuple[str, str]:
+    """The (name, version) of the model artefact a participant uploads as its update of a round attempt."""
+    return f"{UPDATE_PREFIX}.{task_id}.{target_id}"[:128], f"{round}.{attempt}"
+
+
+# --- admission -------------------------------------------------------------------------------------
+
+
+def admit(session: Session, task: Task, spec: FederatedTrainingSpec, blobs: Any) -> FederatedTrainingSpec:
+    """Check the algorithms, their configurations and the initial parameters; pin the output; add the plan."""
+    from cloud.artifacts import find_by_identity, get_artifact
+    from cloud.training.kind import check_config, pin_output, read_manifest
+
+    assert spec.algorithm is not None and spec.initial_parameters is not None
+    algorithms = []
+    for ref, config, selector in [(spec.algorithm, spec.config, None), *((v.algorithm, v.config if v.config is not None else spec.config, v.selector) for v in spec.variants)]:
+        found = find_by_identity(session, ArtifactKind.ALGORITHM.value, ref.name, ref.version)
+        if found is None:
+            raise BadRequest(f"algorithm {ref.name} {ref.version} is not an artefact of this hub; upload it first (aisynergy algorithm upload)", status=422)
+        manifest = read_manifest(blobs, found)
+        check_config(manifest, dict(config))
+        if selector is not None:
+            _selector(selector)
+        algorithms.append(PlanAlgorithm(artifact_id=found.id, manifest=manifest.model_dump(mode="json"), selector=selector, config=dict(config)))
+    initial = get_artifact(session, spec.initial_parameters)
+    if initial.kind != ArtifactKind.MODEL.value or initial.format != ArtifactFormat.SAFETENSORS.value:
+        raise BadRequest(f"initial_parameters {initial.id} is a {initial.kind} in {initial.format}; it must be a model in safetensors", status=422)
+    try:
+        with _local(blobs, initial.sha256) as path, TensorFile(path) as tensors:
+            infos = tensors.infos()
+    except TensorFileError as exc:
+        raise BadRequest(f"initial_parameters {initial.id} is no safetensors file: {exc}", status=422) from None
+    if not infos:
+        raise BadRequest(f"initial_parameters {initial.id} holds no tensor", status=422)
+    odd = sorted(name for name, info in infos.items() if info.dtype not in FLOATS)
+    if odd:
+        raise BadRequest(f"initial_parameters {initial.id}: only floating-point tensors aggregate; {', '.join(odd[:5])} are not", status=422)
+    output = pin_output(session, spec)
+    assert output.name is not None and output.version is not None
+    session.add(TrainingManifest(task_id=task.id, algorithm_id=algorithms[0].artifact_id, manifest=algorithms[0].manifest, output_name=output.name,
+                                 output_version=output.version))  # fmt: skip
+    plan = FlPlan(task_id=task.id, model_artifact_id=algorithms[0].artifact_id, body_artifact_id=initial.id, layer={}, weights=b"", weights_artifact_id=initial.id)
+    WholePlan(tensors={n: PlanTensor(dtype=i.dtype, shape=list(i.shape)) for n, i in infos.items()}, algorithms=algorithms).put(plan)
+    session.add(plan)
+    return spec.model_copy(update={"output": output})
+
+
+def _selector(text: str) -> Any:
+    from interfaces.selectors import SelectorError, parse_selector
+
+    try:
+        return parse_selector(text)
+    except SelectorError as exc:
+        raise BadRequest(f"variant selector {text!r}: {exc}", status=422) from None
+
+
+def labels_of(session: Session, kind: str, target_id: str) -> dict[str, str]:
+    row = session.get(Device, target_id) if kind == TargetKind.DEVICE.value else session.get(Node, target_id)
+    return dict(row.labels or {}) if row is not None else {}
+
+
+def algorithm_for(plan: WholePlan, labels: dict[str, str]) -> PlanAlgorithm:
+    """The algorithm a participant with ``labels`` runs: the first variant whose selector matches, else the task's."""
+    from interfaces.selectors import matches, parse_selector
+
+    for variant in plan.algorithms[1:]:
+        if variant.selector is not None and matches(parse_selector(variant.selector), labels):
+            return variant
+    return plan.algorithms[0]
+
+
+def candidates(session: Session, task: Task, found: Any) -> Any:
+    """Every candidate with the frameworks of the algorithm it would run (the others, and why, in the wait)."""
+    from cloud.placement import Candidates
+    from cloud.training.kind import missing_frameworks
+
+    plan_row = session.get(FlPlan, task.id)
+    if plan_row is None or not found.eligible:
+        return found
+    plan = WholePlan.of(plan_row)
+    eligible, lacking = [], []
+    for candidate in found.eligible:
+        chosen = algorithm_for(plan, labels_of(session, candidate.kind.value, candidate.id))
+        manifest = AlgorithmManifest.model_validate(chosen.manifest)
+        missing = missing_frameworks(manifest, candidate.resources)
+        if missing:
+            lacking.append(f"{candidate.id} lacks {', '.join(missing)} for {manifest.name} {manifest.version}")
+        else:
+            eligible.append(candidate)
+    why = "" if eligible else (found.why_not or "no participant qualifies") + ("; " + "; ".join(lacking[:5]) if lacking else "")
+    return Candidates(eligible, why)
+
+
+# --- orders ----------------------------------------------------------------------------------------
+
+
+def run_for(session: Session, task: Task, plan_row: FlPlan, worker: TaskWorker, signing: Any) -> AlgorithmRun:
+    """The participant's algorithm, its limits and the grant for its update of the round attempt in progress."""
+    from cloud.artifacts import task_input
+
+    spec = FederatedTrainingSpec.model_validate(task.spec)
+    plan = WholePlan.of(plan_row)
+    chosen = algorithm_for(plan, labels_of(session, worker.target_kind, worker.target_id))
+    manifest = AlgorithmManifest.model_validate(chosen.manifest)
+    name, version = update_identity(task.id, worker.target_id, plan_row.round, max(1, plan_row.attempt))
+    deadline = plan_row.deadline_at
+    expires = int(deadline.timestamp() if deadline is not None else time.time()) + GRANT_TTL_S  # one token per round attempt: the order stays the same
+    claims = PublishClaims(task_id=task.id, worker_id=worker.id, target_id=worker.target_id, names=[name], version=version, exp=expires)
+    return AlgorithmRun(
+        package=task_input(session, chosen.artifact_id, worker.target_id, signing, "algorithm"), manifest=manifest,
+        cpu_cores=spec.limits.cpu_cores or manifest.resources.cpu_cores, memory_bytes=spec.limits.memory_bytes or manifest.resources.memory_bytes,
+        timeout_s=spec.limits.timeout_s, accelerators=[],
+        publish=PublishGrant(token=signing.issue_publish_token(claims), names=[name], version=version, expires_at=datetime.fromtimestamp(expires, UTC)),
+    )  # fmt: skip
+
+
+# --- updates ---------------------------------------------------------------------------------------
+
+
+def identity_wrong(session: Session, task_id: str, target_id: str, artifact_id: str, round: int, attempt: int) -> str | None:
+    """Why ``artifact_id`` is not this participant's update of (round, attempt); None when it is."""
+    artifact = session.get(Artifact, artifact_id)
+    if artifact is None:
+        return f"artefact {artifact_id} is not stored"
+    name, version = update_identity(task_id, target_id, round, attempt)
+    if (artifact.kind, artifact.name, artifact.version, artifact.format) != (ArtifactKind.MODEL.value, name, version, ArtifactFormat.SAFETENSORS.value):
+        return f"artefact {artifact_id} is the {artifact.kind} {artifact.name} {artifact.version} ({artifact.format}), not the update {name} {version} (safetensors)"
+    return None
+
+
+def misfit(blobs: Any, plan: WholePlan, artifact: Artifact) -> str | None:
+    """Why the update's file does not fit the plan's tensors (names, shapes, floating point, finite values); None when it does."""
+    import numpy as np
+
+    try:
+        with _local(blobs, artifact.sha256) as path, TensorFile(path) as tensors:
+            infos = tensors.infos()
+            if set(infos) != set(plan.tensors):
+                return f"its tensors differ from the model's: missing {sorted(set(plan.tensors) - set(infos))[:5]}, unexpected {sorted(set(infos) - set(plan.tensors))[:5]}"
+            for tensor, want in plan.tensors.items():
+                got = infos[tensor]
+                if list(got.shape) != want.shape or got.dtype not in FLOATS:
+                    return f"tensor {tensor!r} is {got.dtype} {list(got.shape)}; the model's is {want.dtype} {want.shape}"
+                if not np.isfinite(tensors.read(tensor)).all():
+                    return f"tensor {tensor!r} holds NaN or infinite values"
+    except TensorFileError as exc:
+        return f"not a safetensors file: {exc}"
+    return None
+
+
+def vet(session: Session, blobs: Any, task: Task, plan_row: FlPlan, at: datetime) -> int:
+    """Read through every update of the task not read yet; drop those that do not fit (logged). How many were dropped."""
+    from cloud.tasks.lifecycle import hub_log
+
+    plan = WholePlan.of(plan_row)
+    dropped = 0
+    rows = session.execute(select(FlUpdateRow).where(FlUpdateRow.task_id == task.id, FlUpdateRow.vetted.is_(False), FlUpdateRow.used_in.is_(None))).scalars()  # type: ignore[attr-defined,union-attr,arg-type]
+    for row in list(rows):
+        artifact = session.get(Artifact, row.artifact_id) if row.artifact_id else None
+        why = "its artefact is gone" if artifact is None else misfit(blobs, plan, artifact)
+        if why is None:
+            row.vetted = True
+            session.add(row)
+            continue
+        hub_log(session, task.id, f"refused the round {row.round} update of worker {row.worker_id}: {why}", "warning", at, row.worker_id)
+        row.used_in, row.vetted = REFUSED, True  # never fused; its artefact goes with the next sweep
+        session.add(row)
+        dropped += 1
+    session.flush()
+    return dropped
+
+
+# --- fusion ----------------------------------------------------------------------------------------
+
+
+@contextmanager
+def _local(blobs: Any, sha256: str) -> Iterator[Path]:
+    """A local file of the blob ``sha256`` (the store's own, or a temporary copy)."""
+    path = blobs.path(sha256)
+    if path is not None:
+        yield Path(path)
+        return
+    fd, tmp = tempfile.mkstemp(prefix="fl-blob-")
+    try:
+        with os.fdopen(fd, "wb") as out, blobs.open(sha256) as content:
+            shutil.copyfileobj(content, out, COPY_BYTES)
+        yield Path(tmp)
+    finally:
+        os.unlink(tmp)
+
+
+def _put_file(blobs: Any, path: Path) -> PendingBlob:
+    with blobs.writer() as writer, path.open("rb") as content:
+        while block := content.read(COPY_BYTES):
+            writer.write(block)
+        sha256, size = writer.commit()
+    return PendingBlob(sha256=sha256, size=size)
+
+
+def fuse(session: Session, blobs: Any, plan_row: FlPlan, strategy: Any, fresh: list[tuple[FlUpdateRow, int]], task_id: str) -> dict[str, float]:
+    """Aggregate the updates (each row with the weight it counts at) into the next global parameters, stored as a
+    pending blob of the plan, and the strategy's arrays as another; the bytes moved, for the round's metrics."""
+    from contextlib import ExitStack
+
+    from interfaces.aggregation import StreamUpdate
+
+    plan = WholePlan.of(plan_row)
+    stored = {r.artifact_id: session.get(Artifact, r.artifact_id) for r, _ in fresh if r.artifact_id is not None}
+    base = session.get(Artifact, plan_row.weights_artifact_id) if plan_row.weights_artifact_id else None
+    if base is None:
+        raise LookupError(f"task {task_id}: the round's global parameters are gone")
+    infos = plan.infos()
+    state_infos = strategy.state_infos(infos)
+    with ExitStack() as stack, tempfile.TemporaryDirectory(prefix="fl-fuse-") as scratch:
+        def opened(sha256: str) -> TensorFile:
+            return stack.enter_context(TensorFile(stack.enter_context(_local(blobs, sha256))))
+
+        updates = []
+        for row, weight in fresh:
+            artifact = stored.get(row.artifact_id) if row.artifact_id is not None else None
+            if artifact is None:
+                raise LookupError(f"task {task_id}: the update {row.artifact_id} of worker {row.worker_id} is gone")
+            updates.append(StreamUpdate(opened(artifact.sha256), weight, dict(row.metrics), row.worker_id))
+        state_in = opened(plan.state_sha256) if plan.state_sha256 and state_infos else None
+        out_path, state_path = Path(scratch) / "global.safetensors", Path(scratch) / "state.safetensors"
+        with TensorWriter(out_path, infos) as out, TensorWriter(state_path, state_infos) as state_out:
+            strategy.aggregate_stream(opened(base.sha256), updates, out.write, state_in, state_out.write)
+        plan.pending = _put_file(blobs, out_path)
+        plan.state_sha256 = _put_file(blobs, state_path).sha256 if state_infos else None
+    plan.put(plan_row)
+    bytes_up = float(sum(a.size for a in stored.values() if a is not None))
+    return {"bytes_up": bytes_up, "bytes_down": float(base.size) * len(fresh), "model_bytes": float(plan.pending.size)}
+
+
+# --- artefacts (the hub's tick, own transactions) -----------------------------------------------------
+
+
+class _StoredBlob:
+    """A blob writer over bytes already in the store (``create_artifact`` then records and signs them)."""
+
+    def __init__(self, blob: PendingBlob) -> None:
+        self.blob = blob
+
+    def write(self, data: bytes) -> None:
+        raise RuntimeError("the blob is stored already")
+
+    def commit(self) -> tuple[str, int]:
+        return self.blob.sha256, self.blob.size
+
+
+def store(session: Session, signing: Any, blobs: Any, task: Task, plan_row: FlPlan, spec: FederatedTrainingSpec) -> Artifact | None:
+    """The pending fused parameters as a signed artefact: the next round's (``<algorithm>.fl`` ``<version>-<task>.r<round>``),
+    or after the last round the published ``<output>-parameters``; None when nothing is pending. Commits."""
+    from cloud.artifacts import create_artifact, find_by_identity
+
+    plan = WholePlan.of(plan_row)
+    if plan.pending is None:
+        return None
+    if plan_row.round > spec.rounds:
+        assert spec.output.name is not None and spec.output.version is not None
+        name, version = spec.output.name + PARAMETERS_SUFFIX, spec.output.version
+    else:
+        assert spec.algorithm is not None
+        name = f"{spec.algorithm.name[:100]}.fl"
+        version = f"{spec.algorithm.version.partition('-')[0]}-{task.id.rpartition('-')[2]}.r{plan_row.round}"
+    existing = find_by_identity(session, ArtifactKind.MODEL.value, name, version)
+    if existing is None:
+        try:
+            existing = create_artifact(session, signing, blobs, ArtifactCreate(kind=ArtifactKind.MODEL, name=name, version=version, format=ArtifactFormat.SAFETENSORS),
+                                       _StoredBlob(plan.pending))  # type: ignore[arg-type]  # fmt: skip
+        except Conflict:
+            existing = find_by_identity(session, ArtifactKind.MODEL.value, name, version)
+            if existing is None:
+                raise
+    if existing.sha256 != plan.pending.sha256:
+        raise Conflict(f"model {name} {version} is stored with other bytes than the fused parameters of task {task.id}")
+    plan.pending = None
+    row = session.get(FlPlan, task.id)
+    assert row is not None
+    plan.put(row)
+    if row.round > spec.rounds:
+        row.published_artifact_id = existing.id
+    else:
+        row.weights_artifact_id = existing.id
+    session.add(row)
+    session.commit()
+    return existing
+
+
+def sweep(session: Session, blobs: Any) -> int:
+    """Delete the update artefacts no longer needed; how many. Each participant's latest fused update stays while the
+    task is kept (its last local model); an older fused one, a refused one, and every update of a deleted task go.
+    Commits after each."""
+    from cloud.artifacts import delete_artifact
+
+    rows = list(session.execute(select(FlUpdateRow).where(FlUpdateRow.artifact_id.is_not(None), FlUpdateRow.used_in.is_not(None))).scalars())  # type: ignore[union-attr,arg-type]
+    latest: dict[tuple[str, str], tuple[int, int, int]] = {}
+    for row in rows:
+        if row.used_in != REFUSED:
+            key = (row.task_id, ",".join(sorted(row.contributors)))
+            latest[key] = max(latest.get(key, (0, 0, 0)), (row.round, row.attempt, row.id or 0))
+    doomed = [r.artifact_id for r in rows if r.artifact_id and (r.used_in == REFUSED or latest.get((r.task_id, ",".join(sorted(r.contributors)))) != (r.round, r.attempt, r.id or 0))]
+    tasks = set(session.execute(select(FlPlan.task_id)).scalars())  # type: ignore[call-overload]
+    orphans = session.execute(select(Artifact.id, Artifact.name).where(Artifact.name.startswith(UPDATE_PREFIX + "."))).all()  # type: ignore[attr-defined,call-overload]
+    doomed += [o.id for o in orphans if o.name.split(".")[1:2] and o.name.split(".")[1] not in tasks]
+    removed = 0
+    for artifact_id in doomed[:500]:
+        session.execute(update(FlUpdateRow).where(FlUpdateRow.artifact_id == artifact_id).values(artifact_id=None))  # type: ignore[arg-type]
+        try:
+            if session.get(Artifact, artifact_id) is not None:
+                delete_artifact(session, blobs, artifact_id)
+            session.commit()
+            removed += 1
+        except Exception:  # noqa: BLE001 - tried again on the next tick
+            session.rollback()
+            log.exception("deleting the federated update %s failed", artifact_id)
+    return removed
+
+
+def last_updates(session: Session, task_id: str) -> dict[str, str]:
+    """Each participant's latest fused update of the task: participant -> artefact id (its last local model)."""
+    rows = session.execute(select(FlUpdateRow).where(FlUpdateRow.task_id == task_id, FlUpdateRow.artifact_id.is_not(None), FlUpdateRow.used_in.is_not(None),  # type: ignore[union-attr,arg-type]
+                                                     FlUpdateRow.used_in != REFUSED).order_by(FlUpdateRow.round, FlUpdateRow.attempt, FlUpdateRow.id)).scalars()  # type: ignore[arg-type]  # fmt: skip
+    return {",".join(sorted(r.contributors)): r.artifact_id for r in rows if r.artifact_id}

@@ -1,0 +1,182 @@
+"""The whole-model ``federated_training`` participant (``FederatedTrainingSpec`` with ``algorithm``): a user's
+algorithm trained round after round on this site's own datasets, in a limited process of its own
+(:func:`device.algorithm.runtime.run_worker`, as a ``training`` worker runs it).
+
+Checks first (each failing one REJECTS the order): this target is a training site (an edge node, or a device
+enrolled through one) and keeps every dataset the spec names. RUNNING, it follows the rounds its order names; for
+each round attempt it has not taken yet and whose deadline has not passed it
+
+1. fetches the round's global parameters and the package of its algorithm (signed artefacts, verified like any
+   download; a package whose manifest is not the one the hub admitted is REJECTED), unpacking the package once;
+2. runs the algorithm in ``<site root>/<task>/r<round>.a<attempt>/`` from those parameters for ``local_fits``
+   calls of its ``fit`` with the configuration of its algorithm (its variant's, else the task's); its stdout and
+   stderr become log lines, its metrics the worker's;
+3. uploads the trained parameters through the chunked upload API with the round's grant (resumable: a restart of the
+   agent continues the upload) and sends one ``fl.update`` naming the stored artefact, the examples ``fit`` reported
+   and its metrics.
+
+A participant that missed a round (stopped, slow, offline) starts the next one from the new global parameters: a
+reset, never a stale continuation. A failure of the algorithm FAILS the worker with its reason; an upload the hub
+refuses is logged and the round goes on without this participant. The task's directory is removed when the
+worker stops. Metrics: ``rounds``, ``round``, ``fit_s``, ``upload_s``, ``examples`` and what ``fit`` reported.
+"""
+
+from __future__ import annotations
+
+import shutil
+import threading
+import time
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+from device.tasks.training import PACKAGE_DIR, _detail, _metric_name, _one_at_a_time, _watch, unpack_admitted
+from device.tasks.worker import Failed, Rejected, Worker
+from interfaces.tasks import FL_UPDATE_EVENT, AlgorithmRef, FederatedTrainingOrder, FederatedTrainingSpec, FlOrder, FlUpdate
+
+IDLE_WAIT_S = 5.0
+LOCK_FILE = ".lock"
+
+
+def run(worker: Worker) -> None:
+    _Site(worker).run()
+
+
+def _seconds_left(fl: FlOrder) -> float:
+    return (fl.deadline_at - datetime.now(UTC)).total_seconds()
+
+
+class _Site:
+    def __init__(self, worker: Worker) -> None:
+        self.worker = worker
+        self.spec = worker.spec(FederatedTrainingSpec)
+        site = worker.site
+        if site is None:
+            raise Rejected("this target is no training site (an edge node, or a device enrolled through one)")
+        self.site = site
+        try:
+            self.datasets = {name: str(site.dataset(local)) for name, local in self.spec.datasets.items()}
+        except KeyError as exc:
+            raise Rejected(str(exc.args[0])) from None
+        self.home = Path(site.root) / worker.task_id
+        self.done: set[tuple[int, int]] = set()
+        self.package_sha: str | None = None
+        self._lock = threading.Lock()
+        self.metrics: dict[str, float] = {"rounds": 0.0}
+
+    def _sample(self) -> dict[str, float]:
+        with self._lock:
+            return dict(self.metrics)
+
+    def run(self) -> None:
+        w = self.worker
+        self.home.mkdir(parents=True, exist_ok=True)
+        try:
+            with _one_at_a_time(self.home / LOCK_FILE, w) as held:
+                if not held:
+                    return
+                w.metrics_source(self._sample)
+                w.running()
+                w.log(f"taking part in {self.spec.rounds} whole-model rounds on {', '.join(f'{k}={v}' for k, v in self.spec.datasets.items()) or 'no dataset'} "
+                      f"({self.spec.strategy}, {self.spec.local_fits} fit calls a round)")  # fmt: skip
+                while w.checkpoint():
+                    fl = w.order_as(FederatedTrainingOrder).fl
+                    if fl is None or (fl.round, fl.attempt) in self.done:
+                        w.wait(IDLE_WAIT_S)
+                        continue
+                    if fl.run is None or fl.participant is None:
+                        raise Rejected("a whole-model round's order carries the algorithm, the update grant and this participant's id")
+                    if _seconds_left(fl) <= 0:
+                        self.done.add((fl.round, fl.attempt))
+                        w.log(f"round {fl.round} (attempt {fl.attempt}) is past its deadline; waiting for the next one", "warning")
+                        continue
+                    if not self._round(fl):
+                        return
+        finally:
+            shutil.rmtree(self.home, ignore_errors=True)
+
+    def _package(self, fl: FlOrder) -> Path:
+        assert fl.run is not None
+        package = self.home / PACKAGE_DIR
+        sha = fl.run.package.signed_manifest.manifest.sha256
+        if sha == self.package_sha and package.exists():
+            return package
+        archive = self.worker.fetch_inputs(fl.run.package)  # REJECTED when the signature or the content does not verify
+        unpack_admitted(archive, package, fl.run.manifest)
+        self.package_sha = sha
+        return package
+
+    def _round(self, fl: FlOrder) -> bool:
+        """Train one round attempt and send the update; False: stop now."""
+        from device.algorithm.runner import Job
+        from device.algorithm.runtime import AlgorithmFailed, Limits, run_worker
+        from device.upload import UploadError
+
+        w, run = self.worker, fl.run
+        assert run is not None and fl.participant is not None
+        package = self._package(fl)
+        weights = w.fetch_inputs(fl.weights)
+        attempt_dir = self.home / f"r{fl.round}.a{fl.attempt}"
+        for old in self.home.glob("r*.a*"):
+            if old != attempt_dir:
+                shutil.rmtree(old, ignore_errors=True)
+        config = _config(self.spec, run.manifest.name, run.manifest.version)
+        job = Job(package_dir=str(package), datasets=self.datasets, config=config, steps=self.spec.local_fits, checkpoint_every=self.spec.local_fits,
+                  initial_parameters=str(weights), export=False, private_dir=str(self.site.private) if self.site.private else None)  # fmt: skip
+        limits = Limits(cpu_cores=run.cpu_cores, memory_bytes=run.memory_bytes, timeout_s=run.timeout_s, accelerators=tuple(run.accelerators))
+        fitted: dict[str, Any] = {"num_examples": 0, "metrics": {}}
+
+        def on_frame(frame: dict[str, Any]) -> None:
+            if frame.get("type") == "step":
+                fitted["num_examples"] = int(frame.get("num_examples") or 0)
+                fitted["metrics"] = frame.get("metrics") if isinstance(frame.get("metrics"), dict) else {}
+
+        stop = threading.Event()
+        watcher = threading.Thread(target=_watch, args=(w, stop), daemon=True)
+        watcher.start()
+        started = time.perf_counter()
+        try:
+            run_worker(f"{w.worker_id}-r{fl.round}a{fl.attempt}", attempt_dir / "work", job, limits, stop=stop, on_frame=on_frame,
+                       on_log=lambda stream, line: w.log(line, "warning" if stream == "stderr" else "info"), paused=w.pause_requested)  # fmt: skip
+        except AlgorithmFailed as exc:
+            if exc.reason == "stopped":
+                return False
+            raise Failed(_detail(exc)) from None
+        finally:
+            stop.set()
+        fit_s = time.perf_counter() - started
+        self.done.add((fl.round, fl.attempt))
+        parameters = attempt_dir / "work" / "output" / "parameters.safetensors"
+        grant = run.publish
+        uploaded = time.perf_counter()
+        try:
+            artifact_id = self.site.publish(parameters, grant.names[0], grant.version, "safetensors", grant.token, attempt_dir / "upload.json")
+        except UploadError as exc:
+            w.log(f"round {fl.round}: the update could not be uploaded ({exc}); the next round starts from the new global model", "warning")
+            return True
+        upload_s = time.perf_counter() - uploaded
+        metrics = {_metric_name(k): float(v) for k, v in dict(fitted["metrics"]).items()
+                   if isinstance(k, str) and isinstance(v, int | float) and not isinstance(v, bool) and v == v}  # fmt: skip
+        update = FlUpdate(task_id=w.task_id, worker_id=w.worker_id, round=fl.round, attempt=fl.attempt, contributors=[fl.participant],
+                          num_examples=max(1, int(fitted["num_examples"])), parameters=artifact_id, metrics=dict(list(metrics.items())[:64]))  # fmt: skip
+        shown = ", ".join(f"{k} {v:.4g}" for k, v in sorted(metrics.items()))
+        w.log(f"round {fl.round}: {run.manifest.name} {run.manifest.version}, {self.spec.local_fits} fit calls on {update.num_examples} examples in {fit_s:.1f} s"
+              + (f" ({shown})" if shown else "") + f"; update {artifact_id} uploaded in {upload_s:.1f} s")  # fmt: skip
+        try:
+            w.event(FL_UPDATE_EVENT, update)
+        except Exception as exc:  # noqa: BLE001 - not connected: this round goes on without us; the next one resets us
+            w.log(f"round {fl.round}: could not send the update: {exc}", "warning")
+        with self._lock:
+            self.metrics = {"rounds": self.metrics["rounds"] + 1, "round": float(fl.round), "fit_s": fit_s, "upload_s": upload_s,
+                            "examples": float(update.num_examples), **metrics}  # fmt: skip
+        w.items_done = int(self.metrics["rounds"])
+        return True
+
+
+def _config(spec: FederatedTrainingSpec, name: str, version: str) -> dict[str, Any]:
+    """The configuration of the participant that runs ``name`` ``version``: its variant's, else the task's."""
+    ref = AlgorithmRef(name=name, version=version)
+    for variant in spec.variants:
+        if variant.algorithm == ref and variant.config is not None:
+            return dict(variant.config)
+    return dict(spec.config)
