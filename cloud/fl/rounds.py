@@ -308,8 +308,9 @@ def drive(session: Session, task: Task, at: datetime, driver: Driver, blobs: Any
         if not _revealed(session, task.id, plan):
             contributed = set()  # the sum cannot be unmasked: the attempt runs again below
     if contributed and (contributed >= set(plan.participants) or len(contributed) >= k):
+        closing, participants = plan.round, len(plan.participants)  # the plan moves on to the next round in _close
         _close(session, task, plan, spec, at, done, blobs)
-        hub_log(session, task.id, f"round {plan.round - 1} closed with {len(contributed)} of {len(plan.participants)} participants", at=at)
+        hub_log(session, task.id, f"round {closing} closed with {len(contributed)} of {participants} participants", at=at)
         return done
     if plan.attempt >= spec.max_round_attempts:
         driver.finish(TaskState.FAILED, f"round {plan.round} got {len(contributed)} of the k={k} updates needed in each of {plan.attempt} attempts")

@@ -241,8 +241,9 @@ def fl_order(session: Session, task: Task, worker: TaskWorker, signing: Any) -> 
     if spec.whole:
         from cloud.fl import whole
 
+        run, config = whole.run_for(session, task, plan, worker, signing)
         return FlOrder(round=plan.round, attempt=plan.attempt, deadline_at=utc(plan.deadline_at), weights=ref(plan.weights_artifact_id), via_edge=False,
-                       run=whole.run_for(session, task, plan, worker, signing), participant=worker.target_id)  # fmt: skip
+                       run=run, participant=worker.target_id, config=config)  # fmt: skip
     model = session.get(Artifact, plan.model_artifact_id)
     if model is None:
         raise LookupError(f"the model of task {task.id}'s federated plan is gone")

@@ -206,8 +206,9 @@ def candidates(session: Session, task: Task, found: Any) -> Any:
 # --- orders ----------------------------------------------------------------------------------------
 
 
-def run_for(session: Session, task: Task, plan_row: FlPlan, worker: TaskWorker, signing: Any) -> AlgorithmRun:
-    """The participant's algorithm, its limits and the grant for its update of the round attempt in progress."""
+def run_for(session: Session, task: Task, plan_row: FlPlan, worker: TaskWorker, signing: Any) -> tuple[AlgorithmRun, dict[str, Any]]:
+    """The participant's algorithm, its limits and the grant for its update of the round attempt in progress, and the
+    configuration it runs with."""
     from cloud.artifacts import task_input
 
     spec = FederatedTrainingSpec.model_validate(task.spec)
@@ -223,7 +224,7 @@ def run_for(session: Session, task: Task, plan_row: FlPlan, worker: TaskWorker, 
         cpu_cores=spec.limits.cpu_cores or manifest.resources.cpu_cores, memory_bytes=spec.limits.memory_bytes or manifest.resources.memory_bytes,
         timeout_s=spec.limits.timeout_s, accelerators=[],
         publish=PublishGrant(token=signing.issue_publish_token(claims), names=[name], version=version, expires_at=datetime.fromtimestamp(expires, UTC)),
-    )  # fmt: skip
+    ), dict(chosen.config)  # fmt: skip
 
 
 # --- updates ---------------------------------------------------------------------------------------

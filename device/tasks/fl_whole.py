@@ -9,14 +9,15 @@ each round attempt it has not taken yet and whose deadline has not passed it
 1. fetches the round's global parameters and the package of its algorithm (signed artefacts, verified like any
    download; a package whose manifest is not the one the hub admitted is REJECTED), unpacking the package once;
 2. runs the algorithm in ``<site root>/<task>/r<round>.a<attempt>/`` from those parameters for ``local_fits``
-   calls of its ``fit`` with the configuration of its algorithm (its variant's, else the task's); its stdout and
+   calls of its ``fit`` with the configuration its order names (its variant's, else the task's); its stdout and
    stderr become log lines, its metrics the worker's;
 3. uploads the trained parameters through the chunked upload API with the round's grant (resumable: a restart of the
    agent continues the upload) and sends one ``fl.update`` naming the stored artefact, the examples ``fit`` reported
    and its metrics.
 
 A participant that missed a round (stopped, slow, offline) starts the next one from the new global parameters: a
-reset, never a stale continuation. A failure of the algorithm FAILS the worker with its reason; an upload the hub
+reset, never a stale continuation; training still under way when the order names another round attempt is stopped
+(unless ``late_updates: stale`` would still count it). A failure of the algorithm FAILS the worker with its reason; an upload the hub
 refuses is logged and the round goes on without this participant. The task's directory is removed when the
 worker stops. Metrics: ``rounds``, ``round``, ``fit_s``, ``upload_s``, ``examples`` and what ``fit`` reported.
 """
@@ -32,7 +33,7 @@ from typing import Any
 
 from device.tasks.training import PACKAGE_DIR, _detail, _metric_name, _one_at_a_time, _watch, unpack_admitted
 from device.tasks.worker import Failed, Rejected, Worker
-from interfaces.tasks import FL_UPDATE_EVENT, AlgorithmRef, FederatedTrainingOrder, FederatedTrainingSpec, FlOrder, FlUpdate
+from interfaces.tasks import FL_UPDATE_EVENT, FederatedTrainingOrder, FederatedTrainingSpec, FlOrder, FlUpdate
 
 IDLE_WAIT_S = 5.0
 LOCK_FILE = ".lock"
@@ -106,6 +107,17 @@ class _Site:
         self.package_sha = sha
         return package
 
+    def _watch_round(self, fl: FlOrder, stop: threading.Event) -> None:
+        """Stop the training of ``fl``'s round attempt once the order names another one (the hub closed it without this
+        site, or ran it again) and its update could no longer count: a reset, never a stale continuation."""
+        keeps = self.spec.late_updates == "stale"
+        while not stop.is_set():
+            now = self.worker.order_as(FederatedTrainingOrder).fl
+            if now is not None and (now.round, now.attempt) != (fl.round, fl.attempt) and not (keeps and now.round - fl.round <= self.spec.max_staleness and now.round > fl.round):
+                stop.set()
+                return
+            stop.wait(0.5)
+
     def _round(self, fl: FlOrder) -> bool:
         """Train one round attempt and send the update; False: stop now."""
         from device.algorithm.runner import Job
@@ -120,7 +132,7 @@ class _Site:
         for old in self.home.glob("r*.a*"):
             if old != attempt_dir:
                 shutil.rmtree(old, ignore_errors=True)
-        config = _config(self.spec, run.manifest.name, run.manifest.version)
+        config = dict(fl.config) if fl.config is not None else dict(self.spec.config)
         job = Job(package_dir=str(package), datasets=self.datasets, config=config, steps=self.spec.local_fits, checkpoint_every=self.spec.local_fits,
                   initial_parameters=str(weights), export=False, private_dir=str(self.site.private) if self.site.private else None)  # fmt: skip
         limits = Limits(cpu_cores=run.cpu_cores, memory_bytes=run.memory_bytes, timeout_s=run.timeout_s, accelerators=tuple(run.accelerators))
@@ -134,14 +146,20 @@ class _Site:
         stop = threading.Event()
         watcher = threading.Thread(target=_watch, args=(w, stop), daemon=True)
         watcher.start()
+        moved = threading.Thread(target=self._watch_round, args=(fl, stop), daemon=True)
+        moved.start()
         started = time.perf_counter()
         try:
             run_worker(f"{w.worker_id}-r{fl.round}a{fl.attempt}", attempt_dir / "work", job, limits, stop=stop, on_frame=on_frame,
                        on_log=lambda stream, line: w.log(line, "warning" if stream == "stderr" else "info"), paused=w.pause_requested)  # fmt: skip
         except AlgorithmFailed as exc:
-            if exc.reason == "stopped":
+            if exc.reason != "stopped":
+                raise Failed(_detail(exc)) from None
+            if w.stopping:
                 return False
-            raise Failed(_detail(exc)) from None
+            self.done.add((fl.round, fl.attempt))
+            w.log(f"round {fl.round} (attempt {fl.attempt}): the hub moved on before this site finished; its training is reset to the new round", "warning")
+            return True
         finally:
             stop.set()
         fit_s = time.perf_counter() - started
@@ -172,11 +190,3 @@ class _Site:
         w.items_done = int(self.metrics["rounds"])
         return True
 
-
-def _config(spec: FederatedTrainingSpec, name: str, version: str) -> dict[str, Any]:
-    """The configuration of the participant that runs ``name`` ``version``: its variant's, else the task's."""
-    ref = AlgorithmRef(name=name, version=version)
-    for variant in spec.variants:
-        if variant.algorithm == ref and variant.config is not None:
-            return dict(variant.config)
-    return dict(spec.config)

@@ -10,7 +10,7 @@ from pydantic import Field, TypeAdapter, model_validator
 
 from interfaces.algorithms import AlgorithmManifest
 from interfaces.deployments import ArtifactName, Sha256, SignedManifest, Version
-from interfaces.strict import BY_VALUE, INT64_MAX, AwareTimestamp, Timestamp, WireModel
+from interfaces.strict import JsonObject, BY_VALUE, INT64_MAX, AwareTimestamp, Timestamp, WireModel
 from interfaces.tasks.specs import (
     MAX_FL_UPDATE_BYTES,
     MAX_SPLIT_CUTS,
@@ -91,6 +91,7 @@ class FlOrder(WireModel):
     feature: str | None = Field(default=None, min_length=1, max_length=256, description="last layer: the body's output the layer reads")
     run: AlgorithmRun | None = Field(default=None, description="whole model: this participant's algorithm (package, limits) and the grant to upload its update of this round attempt")
     participant: Id | None = Field(default=None, description="whole model: this participant's id (a node's or a device's), the contributor its update names")
+    config: JsonObject | None = Field(default=None, description="whole model: the configuration this participant's algorithm runs with (its variant's, else the task's)")
     sample_rate: float | None = Field(default=None, gt=0, le=1, description="dp: the Poisson sampling rate q the hub accounted for this device")
     via_edge: bool = Field(description="send the update to the edge's aggregator on fl (hierarchical), else as an event to the hub (flat)")
     participants: list[Id] = Field(default_factory=list, max_length=10_000, description="aggregators: the devices under this node taking part in this round")

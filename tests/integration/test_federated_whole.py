@@ -106,3 +106,46 @@ def test_two_pytorch_sites_and_a_numpy_one_train_one_network_and_the_hub_fuses_i
     assert not np.allclose(updates[devices[0].device_id]["fc.weight"], updates[numpy_site]["fc.weight"])
     rounds = api(stack, "GET", f"/tasks/{task['id']}/metrics?worker_id=hub", "viewer")
     assert rounds, rounds
+
+
+def test_a_site_stopped_mid_round_is_not_waited_for_and_rejoins_from_the_new_global_model(stack: DevStack, tmp_path: Path) -> None:
+    # Prepare: three numpy sites; the one labelled slow=yes trains for long in its round (a variant's configuration)
+    algorithm = _upload_algorithm(stack, EXAMPLES / "numpy_cnn", tmp_path)
+    initial = _initial_parameters(stack, tmp_path)
+    devices = []
+    for k in range(3):
+        train, test = write_digits(tmp_path / f"site-{k}", seed=k)
+        device = stack.add_device(f"site-{k}")
+        device.datasets.add("digits-train", train)
+        device.datasets.add("digits-test", test)
+        devices.append(device)
+    slow = devices[2]
+    api(stack, "PATCH", f"/devices/{slow.device_id}", json={"labels": {"slow": "yes"}})
+    for device in devices:
+        wait_for(lambda d=device: stack.device_state(d.device_id) == "ONLINE", 60, what="the device ONLINE")
+    ref = {"name": algorithm["name"], "version": algorithm["version"]}
+    spec = {"algorithm": ref, "variants": [{"selector": "slow=yes", "algorithm": ref, "config": {"epochs": 200, "batch_size": 4}}], "datasets": {"train": "digits-train"},
+            "config": {"epochs": 1}, "initial_parameters": initial["id"], "rounds": 3, "min_participants": 2, "round_timeout_s": 20}  # fmt: skip
+
+    # Execute: the slow site is stopped while it trains round 1 and comes back at once, without the label (its next rounds
+    # are quick); round 1 closes at its deadline without it, and the hub's next round resets its training
+    task = api(stack, "POST", "/tasks", json={"type": "federated_training", "spec": spec, "heartbeat_s": 0.5, "retry": {"backoff_s": 0.5, "max_attempts": 5},
+                                             "placement": {"target": "device", "ids": [d.device_id for d in devices]}})  # fmt: skip
+    logs = lambda: [line["text"] for line in api(stack, "GET", f"/tasks/{task['id']}/logs?limit=500", "viewer")["items"]]  # noqa: E731
+    wait_for(lambda: sum("round 1: the update of" in line for line in logs()) == 2, 120, interval=0.5, what="the two quick sites' round 1 updates")
+    slow.stop()
+    api(stack, "PATCH", f"/devices/{slow.device_id}", json={"labels": {}})
+    stack.restart_device(slow)
+    done = wait_for(lambda: (t := api(stack, "GET", f"/tasks/{task['id']}", "viewer"))["state"] in FINAL and t, 240, interval=0.5, what="the task final")
+
+    # Assert: the task went on and SUCCEEDED; the stopped site took part again, from a later round's global model
+    lines = logs()
+    assert done["state"] == "SUCCEEDED", (done, lines[-30:])
+    assert any("round 1 closed with 2 of 3 participants" in line for line in lines), [x for x in lines if x.startswith("[hub]")]
+    rejoined = [line for line in lines if f"the update of {slow.device_id} is in" in line]
+    assert rejoined and not any("round 1:" in line for line in rejoined), lines[-30:]
+    history = [s["values"] for s in api(stack, "GET", f"/tasks/{task['id']}/metrics?series=true&worker=hub", "viewer")["series"]]
+    assert [int(r["round"]) for r in history] == [1, 2, 3]
+    assert (history[0]["participants"], history[0]["contributors"]) == (3, 2)
+    assert any(r["contributors"] == 3 for r in history[1:]), history
+    assert all(r["bytes_up"] > 0 and r["bytes_down"] > 0 for r in history), history
