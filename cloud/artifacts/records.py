@@ -27,6 +27,7 @@ from cloud.tables import (
     SplitPartRow,
     SplitPlan,
     Task,
+    TrainingManifest,
     TrainingPlan,
 )
 from interfaces import API_PREFIX
@@ -260,11 +261,19 @@ def artifact_in_use(session: Session, artifact_id: str) -> str | None:
     * a task (any state: a finished one can be retried) reads it as its inputs (delete the task first);
     * an incremental_training task (any state) trains that model or sends that body to its devices;
     * a split_inference task (any state) was cut from that model or sends that head or tail;
-    * a federated_training task (any state) trains that model, sends that body or one of its rounds' global layers.
+    * a federated_training task (any state) trains that model, sends that body or one of its rounds' global layers;
+    * a training or whole-model federated_training task (any state) runs that algorithm (its own, or a variant's).
     """
     row = session.get(Artifact, artifact_id)
     if row is None:
         return None
+    if row.kind == ArtifactKind.ALGORITHM.value:
+        runs = session.execute(select(TrainingManifest.task_id).where(TrainingManifest.algorithm_id == artifact_id).order_by(TrainingManifest.task_id).limit(1)).first()
+        if runs is None:
+            plans = session.execute(select(FlPlan.task_id, FlPlan.layer)).all()  # type: ignore[call-overload]
+            runs = next((p for p in plans if isinstance(p.layer, dict) and any(a.get("artifact_id") == artifact_id for a in p.layer.get("whole", {}).get("algorithms", []))), None)
+        if runs is not None:
+            return f"task {runs[0]} runs it (delete the task first)"
     if row.kind == ArtifactKind.DATASET.value:
         spec = Task.__table__.c.spec  # type: ignore[attr-defined]
         task = session.execute(
@@ -328,12 +337,13 @@ def is_delta_blob(session: Session, sha256: str) -> bool:
     return session.execute(select(ArtifactDelta.id).where(ArtifactDelta.sha256 == sha256).limit(1)).first() is not None
 
 
-def delete_artifact(session: Session, blobs: BlobStore, artifact_id: str) -> None:
+def delete_artifact(session: Session, blobs: BlobStore, artifact_id: str, checked: bool = True) -> None:
     """Delete the artefact (409 ``artifact_in_use`` with the reason), and its blob when no other artefact has
-    the same bytes (with the deltas from and to those bytes)."""
+    the same bytes (with the deltas from and to those bytes). ``checked=False``: the hub retires an artefact of a
+    task's own that the task no longer reads (a whole model's global parameters of an earlier round)."""
     with _REFS:
         row = get_artifact(session, artifact_id, lock=True)
-        reason = artifact_in_use(session, artifact_id)
+        reason = artifact_in_use(session, artifact_id) if checked else None
         if reason is not None:
             raise Conflict(f"artifact {artifact_id} is in use: {reason}", code=ErrorCode.ARTIFACT_IN_USE, reason=reason)
         sha256 = row.sha256

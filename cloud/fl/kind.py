@@ -77,6 +77,13 @@ class FederatedTraining(TaskKind):
     def forget(self, session: Session, task_id: str) -> None:
         fl.forget(session, task_id)
 
+    def blobs_of(self, session: Session, task_id: str) -> list[str]:
+        """A whole-model task's strategy state and fused parameters not yet recorded as an artefact."""
+        from cloud.fl import whole
+
+        plan = session.get(FlPlan, task_id)
+        return whole.own_blobs(plan) if plan is not None and whole.is_whole(plan) else []
+
     def prepare(self, engine: Engine, signing: Any, blobs: Any) -> Mapping[str, int]:
         """Store each open round's global layer, and publish the model of a task whose rounds are done."""
         return {"fl_models_stored": rounds.prepare(engine, signing, blobs)}

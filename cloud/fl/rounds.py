@@ -103,8 +103,9 @@ def accept(session: Session, task: Task, kind: str, target_id: str, data: FlUpda
         except ValueError as exc:
             log.warning("task %s: refused an update from %s: %s", task.id, data.worker_id, exc)
             return "refused"
-    dataset = spec.dataset or next(iter(spec.datasets.values()), None)
-    bound = _examples_bound(session, data.contributors, dataset, lenient=spec.whole) if dataset else data.num_examples
+    named = [spec.dataset] if spec.dataset else sorted(set(spec.datasets.values()))
+    dataset = " or ".join(named)
+    bound = _examples_bound(session, data.contributors, named, lenient=spec.whole) if named else data.num_examples
     num_examples = min(data.num_examples, bound)
     if num_examples < data.num_examples:
         hub_log(session, task.id, f"an update from worker {data.worker_id} claimed {data.num_examples} examples; its contributors "
@@ -209,15 +210,15 @@ def _not_refused() -> Any:
     return func.coalesce(FlUpdateRow.used_in, 0) != whole.REFUSED
 
 
-def _examples_bound(session: Session, contributors: list[str], dataset: str, lenient: bool = False) -> int:
-    """The most examples ``contributors`` can have trained on: the rows they reported of ``dataset``, at least 1 each.
-    ``lenient`` (a whole model's update): a contributor that reports no such dataset (a site: edge nodes report
-    none) is not bounded."""
+def _examples_bound(session: Session, contributors: list[str], datasets: list[str], lenient: bool = False) -> int:
+    """The most examples ``contributors`` can have trained on: the rows they reported of ``datasets`` (the largest of
+    them), at least 1 each. ``lenient`` (a whole model's update): a contributor that reports none of them (a site: edge
+    nodes report none) is not bounded."""
     rows = {d.id: d for d in session.execute(select(Device).where(Device.id.in_(contributors))).scalars()}  # type: ignore[attr-defined]
-    infos = {c: budgets.reported_dataset(rows[c], dataset) if c in rows else None for c in set(contributors)}
-    if lenient and any(info is None for info in infos.values()):
+    reported = {c: [info.rows for d in datasets if c in rows and (info := budgets.reported_dataset(rows[c], d)) is not None] for c in set(contributors)}
+    if lenient and any(not r for r in reported.values()):
         return 2**62
-    return sum(max(1, info.rows if info else 1) for info in infos.values())
+    return sum(max(1, max(r, default=1)) for r in reported.values())
 
 
 def _one_vote_each(fresh: list[FlUpdateRow], stale: list[FlUpdateRow]) -> tuple[list[FlUpdateRow], list[FlUpdateRow]]:
@@ -391,7 +392,7 @@ def _close(session: Session, task: Task, plan: FlPlan, spec: FederatedTrainingSp
     new: dict[str, np.ndarray] | None = None
     if spec.whole:  # tensor by tensor over the uploaded files (cloud.fl.whole)
         weighted = [(r, r.num_examples) for r in fresh] + [(r, _stale_weight(r.num_examples, plan.round - r.round)) for r in stale]
-        moved = whole.fuse(session, blobs, plan, strategy, weighted, task.id)
+        moved = whole.fuse(session, blobs, plan, strategy, weighted, task.id, spec.compression)
         meta, arrays = strategy.state_meta(), dict[str, np.ndarray]()
     else:
         layer = surgery.DenseLayer.from_json(plan.layer)

@@ -94,6 +94,7 @@ class WholePlan(BaseModel):
     algorithms: list[PlanAlgorithm] = Field(min_length=1, description="the task's first, then its variants'")
     pending: PendingBlob | None = Field(default=None, description="the fused parameters stored as a blob, not yet an artefact")
     state_sha256: str | None = Field(default=None, description="the blob of the strategy's arrays (a server optimiser's moments)")
+    retired: list[str] = Field(default_factory=list, description="blobs of earlier strategy arrays, deleted once the plan moved on")
 
     @classmethod
     def of(cls, plan: FlPlan) -> WholePlan:
@@ -108,6 +109,12 @@ class WholePlan(BaseModel):
 
 def is_whole(plan: FlPlan) -> bool:
     return isinstance(plan.layer, dict) and "whole" in plan.layer
+
+
+def own_blobs(plan_row: FlPlan) -> list[str]:
+    """The blobs the plan holds outside artefacts: the strategy's arrays (and earlier ones), fused parameters pending."""
+    plan = WholePlan.of(plan_row)
+    return [*([plan.state_sha256] if plan.state_sha256 else []), *plan.retired, *([plan.pending.sha256] if plan.pending else [])]
 
 
 def update_identity(task_id: str, target_id: str, round: int, attempt: int) -> tuple[str, str]:
@@ -241,24 +248,16 @@ def identity_wrong(session: Session, task_id: str, target_id: str, artifact_id: 
     return None
 
 
-def misfit(blobs: Any, plan: WholePlan, artifact: Artifact) -> str | None:
-    """Why the update's file does not fit the plan's tensors (names, shapes, floating point, finite values); None when it does."""
-    import numpy as np
+def misfit(blobs: Any, plan: WholePlan, artifact: Artifact, spec: FederatedTrainingSpec) -> str | None:
+    """Why the update's file is not an update of the plan's model as the task's compression encodes it (names, dtypes,
+    shapes, finite values, indices in range: ``interfaces.compression.misfit``); None when it is."""
+    from interfaces import compression
 
     try:
         with _local(blobs, artifact.sha256) as path, TensorFile(path) as tensors:
-            infos = tensors.infos()
-            if set(infos) != set(plan.tensors):
-                return f"its tensors differ from the model's: missing {sorted(set(plan.tensors) - set(infos))[:5]}, unexpected {sorted(set(infos) - set(plan.tensors))[:5]}"
-            for tensor, want in plan.tensors.items():
-                got = infos[tensor]
-                if list(got.shape) != want.shape or got.dtype not in FLOATS:
-                    return f"tensor {tensor!r} is {got.dtype} {list(got.shape)}; the model's is {want.dtype} {want.shape}"
-                if not np.isfinite(tensors.read(tensor)).all():
-                    return f"tensor {tensor!r} holds NaN or infinite values"
+            return compression.misfit(spec.compression, tensors, plan.infos(), spec.topk_fraction)
     except TensorFileError as exc:
         return f"not a safetensors file: {exc}"
-    return None
 
 
 def vet(session: Session, blobs: Any, task: Task, plan_row: FlPlan, at: datetime) -> int:
@@ -266,11 +265,12 @@ def vet(session: Session, blobs: Any, task: Task, plan_row: FlPlan, at: datetime
     from cloud.tasks.lifecycle import hub_log
 
     plan = WholePlan.of(plan_row)
+    spec = FederatedTrainingSpec.model_validate(task.spec)
     dropped = 0
     rows = session.execute(select(FlUpdateRow).where(FlUpdateRow.task_id == task.id, FlUpdateRow.vetted.is_(False), FlUpdateRow.used_in.is_(None))).scalars()  # type: ignore[attr-defined,union-attr,arg-type]
     for row in list(rows):
         artifact = session.get(Artifact, row.artifact_id) if row.artifact_id else None
-        why = "its artefact is gone" if artifact is None else misfit(blobs, plan, artifact)
+        why = "its artefact is gone" if artifact is None else misfit(blobs, plan, artifact, spec)
         if why is None:
             row.vetted = True
             session.add(row)
@@ -310,12 +310,14 @@ def _put_file(blobs: Any, path: Path) -> PendingBlob:
     return PendingBlob(sha256=sha256, size=size)
 
 
-def fuse(session: Session, blobs: Any, plan_row: FlPlan, strategy: Any, fresh: list[tuple[FlUpdateRow, int]], task_id: str) -> dict[str, float]:
-    """Aggregate the updates (each row with the weight it counts at) into the next global parameters, stored as a
-    pending blob of the plan, and the strategy's arrays as another; the bytes moved, for the round's metrics."""
+def fuse(session: Session, blobs: Any, plan_row: FlPlan, strategy: Any, fresh: list[tuple[FlUpdateRow, int]], task_id: str, compression: str = "none") -> dict[str, float]:
+    """Aggregate the updates (each row with the weight it counts at; encoded as ``compression`` says) into the next
+    global parameters, stored as a pending blob of the plan, and the strategy's arrays as another; the bytes moved,
+    for the round's metrics."""
     from contextlib import ExitStack
 
     from interfaces.aggregation import StreamUpdate
+    from interfaces.compression import Decoded
 
     plan = WholePlan.of(plan_row)
     stored = {r.artifact_id: session.get(Artifact, r.artifact_id) for r, _ in fresh if r.artifact_id is not None}
@@ -328,17 +330,21 @@ def fuse(session: Session, blobs: Any, plan_row: FlPlan, strategy: Any, fresh: l
         def opened(sha256: str) -> TensorFile:
             return stack.enter_context(TensorFile(stack.enter_context(_local(blobs, sha256))))
 
+        global_ = opened(base.sha256)
         updates = []
         for row, weight in fresh:
             artifact = stored.get(row.artifact_id) if row.artifact_id is not None else None
             if artifact is None:
                 raise LookupError(f"task {task_id}: the update {row.artifact_id} of worker {row.worker_id} is gone")
-            updates.append(StreamUpdate(opened(artifact.sha256), weight, dict(row.metrics), row.worker_id))
+            source = opened(artifact.sha256)
+            updates.append(StreamUpdate(source if compression == "none" else Decoded(compression, source, global_), weight, dict(row.metrics), row.worker_id))
         state_in = opened(plan.state_sha256) if plan.state_sha256 and state_infos else None
         out_path, state_path = Path(scratch) / "global.safetensors", Path(scratch) / "state.safetensors"
         with TensorWriter(out_path, infos) as out, TensorWriter(state_path, state_infos) as state_out:
-            strategy.aggregate_stream(opened(base.sha256), updates, out.write, state_in, state_out.write)
+            strategy.aggregate_stream(global_, updates, out.write, state_in, state_out.write)
         plan.pending = _put_file(blobs, out_path)
+        if plan.state_sha256:
+            plan.retired.append(plan.state_sha256)
         plan.state_sha256 = _put_file(blobs, state_path).sha256 if state_infos else None
     plan.put(plan_row)
     bytes_up = float(sum(a.size for a in stored.values() if a is not None))
@@ -387,7 +393,7 @@ def store(session: Session, signing: Any, blobs: Any, task: Task, plan_row: FlPl
                 raise
     if existing.sha256 != plan.pending.sha256:
         raise Conflict(f"model {name} {version} is stored with other bytes than the fused parameters of task {task.id}")
-    plan.pending = None
+    plan.pending, retired, plan.retired = None, list(plan.retired), []
     row = session.get(FlPlan, task.id)
     assert row is not None
     plan.put(row)
@@ -397,12 +403,35 @@ def store(session: Session, signing: Any, blobs: Any, task: Task, plan_row: FlPl
         row.weights_artifact_id = existing.id
     session.add(row)
     session.commit()
+    _retire(session, blobs, task, spec, row.round, retired)
     return existing
+
+
+def _retire(session: Session, blobs: Any, task: Task, spec: FederatedTrainingSpec, round: int, retired: list[str]) -> None:
+    """Delete what the plan moved past: the strategy's earlier arrays, and the global parameters of two rounds ago (the
+    round before stays for a participant still fetching it; the first round's are the task's initial parameters)."""
+    from cloud.artifacts import delete_artifact, find_by_identity
+    from cloud.artifacts.records import find_by_sha256, is_delta_blob
+
+    for sha256 in retired:
+        if find_by_sha256(session, sha256) is None and not is_delta_blob(session, sha256):
+            blobs.delete(sha256)
+    if spec.algorithm is None or round - 2 < 2:
+        return
+    old = find_by_identity(session, ArtifactKind.MODEL.value, f"{spec.algorithm.name[:100]}.fl",
+                           f"{spec.algorithm.version.partition('-')[0]}-{task.id.rpartition('-')[2]}.r{round - 2}")  # fmt: skip
+    if old is not None:
+        try:
+            delete_artifact(session, blobs, old.id, checked=False)
+        except Exception:  # noqa: BLE001 - an operator may delete it later
+            session.rollback()
+            log.warning("task %s: the global parameters of round %d (%s) stay: they could not be deleted", task.id, round - 2, old.id, exc_info=True)
 
 
 def sweep(session: Session, blobs: Any) -> int:
     """Delete the update artefacts no longer needed; how many. Each participant's latest fused update stays while the
-    task is kept (its last local model); an older fused one, a refused one, and every update of a deleted task go.
+    task is kept (its last local model); an older fused one, a refused one, one of an attempt that was run again, and
+    every update of a deleted task go.
     Commits after each."""
     from cloud.artifacts import delete_artifact
 
@@ -413,7 +442,10 @@ def sweep(session: Session, blobs: Any) -> int:
             key = (row.task_id, ",".join(sorted(row.contributors)))
             latest[key] = max(latest.get(key, (0, 0, 0)), (row.round, row.attempt, row.id or 0))
     doomed = [r.artifact_id for r in rows if r.artifact_id and (r.used_in == REFUSED or latest.get((r.task_id, ",".join(sorted(r.contributors)))) != (r.round, r.attempt, r.id or 0))]
-    tasks = set(session.execute(select(FlPlan.task_id)).scalars())  # type: ignore[call-overload]
+    at = {r.task_id: (r.round, r.attempt) for r in session.execute(select(FlPlan.task_id, FlPlan.round, FlPlan.attempt)).all()}  # type: ignore[call-overload]
+    tasks = set(at)
+    waiting = session.execute(select(FlUpdateRow).where(FlUpdateRow.artifact_id.is_not(None), FlUpdateRow.used_in.is_(None), FlUpdateRow.stale.is_(False))).scalars()  # type: ignore[union-attr,arg-type,attr-defined]
+    doomed += [r.artifact_id for r in waiting if r.artifact_id and r.task_id in at and (r.round, r.attempt) < at[r.task_id]]  # an attempt run again: never counts
     orphans = session.execute(select(Artifact.id, Artifact.name).where(Artifact.name.startswith(UPDATE_PREFIX + "."))).all()  # type: ignore[attr-defined,call-overload]
     doomed += [o.id for o in orphans if o.name.split(".")[1:2] and o.name.split(".")[1] not in tasks]
     removed = 0

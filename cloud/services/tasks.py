@@ -173,7 +173,8 @@ def act(session: Session, task_id: str, action: TaskAction) -> tuple[Task, bool]
     return task, orders
 
 
-def delete_task(session: Session, task_id: str) -> None:
+def delete_task(session: Session, task_id: str, blobs: Any = None) -> None:
+    """Remove a finished task and what it alone holds (``blobs``: the store of the blobs its kind keeps outside artefacts)."""
     task = get(session, task_id, lock=True)
     if TaskState(task.state) in TASK_ACTIVE:
         raise Conflict(f"task {task.id} is {task.state}: cancel it first", code=ErrorCode.ILLEGAL_TRANSITION, current_state=task.state)
@@ -181,9 +182,17 @@ def delete_task(session: Session, task_id: str) -> None:
     session.execute(delete(WorkerTransitionRow).where(WorkerTransitionRow.worker_id.in_(worker_ids)))  # type: ignore[attr-defined]
     for table in (TaskWorker, TaskChunk, TaskLog, TaskMetric, TaskTransitionRow):
         session.execute(delete(table).where(table.task_id == task.id))  # type: ignore[attr-defined]
-    kind_of(task.type).forget(session, task.id)
+    kind = kind_of(task.type)
+    own = kind.blobs_of(session, task.id)
+    kind.forget(session, task.id)
     session.delete(task)
     session.commit()
+    if blobs is not None:
+        from cloud.artifacts.records import find_by_sha256, is_delta_blob
+
+        for sha256 in own:
+            if find_by_sha256(session, sha256) is None and not is_delta_blob(session, sha256):
+                blobs.delete(sha256)
 
 
 # --- wire ------------------------------------------------------------------------------------------

@@ -147,6 +147,10 @@ class TaskKind:
     def forget(self, session: Session, task_id: str) -> None:
         return None
 
+    def blobs_of(self, session: Session, task_id: str) -> list[str]:
+        """Blobs of the task's own that no artefact records (a server optimiser's state): deleted with the task."""
+        return []
+
     # --- the scheduler's tick ----------------------------------------------------------------------
     def prepare(self, engine: Engine, signing: Any, blobs: Any) -> Mapping[str, int]:
         return {}

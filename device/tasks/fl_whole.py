@@ -11,14 +11,16 @@ each round attempt it has not taken yet and whose deadline has not passed it
 2. runs the algorithm in ``<site root>/<task>/r<round>.a<attempt>/`` from those parameters for ``local_fits``
    calls of its ``fit`` with the configuration its order names (its variant's, else the task's); its stdout and
    stderr become log lines, its metrics the worker's;
-3. uploads the trained parameters through the chunked upload API with the round's grant (resumable: a restart of the
-   agent continues the upload) and sends one ``fl.update`` naming the stored artefact, the examples ``fit`` reported
-   and its metrics.
+3. encodes the trained parameters as the task's ``compression`` says (``interfaces.compression``: fp16, or int8 /
+   topk deltas from the global parameters with this site's error feedback added, kept in its directory between
+   rounds), uploads them through the chunked upload API with the round's grant (resumable: a restart of the agent
+   continues the upload) and sends one ``fl.update`` naming the stored artefact, the examples ``fit`` reported and
+   its metrics.
 
 A participant that missed a round (stopped, slow, offline) starts the next one from the new global parameters: a
 reset, never a stale continuation; training still under way when the order names another round attempt is stopped
-(unless ``late_updates: stale`` would still count it). A failure of the algorithm FAILS the worker with its reason; an upload the hub
-refuses is logged and the round goes on without this participant. The task's directory is removed when the
+(unless ``late_updates: stale`` would still count it). A failure of the algorithm FAILS the worker with its reason;
+an upload the hub refuses is logged and the round goes on without this participant. The task's directory is removed when the
 worker stops. Metrics: ``rounds``, ``round``, ``fit_s``, ``upload_s``, ``examples`` and what ``fit`` reported.
 """
 
@@ -37,6 +39,8 @@ from interfaces.tasks import FL_UPDATE_EVENT, FederatedTrainingOrder, FederatedT
 
 IDLE_WAIT_S = 5.0
 LOCK_FILE = ".lock"
+FEEDBACK_FILE = "feedback.safetensors"
+"""int8 and topk: the error feedback kept between rounds in the task's directory (never uploaded)"""
 
 
 def run(worker: Worker) -> None:
@@ -107,6 +111,27 @@ class _Site:
         self.package_sha = sha
         return package
 
+    def _encode(self, parameters: Path, weights: Path, attempt_dir: Path) -> tuple[Path, Path | None]:
+        """The file to upload for the trained ``parameters`` (``interfaces.compression``), and the new error feedback's
+        file (None for none and fp16; it replaces the kept one once the update is uploaded)."""
+        from safetensors.numpy import load_file, save_file
+
+        from interfaces import compression
+
+        kind = self.spec.compression
+        if kind == "none":
+            return parameters, None
+        kept = self.home / FEEDBACK_FILE
+        residual = load_file(str(kept)) if kept.exists() else None
+        encoded, feedback = compression.encode(kind, load_file(str(parameters)), load_file(str(weights)), residual, self.spec.topk_fraction)
+        out = attempt_dir / "update.safetensors"
+        save_file(encoded, str(out), metadata={compression.METADATA_KEY: kind})
+        if kind in ("fp16",):
+            return out, None
+        staged = attempt_dir / FEEDBACK_FILE
+        save_file(feedback, str(staged))
+        return out, staged
+
     def _watch_round(self, fl: FlOrder, stop: threading.Event) -> None:
         """Stop the training of ``fl``'s round attempt once the order names another one (the hub closed it without this
         site, or ran it again) and its update could no longer count: a reset, never a stale continuation."""
@@ -168,10 +193,15 @@ class _Site:
         grant = run.publish
         uploaded = time.perf_counter()
         try:
-            artifact_id = self.site.publish(parameters, grant.names[0], grant.version, "safetensors", grant.token, attempt_dir / "upload.json")
+            encoded, feedback = self._encode(parameters, weights, attempt_dir)
+            artifact_id = self.site.publish(encoded, grant.names[0], grant.version, "safetensors", grant.token, attempt_dir / "upload.json")
         except UploadError as exc:
             w.log(f"round {fl.round}: the update could not be uploaded ({exc}); the next round starts from the new global model", "warning")
             return True
+        except ValueError as exc:
+            raise Failed(f"round {fl.round}: the trained parameters do not encode as {self.spec.compression}: {exc}") from None
+        if feedback is not None:
+            feedback.replace(self.home / FEEDBACK_FILE)  # what compression left out, added to the next round's delta
         upload_s = time.perf_counter() - uploaded
         metrics = {_metric_name(k): float(v) for k, v in dict(fitted["metrics"]).items()
                    if isinstance(k, str) and isinstance(v, int | float) and not isinstance(v, bool) and v == v}  # fmt: skip

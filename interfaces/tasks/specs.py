@@ -222,6 +222,11 @@ class FederatedTrainingSpec(_In):
     initial_parameters: Id | None = Field(default=None, description="whole model (required): a model artefact (safetensors: the algorithm's named tensors) the first round starts from")
     local_fits: int = Field(default=1, ge=1, le=MAX_TRAINING_STEPS, description="whole model: fit calls per participant per round")
     limits: AlgorithmLimits = Field(default_factory=AlgorithmLimits, description="whole model: what each participant's worker may use")
+    compression: Literal["none", "fp16", "int8", "topk"] = Field(
+        default="none", description="whole model: how updates travel (interfaces.compression): fp16; int8 deltas with a per-tensor scale; topk deltas "
+        "(topk_fraction of each tensor's coordinates); int8 and topk keep their error feedback on the participant",
+    )  # fmt: skip
+    topk_fraction: float = Field(default=0.1, gt=0, le=1, description="whole model, topk: the share of each tensor's coordinates an update carries")
     rounds: int = Field(ge=1, le=10_000)
     local_steps: int = Field(default=20, ge=1, le=100_000, description="SGD steps per participant per round")
     batch_size: int = Field(default=32, ge=1, le=65536)
@@ -263,7 +268,7 @@ class FederatedTrainingSpec(_In):
         if self.model is not None:
             if self.dataset is None:
                 raise ValueError("a last-layer task names the dataset each device keeps")
-            whole = self._not_default(("variants", "datasets", "config", "initial_parameters", "local_fits", "limits"))
+            whole = self._not_default(("variants", "datasets", "config", "initial_parameters", "local_fits", "limits", "compression", "topk_fraction"))
             if whole:
                 raise ValueError(f"{', '.join(whole)}: whole-model fields; a last-layer task (model) does not take them")
             return self

@@ -7,6 +7,7 @@ from __future__ import annotations
 import hashlib
 import io
 import json
+import re
 import struct
 from collections.abc import Callable, Iterator
 from datetime import UTC, datetime
@@ -19,6 +20,7 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 
+from cloud.cli import deploy
 from cloud.cli import task as cli
 from cloud.cli.deploy import _Hub
 from cloud.cli.task import (
@@ -31,10 +33,12 @@ from cloud.cli.task import (
     parse_duration,
     upload_inputs,
 )  # fmt: skip
+from device.algorithm.package import build
 from interfaces import API_PREFIX
 from interfaces.auth import Role
 from interfaces.tasks import (
     BatchInferenceSpec,
+    FederatedTrainingSpec,
     MetricSample,
     Placement,
     RetryPolicy,
@@ -55,6 +59,7 @@ from interfaces.tasks import (
 from tests.hub.conftest import HubUnderTest
 
 NOW = datetime(2025, 5, 1, 12, 0, 0, tzinfo=UTC)
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples" / "algorithms"
 
 
 # --- the SSE decoder -------------------------------------------------------------------------------
@@ -313,6 +318,68 @@ def test_training_goes_to_sites_unless_devices_are_asked_for() -> None:
     assert TaskCreate.model_validate(on_devices).placement.target.value == "device"
 
 
+def test_whole_model_federated_body_from_flags() -> None:
+    # Act: on sites by default, on devices with --devices; a variant's selector may hold "=" itself
+    on_sites = build_task_body(
+        "federated_training", algorithm="digits-torch-cnn:1.0.0", datasets=["train=digits-train"], initial="art-init", rounds=5, local_fits=2,
+        variants=["framework=numpy=digits-numpy-cnn:1.0.0"], config='{"epochs": 1}', strategy="fedadam", output="digits-fl",
+    )  # fmt: skip
+    on_devices = build_task_body("federated_training", algorithm="digits-numpy-cnn:1.0.0", datasets=["train=train"], initial="art-init", rounds=3,
+                                 devices=True, selector="tier=board")  # fmt: skip
+
+    # Assert
+    assert on_sites == {
+        "type": "federated_training",
+        "spec": {
+            "algorithm": {"name": "digits-torch-cnn", "version": "1.0.0"}, "output": {"name": "digits-fl"}, "datasets": {"train": "digits-train"},
+            "variants": [{"selector": "framework=numpy", "algorithm": {"name": "digits-numpy-cnn", "version": "1.0.0"}}], "config": {"epochs": 1},
+            "initial_parameters": "art-init", "rounds": 5, "strategy": "fedadam", "local_fits": 2,
+        },
+        "placement": {"target": "node"},
+    }  # fmt: skip
+    spec = FederatedTrainingSpec.model_validate(on_sites["spec"])
+    assert spec.whole and spec.variants[0].selector == "framework=numpy" and spec.variants[0].config is None
+    assert on_devices["placement"] == {"selector": "tier=board"}
+    assert TaskCreate.model_validate(on_devices).placement.target.value == "device"
+
+
+def test_last_layer_federated_body_keeps_its_placement_and_spec() -> None:
+    # Act: --model trains an installed model's last layer on devices; --rounds and --strategy apply to both modes
+    body = build_task_body("federated_training", cli.load_spec('{"dataset": "camera", "local_steps": 40}'), model="digits:1.0.0", rounds=20, strategy="median")
+    whole_from_spec = build_task_body("federated_training", cli.load_spec('{"algorithm": {"name": "a", "version": "1"}, "initial_parameters": "art-1"}'), rounds=2)
+
+    # Assert
+    assert body == {"type": "federated_training", "spec": {"dataset": "camera", "local_steps": 40, "model": {"name": "digits", "version": "1.0.0"}, "rounds": 20, "strategy": "median"}}
+    assert whole_from_spec["placement"] == {"target": "node"}
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"model": "digits", "local_fits": 2}, "--local-fits: for whole-model tasks (--algorithm) only; a last-layer task (--model) names its dataset"),
+        ({"model": "digits", "variants": ["a=b=c:1"], "initial": "art-1"}, "--variant, --initial: for whole-model tasks (--algorithm) only"),
+        ({"model": "digits", "datasets": ["train=camera"], "config": "{}"}, "--dataset, --config: for whole-model tasks"),
+        ({"spec": {"model": {"name": "digits"}}, "local_fits": 2}, "--local-fits: for whole-model tasks"),
+        ({"model": "digits", "algorithm": "a:1"}, "give one of --model (its last layer is trained) or --algorithm (the whole model is trained)"),
+        ({"algorithm": "a:1", "initial": "art-1", "rounds": 2, "steps": 4}, "--steps: for training tasks only, not federated_training"),
+        ({"algorithm": "a:1", "datasets": ["train=t"], "rounds": 2}, "spec: a whole-model task starts from initial_parameters"),
+        ({"algorithm": "a:1", "initial": "art-1"}, "spec.rounds (--rounds): Field required"),
+        ({"algorithm": "a:1", "initial": "art-1", "rounds": 2, "local_fits": 0}, "spec.local_fits (--local-fits)"),
+        ({"type": "training", "algorithm": "a:1", "steps": 4, "rounds": 2, "variants": ["x=y=a:1"]}, "--rounds, --variant: for federated_training tasks only, not training"),
+        ({"type": "inference", "model": "m", "strategy": "fedavg"}, "--strategy: for federated_training tasks only, not inference"),
+    ],
+)
+def test_federated_options_that_do_not_fit_the_mode_are_refused(kwargs: dict[str, Any], message: str) -> None:
+    with pytest.raises(click.UsageError, match=re.escape(message)):
+        build_task_body(kwargs.pop("type", "federated_training"), kwargs.pop("spec", None), **kwargs)
+
+
+@pytest.mark.parametrize("text", ["digits-numpy-cnn:1.0.0", "=digits-numpy-cnn:1.0.0", "framework=numpy=digits-numpy-cnn", "framework=numpy="])
+def test_variant_needs_a_selector_and_a_versioned_algorithm(text: str) -> None:
+    with pytest.raises(click.BadParameter, match="--variant|SELECTOR=NAME:VERSION|NAME:VERSION"):
+        build_task_body("federated_training", algorithm="a:1", initial="art-1", rounds=2, variants=[text])
+
+
 def test_spec_file_is_the_base_and_flags_override(tmp_path: Path) -> None:
     # Prepare
     spec_file = tmp_path / "spec.json"
@@ -473,6 +540,41 @@ def test_create_refuses_before_any_request(tmp_path: Path) -> None:
     assert hub.requests == []
 
 
+def test_create_sends_the_whole_model_spec_and_refuses_mixed_options() -> None:
+    # Prepare
+    hub = ScriptedHub({("POST", "/tasks"): httpx.Response(201, json=_task(TaskState.PENDING))})
+    whole = ["create", "--type", "federated_training", "--algorithm", "digits-torch-cnn:1.0.0", "--dataset", "train=train", "--initial", "art-init", "--rounds", "5"]
+
+    # Act
+    result = CliRunner().invoke(cli.task, [*whole, "--local-fits", "2", "--variant", "framework=numpy=digits-numpy-cnn:1.0.0", "--devices", "--selector", "tier=board"], obj=hub.hub)
+    refused = {
+        "local fits, last layer": ["create", "--type", "federated_training", "--model", "digits", "--spec", '{"dataset": "camera", "rounds": 2}', "--local-fits", "2"],
+        "both modes": [*whole, "--model", "digits"], "steps": [*whole, "--steps", "3"], "rounds, training": ["create", "--type", "training", "--algorithm", "a:1", "--steps", "2", "--rounds", "2"],
+        "bad variant": [*whole, "--variant", "digits-numpy-cnn:1.0.0"], "bad strategy": [*whole, "--strategy", "fedsgd"],
+    }  # fmt: skip
+    outcomes = {key: CliRunner().invoke(cli.task, args, obj=hub.hub) for key, args in refused.items()}
+
+    # Assert
+    assert result.exit_code == 0, result.output
+    [body] = hub.bodies("POST", "/tasks")
+    assert body == {
+        "type": "federated_training",
+        "spec": {
+            "algorithm": {"name": "digits-torch-cnn", "version": "1.0.0"}, "datasets": {"train": "train"}, "initial_parameters": "art-init", "rounds": 5,
+            "local_fits": 2, "variants": [{"selector": "framework=numpy", "algorithm": {"name": "digits-numpy-cnn", "version": "1.0.0"}}],
+        },
+        "placement": {"selector": "tier=board"},
+    }  # fmt: skip
+    for key, outcome in outcomes.items():
+        assert outcome.exit_code == 2, (key, outcome.output)
+    assert "--local-fits: for whole-model tasks (--algorithm) only" in outcomes["local fits, last layer"].output
+    assert "give one of --model" in outcomes["both modes"].output
+    assert "--steps: for training tasks only" in outcomes["steps"].output
+    assert "--rounds: for federated_training tasks only" in outcomes["rounds, training"].output
+    assert "SELECTOR=NAME:VERSION" in outcomes["bad variant"].output
+    assert len(hub.requests) == 1
+
+
 def test_list_get_workers_metrics_outputs_and_actions_print_the_documents(tmp_path: Path) -> None:
     # Prepare
     public = TaskPublic.model_validate(_task()).model_dump(mode="json")
@@ -626,3 +728,44 @@ def test_upload_inputs_refuses_other_bytes_under_the_name_and_wrong_files(real_h
     np.save(fresh, np.full((1, 1), 7, dtype=np.float32))
     with pytest.raises(click.ClickException, match="403 forbidden"):
         upload_inputs(viewer, fresh)
+
+
+# --- a whole-model federated task, as the README makes it (the real hub) ---------------------------
+
+
+def test_whole_model_federated_task_from_the_readme(real_hub: _Hub, sqlite_hub: HubUnderTest, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Prepare: both examples stored as algorithms; the initial parameters from the numpy example's initial_parameters()
+    for source in (EXAMPLES / "torch_cnn", EXAMPLES / "numpy_cnn"):
+        manifest = json.loads((source / "algorithm.json").read_text())
+        fields = {"kind": "algorithm", "name": manifest["name"], "version": manifest["version"], "format": "zip"}
+        r = sqlite_hub.request("POST", "/artifacts", Role.OPERATOR, data=fields, files={"file": ("a.zip", build(source, tmp_path / "dist").read_bytes())})
+        assert r.status_code == 201, r.text
+    np.savez(tmp_path / "train.npz", x=np.zeros((4, 1, 8, 8), dtype=np.float32), y=np.arange(4, dtype=np.int64))
+    monkeypatch.syspath_prepend(str(EXAMPLES / "numpy_cnn"))
+    from numpy_cnn.client import NumpyCNN
+    from safetensors.numpy import save_file
+
+    initial = tmp_path / "digits-cnn-initial.safetensors"
+    save_file(NumpyCNN({"seed": 0}, {"train": str(tmp_path / "train.npz")}).initial_parameters(), str(initial))
+    monkeypatch.setattr(deploy, "_client", lambda *args: sqlite_hub.client)
+
+    # Act: aisynergy deploy upload, then aisynergy task create
+    uploaded = CliRunner().invoke(deploy.deploy, [
+        "--hub", "http://testserver", "--token", sqlite_hub.tokens[Role.OPERATOR], "upload", str(initial), "--kind", "model", "--name", "digits-cnn-initial",
+        "--version", "1.0.0", "--format", "safetensors",
+    ])  # fmt: skip
+    artifact_id = uploaded.output.split()[0] if uploaded.exit_code == 0 else ""
+    created = CliRunner().invoke(cli.task, [
+        "create", "--type", "federated_training", "--algorithm", "digits-torch-cnn:1.0.0", "--dataset", "train=digits-train", "--dataset", "test=digits-test",
+        "--config", '{"epochs": 1}', "--initial", artifact_id, "--rounds", "5", "--local-fits", "2", "--variant", "framework=numpy=digits-numpy-cnn:1.0.0",
+        "--output", "digits-fl", "--json",
+    ], obj=real_hub)  # fmt: skip
+
+    # Assert: the hub admitted it (algorithms stored, configurations valid, the parameters a safetensors model) and waits for sites
+    assert uploaded.exit_code == 0, uploaded.output
+    assert created.exit_code == 0, created.output
+    doc = sqlite_hub.get(f"/tasks/{json.loads(created.output)['id']}").json()
+    assert doc["state"] == "PENDING" and doc["placement"]["target"] == "node"
+    spec = FederatedTrainingSpec.model_validate(doc["spec"])
+    assert (doc["spec"]["algorithm"]["name"], spec.initial_parameters, spec.rounds, spec.local_fits, spec.output.name) == ("digits-torch-cnn", artifact_id, 5, 2, "digits-fl")
+    assert [(v.selector, v.algorithm.name) for v in spec.variants] == [("framework=numpy", "digits-numpy-cnn")]

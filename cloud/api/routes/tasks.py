@@ -59,9 +59,9 @@ def get_task(task_id: str, session: SessionDep, _: Viewer) -> TaskDetailBody:
 
 
 @router.delete("/{task_id}", status_code=status.HTTP_204_NO_CONTENT)
-def delete_task(task_id: str, session: SessionDep, _: Operator, __: IdempotencyKey = None) -> Response:
+def delete_task(request: Request, task_id: str, session: SessionDep, _: Operator, __: IdempotencyKey = None) -> Response:
     """Remove a finished task with its workers, logs, metrics and outputs (409 illegal_transition while it is active)."""
-    service.delete_task(session, task_id)
+    service.delete_task(session, task_id, hub_state(request).blobs)
     return Response(status_code=status.HTTP_204_NO_CONTENT)
 
 

@@ -5,6 +5,8 @@
     aisynergy task create --type inference --model detector --nodes --accelerator gpu:1:inference --duration 1h
     aisynergy task create --type training --algorithm digits-torch-cnn:1.0.0 --dataset train=digits-train \
         --dataset test=digits-test --config '{"epochs": 2}' --steps 10 --checkpoint-every 2 --watch
+    aisynergy task create --type federated_training --algorithm digits-torch-cnn:1.0.0 --dataset train=digits-train \
+        --initial art-... --rounds 5 --local-fits 2 --variant framework=numpy=digits-numpy-cnn:1.0.0 --watch
     aisynergy task list --state RUNNING
     aisynergy task logs -f task-...          # live log lines (Server-Sent Events) until the task is final
     aisynergy task outputs task-... --out outputs.safetensors
@@ -38,8 +40,10 @@ from cloud.cli.task.options import (
     check_task_body,
     load_spec,
     parse_accelerator,
+    parse_algorithm,
     parse_duration,
     parse_model,
+    parse_variant,
 )
 from cloud.cli.task.sse import SSE_MEDIA_TYPE, LogFollower, SSEDecoder, SSEEvent, StreamDropped, iter_sse
 from cloud.cli.task.view import FINAL, TaskView, format_log_line, progress_summary, watch_task, workers_summary
@@ -47,6 +51,6 @@ from cloud.cli.task.view import FINAL, TaskView, format_log_line, progress_summa
 __all__ = [
     "DURATION", "FINAL", "INPUT_FORMATS", "SSE_MEDIA_TYPE", "LogFollower", "SSEDecoder", "SSEEvent", "StreamDropped", "TaskView",
     "build_task_body", "check_task_body", "dataset_identity", "download_outputs", "file_sha256", "format_log_line", "input_format",
-    "iter_sse", "load_spec", "parse_accelerator", "parse_duration", "parse_model", "progress_summary", "task", "upload_inputs",
-    "watch_task", "workers_summary",
+    "iter_sse", "load_spec", "parse_accelerator", "parse_algorithm", "parse_duration", "parse_model", "parse_variant", "progress_summary",
+    "task", "upload_inputs", "watch_task", "workers_summary",
 ]  # fmt: skip

@@ -26,7 +26,7 @@ from cloud.cli.task.view import (
     watch_task,
 )
 from interfaces.pagination import MAX_LIMIT
-from interfaces.tasks import TaskAction, TaskState, TaskType
+from interfaces.tasks import FL_STRATEGIES, TaskAction, TaskState, TaskType
 
 _json_option = click.option("--json", "as_json", is_flag=True, help="print the hub's JSON documents")
 
@@ -51,7 +51,7 @@ def task(ctx: click.Context, hub_url: str, token: str | None, ca_file: Path | No
 @click.option("--selector", default=None, help="targets by label selector, e.g. zone=a,tier!=x")
 @click.option("--ids", default=None, help="targets by comma-separated ids")
 @click.option("--nodes", is_flag=True, help="place on nodes (edges) instead of devices")
-@click.option("--devices", is_flag=True, help="training: place on devices (with the frameworks and the datasets) instead of edge sites")
+@click.option("--devices", is_flag=True, help="training, federated_training --algorithm: place on devices (with the frameworks and the datasets) instead of edge sites")
 @click.option("--min-nodes", type=int, default=None, help="wait in PENDING until this many targets qualify")
 @click.option("--max-nodes", type=int, default=None, help="use at most this many targets")
 @click.option("--accelerator", "accelerators", multiple=True, metavar="TYPE[:COUNT[:PURPOSE]]", help="e.g. gpu:2 or gpu:1:training; repeatable, every one must be free on a target")
@@ -60,13 +60,18 @@ def task(ctx: click.Context, hub_url: str, token: str | None, ca_file: Path | No
 @click.option("--heartbeat", type=DURATION, default=None, help="how often a worker reports")
 @click.option("--max-attempts", type=int, default=None, help="tries of one piece of work before the task FAILS")
 @click.option("--backoff", type=DURATION, default=None, help="wait before the 2nd attempt (doubles each time)")
-@click.option("--algorithm", default=None, metavar="NAME:VERSION", help="training: the algorithm artefact (aisynergy algorithm upload)")
-@click.option("--dataset", "datasets", multiple=True, metavar="OWN=SITE", help="training: the algorithm's dataset name = the site's (edge run --dataset, device run --dataset); repeatable")
-@click.option("--config", default=None, metavar="JSON|@FILE", help="training: the algorithm's configuration (checked against its config_schema)")
+@click.option("--algorithm", default=None, metavar="NAME:VERSION", help="training, federated_training (the whole model): the algorithm artefact (aisynergy algorithm upload)")
+@click.option("--dataset", "datasets", multiple=True, metavar="OWN=SITE", help="training, federated_training --algorithm: the algorithm's dataset name = the site's (edge run --dataset, device run --dataset); repeatable")
+@click.option("--config", default=None, metavar="JSON|@FILE", help="training, federated_training --algorithm: the algorithm's configuration (checked against its config_schema)")
 @click.option("--steps", type=int, default=None, help="training: fit calls")
 @click.option("--checkpoint-every", type=int, default=None, help="training: steps between two checkpoints kept on the site")
-@click.option("--initial", default=None, metavar="ARTIFACT_ID", help="training: a safetensors model artefact to start from")
-@click.option("--output", default=None, metavar="NAME[:VERSION]", help="training: the model published (default: the algorithm's name, a free version)")
+@click.option("--initial", default=None, metavar="ARTIFACT_ID", help="training, federated_training --algorithm (required there): a safetensors model artefact to start from")
+@click.option("--output", default=None, metavar="NAME[:VERSION]", help="training, federated_training: the model published (default: the algorithm's name, a free version)")
+@click.option("--rounds", type=int, default=None, help="federated_training: rounds of training and fusion")
+@click.option("--strategy", default=None, type=click.Choice(FL_STRATEGIES), help="federated_training: how the hub fuses the updates of a round (default fedavg)")
+@click.option("--local-fits", type=int, default=None, help="federated_training --algorithm: fit calls per participant per round (default 1)")
+@click.option("--variant", "variants", multiple=True, metavar="SELECTOR=NAME:VERSION",
+              help="federated_training --algorithm: participants whose labels match SELECTOR run this algorithm instead; repeatable, the first match wins")
 @click.option("--hold", is_flag=True, help="create it held in PENDING: 'aisynergy task start ID' lets it run")
 @click.option("--name", default=None)
 @click.option("--watch", is_flag=True, help="live progress until the task is final; exit 0 only if it SUCCEEDED")
@@ -76,8 +81,8 @@ def create(hub: _Hub, task_type: str, spec_text: str | None, model: str | None, 
            duration: float | None, selector: str | None, ids: str | None, nodes: bool, devices: bool, min_nodes: int | None, max_nodes: int | None,
            accelerators: tuple[str, ...], timeout: float | None, worker_timeout: float | None, heartbeat: float | None, max_attempts: int | None,
            backoff: float | None, algorithm: str | None, datasets: tuple[str, ...], config: str | None, steps: int | None,
-           checkpoint_every: int | None, initial: str | None, output: str | None, hold: bool, name: str | None, watch: bool,
-           as_json: bool) -> None:  # fmt: skip
+           checkpoint_every: int | None, initial: str | None, output: str | None, rounds: int | None, strategy: str | None, local_fits: int | None,
+           variants: tuple[str, ...], hold: bool, name: str | None, watch: bool, as_json: bool) -> None:  # fmt: skip
     """Create a task (and start it, unless --hold)."""
     if ids is not None and selector is not None:
         raise click.UsageError("give at most one of --ids or --selector")
@@ -87,7 +92,7 @@ def create(hub: _Hub, task_type: str, spec_text: str | None, model: str | None, 
         model=model, chunk_size=chunk_size, input_name=input_name, duration=duration, selector=selector, ids=ids, nodes=nodes, devices=devices, min_nodes=min_nodes,
         max_nodes=max_nodes, accelerators=accelerators, timeout=timeout, worker_timeout=worker_timeout, heartbeat=heartbeat, max_attempts=max_attempts,
         backoff=backoff, hold=hold, name=name, algorithm=algorithm, datasets=datasets, config=config, steps=steps, checkpoint_every=checkpoint_every,
-        initial=initial, output=output,
+        initial=initial, output=output, rounds=rounds, strategy=strategy, local_fits=local_fits, variants=variants,
     )  # fmt: skip
     spec = load_spec(spec_text)
     inputs_path = Path(inputs) if inputs is not None else None

@@ -11,7 +11,7 @@ from typing import Any
 import click
 from pydantic import ValidationError
 
-from interfaces.tasks import TASK_TYPES, TaskCreate
+from interfaces.tasks import TASK_TYPES, TaskCreate, TaskType
 
 _DURATION = re.compile(r"^\s*([0-9]+(?:\.[0-9]*)?|\.[0-9]+)\s*(ms|s|m|h|d)?\s*$")
 _UNIT_S = {None: 1.0, "ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
@@ -23,8 +23,16 @@ _FLAG_OF = {
     "worker_timeout_s": "--worker-timeout", "heartbeat_s": "--heartbeat", "retry.max_attempts": "--max-attempts",
     "retry.backoff_s": "--backoff", "name": "--name", "type": "--type", "spec.algorithm": "--algorithm", "spec.datasets": "--dataset",
     "spec.config": "--config", "spec.steps": "--steps", "spec.checkpoint_every": "--checkpoint-every", "spec.initial_parameters": "--initial",
-    "spec.output": "--output",
+    "spec.output": "--output", "spec.rounds": "--rounds", "spec.strategy": "--strategy", "spec.local_fits": "--local-fits",
+    "spec.variants": "--variant",
 }  # fmt: skip
+# options that one task type alone takes (the others' misplacements are left to the spec models)
+_ONLY_FOR = {
+    "--rounds": TaskType.FEDERATED_TRAINING, "--strategy": TaskType.FEDERATED_TRAINING, "--local-fits": TaskType.FEDERATED_TRAINING,
+    "--variant": TaskType.FEDERATED_TRAINING, "--steps": TaskType.TRAINING, "--checkpoint-every": TaskType.TRAINING,
+}  # fmt: skip
+# federated_training with --model trains an installed model's last layer; these belong to the whole-model mode (--algorithm)
+_WHOLE_MODEL = ("--local-fits", "--variant", "--dataset", "--config", "--initial")
 
 
 def parse_duration(text: str) -> float:
@@ -56,6 +64,22 @@ def parse_model(text: str, flag: str = "--model") -> dict[str, Any]:
     if not name or (sep and not version):
         raise click.BadParameter(f"{text!r}: use NAME or NAME:VERSION", param_hint=flag)
     return {"name": name, **({"version": version} if version else {})}
+
+
+def parse_algorithm(text: str, flag: str = "--algorithm") -> dict[str, Any]:
+    """``NAME:VERSION`` as an ``AlgorithmRef`` document (an algorithm is always named with its version)."""
+    ref = parse_model(text, flag)
+    if "version" not in ref:
+        raise click.BadParameter(f"{text!r}: use NAME:VERSION", param_hint=flag)
+    return ref
+
+
+def parse_variant(text: str) -> dict[str, Any]:
+    """``SELECTOR=NAME:VERSION`` as an ``FlVariant`` document: the last ``=`` ends the selector (``fw=numpy=algo:1.0.0``)."""
+    selector, sep, algorithm = text.rpartition("=")
+    if not sep or not selector.strip() or not algorithm:
+        raise click.BadParameter(f"{text!r}: use SELECTOR=NAME:VERSION, e.g. framework=numpy=digits-numpy-cnn:1.0.0", param_hint="--variant")
+    return {"selector": selector.strip(), "algorithm": parse_algorithm(algorithm, "--variant")}
 
 
 def parse_accelerator(text: str) -> dict[str, Any]:
@@ -108,21 +132,26 @@ def build_task_body(
     timeout: float | None = None, worker_timeout: float | None = None, heartbeat: float | None = None, max_attempts: int | None = None,
     backoff: float | None = None, hold: bool = False, name: str | None = None, algorithm: str | None = None, datasets: Iterable[str] = (),
     config: str | None = None, steps: int | None = None, checkpoint_every: int | None = None, initial: str | None = None, output: str | None = None,
+    rounds: int | None = None, strategy: str | None = None, local_fits: int | None = None, variants: Iterable[str] = (),
 ) -> dict[str, Any]:  # fmt: skip
     """The ``TaskCreate`` body from the options of ``task create`` (``inputs``: the dataset artefact's id).
 
     The flags fill in (and override) keys of ``spec``; what is not given is left out, so the hub's defaults apply.
     The body is checked against ``TaskCreate`` and the type's spec model; a mistake is a ``click.UsageError``
-    naming the flag.
+    naming the flag. ``training`` and a whole-model ``federated_training`` (``algorithm``) run on sites (edge
+    nodes) unless ``devices``.
     """
+    datasets, variants = list(datasets), list(variants)
     spec = dict(spec or {})
+    given = {"--rounds": rounds, "--strategy": strategy, "--local-fits": local_fits, "--variant": variants or None, "--steps": steps,
+             "--checkpoint-every": checkpoint_every, "--dataset": datasets or None, "--config": config, "--initial": initial}  # fmt: skip
+    _refuse_misplaced(type, spec, model is not None, algorithm is not None, [flag for flag, value in given.items() if value is not None])
     if model is not None:
         spec["model"] = parse_model(model)
     if algorithm is not None:
-        ref = parse_model(algorithm, "--algorithm")
-        if "version" not in ref:
-            raise click.BadParameter(f"{algorithm!r}: use NAME:VERSION", param_hint="--algorithm")
-        spec["algorithm"] = ref
+        spec["algorithm"] = parse_algorithm(algorithm)
+    if variants:
+        spec["variants"] = [parse_variant(text) for text in variants]
     if output is not None:
         spec["output"] = parse_model(output, "--output")
     for text in datasets:
@@ -133,11 +162,13 @@ def build_task_body(
     if config is not None:
         spec["config"] = load_spec(config, "--config")
     for key, value in (("inputs", inputs), ("chunk_size", chunk_size), ("input_name", input_name), ("duration_s", duration), ("steps", steps),
-                       ("checkpoint_every", checkpoint_every), ("initial_parameters", initial)):  # fmt: skip
+                       ("checkpoint_every", checkpoint_every), ("initial_parameters", initial), ("rounds", rounds), ("strategy", strategy),
+                       ("local_fits", local_fits)):  # fmt: skip
         if value is not None:
             spec[key] = value
+    on_sites = type == TaskType.TRAINING or (type == TaskType.FEDERATED_TRAINING and "algorithm" in spec)
     placement: dict[str, Any] = {}
-    if nodes or (type == "training" and not devices):  # training: on sites (edge nodes) unless --devices
+    if nodes or (on_sites and not devices):
         placement["target"] = "node"
     if selector is not None:
         placement["selector"] = selector
@@ -172,6 +203,23 @@ def build_task_body(
         body["start"] = False
     check_task_body(body)
     return body
+
+
+def _refuse_misplaced(type: str, spec: dict[str, Any], model: bool, algorithm: bool, given: list[str]) -> None:
+    """``click.UsageError`` for options the task type, or its mode, does not take (before the spec models' longer messages)."""
+    other_type = [flag for flag in given if _ONLY_FOR.get(flag, type) != type]
+    if other_type:
+        takers = " and ".join(sorted({_ONLY_FOR[flag].value for flag in other_type}))
+        raise click.UsageError(f"{', '.join(other_type)}: for {takers} tasks only, not {type}")
+    if type != TaskType.FEDERATED_TRAINING:
+        return
+    if model and algorithm:
+        raise click.UsageError("give one of --model (its last layer is trained) or --algorithm (the whole model is trained)")
+    last_layer = model or ("model" in spec and not algorithm)
+    whole_only = [flag for flag in given if flag in _WHOLE_MODEL]
+    if last_layer and whole_only:
+        raise click.UsageError(f"{', '.join(whole_only)}: for whole-model tasks (--algorithm) only; a last-layer task (--model) names its dataset, "
+                               "local_steps and learning_rate in --spec")  # fmt: skip
 
 
 def check_task_body(body: dict[str, Any]) -> None:
