@@ -34,6 +34,12 @@ participant that did not answer is not waited for: the next round's order resets
 (seeds/000: "reset timed-out local training"). At the deadline with fewer than k the round runs again as the
 next attempt (same global layer), at most ``max_round_attempts`` times, then the task FAILS.
 
+**Asynchronous rounds** (``sync: async``, whole models; FedBuff, Nguyen et al. 2022): every update for a round not
+older than ``max_staleness`` is kept; once the buffer holds ``buffer_size`` (default k) of them, one per participant
+(this round's and stale ones), the round closes at the next look, and at its deadline with whatever arrived (at least
+one). A stale update counts ``n / sqrt(1 + staleness)`` (staleness: the rounds since the one it was trained from),
+logged as it is folded; participants are never reset, so a slow one trains to the end and still counts.
+
 **The end**: after ``rounds`` rounds :func:`prepare` publishes the model with the fused layer as a new version
 (``output``, as incremental training does) and the task SUCCEEDS.
 """
@@ -131,18 +137,49 @@ def accept(session: Session, task: Task, kind: str, target_id: str, data: FlUpda
         if seen | set(data.contributors) >= set(plan.participants):
             plan.deadline_at = min(utc(plan.deadline_at) or at, at)  # everyone answered: close at the next look
             session.add(plan)
+        elif spec.sync == "async":
+            session.flush()
+            _fold_when_full(session, task, plan, spec, at)
         return "accepted"
     if (data.round, data.attempt) < (plan.round, plan.attempt) or data.round < plan.round:
-        if spec.late_updates == "stale" and data.round < plan.round and plan.round - data.round <= spec.max_staleness:
+        if _keeps_stale(spec) and data.round < plan.round and plan.round - data.round <= spec.max_staleness:
             if not _closing_participants(session, task.id, data.round, data.attempt) >= set(data.contributors):
                 return "late"  # not computed by participants of the attempt that closed that round
             if _contributors(session, task.id, data.round, data.attempt) & set(data.contributors) or _stale_seen(session, task.id, data.round, data.contributors):
                 return "duplicate"  # already fused (a redelivery), or already kept as stale
             row.stale = True
             session.add(row)
+            if spec.sync == "async":
+                session.flush()
+                _fold_when_full(session, task, plan, spec, at)
             return "stale"
         return "late"
     return "refused"  # a round that has not opened
+
+
+def _keeps_stale(spec: FederatedTrainingSpec) -> bool:
+    """Whether an update for an earlier round may still be fused (``late_updates: stale``, or every async task)."""
+    return spec.late_updates == "stale" or spec.sync == "async"
+
+
+def _stale_rows(session: Session, task_id: str, plan: FlPlan, spec: FederatedTrainingSpec) -> list[FlUpdateRow]:
+    """The stale updates not fused yet that are still young enough to be."""
+    if not _keeps_stale(spec):
+        return []
+    return list(session.execute(
+        select(FlUpdateRow).where(FlUpdateRow.task_id == task_id, FlUpdateRow.stale.is_(True), FlUpdateRow.used_in.is_(None),  # type: ignore[attr-defined,union-attr]
+                                  FlUpdateRow.round >= plan.round - spec.max_staleness).order_by(FlUpdateRow.id)
+    ).scalars())  # fmt: skip
+
+
+def _fold_when_full(session: Session, task: Task, plan: FlPlan, spec: FederatedTrainingSpec, at: datetime) -> None:
+    """Async: once the buffer holds ``buffer_size`` updates (this round's and stale ones, one per participant), fold at
+    the next look."""
+    fresh = _contributors(session, task.id, plan.round, plan.attempt)
+    voters = fresh | {c for r in _stale_rows(session, task.id, plan, spec) for c in r.contributors}
+    if len(voters) >= (spec.buffer_size or spec.min_participants):
+        plan.deadline_at = min(utc(plan.deadline_at) or at, at)
+        session.add(plan)
 
 
 def accept_key(session: Session, task: Task, kind: str, target_id: str, data: FlKey) -> str:
@@ -308,7 +345,8 @@ def drive(session: Session, task: Task, at: datetime, driver: Driver, blobs: Any
             return done
         if not _revealed(session, task.id, plan):
             contributed = set()  # the sum cannot be unmasked: the attempt runs again below
-    if contributed and (contributed >= set(plan.participants) or len(contributed) >= k):
+    folds = spec.sync == "async" and bool(contributed or _stale_rows(session, task.id, plan, spec))  # async: whatever arrived by the deadline
+    if folds or (contributed and (contributed >= set(plan.participants) or len(contributed) >= k)):
         closing, participants = plan.round, len(plan.participants)  # the plan moves on to the next round in _close
         _close(session, task, plan, spec, at, done, blobs)
         hub_log(session, task.id, f"round {closing} closed with {len(contributed)} of {participants} participants", at=at)
@@ -383,15 +421,15 @@ def _close(session: Session, task: Task, plan: FlPlan, spec: FederatedTrainingSp
         select(FlUpdateRow).where(FlUpdateRow.task_id == task.id, FlUpdateRow.round == plan.round, FlUpdateRow.attempt == plan.attempt,
                                   FlUpdateRow.stale.is_(False), _not_refused()).order_by(FlUpdateRow.id)  # type: ignore[attr-defined]
     ).scalars())  # fmt: skip
-    stale = list(session.execute(
-        select(FlUpdateRow).where(FlUpdateRow.task_id == task.id, FlUpdateRow.stale.is_(True), FlUpdateRow.used_in.is_(None),  # type: ignore[attr-defined,union-attr]
-                                  FlUpdateRow.round >= plan.round - spec.max_staleness).order_by(FlUpdateRow.id)
-    ).scalars()) if spec.late_updates == "stale" else []  # fmt: skip
+    stale = _stale_rows(session, task.id, plan, spec)
     stale, outvoted = _one_vote_each(fresh, stale)
     strategy = _strategy(plan, spec)
     new: dict[str, np.ndarray] | None = None
     if spec.whole:  # tensor by tensor over the uploaded files (cloud.fl.whole)
-        weighted = [(r, r.num_examples) for r in fresh] + [(r, _stale_weight(r.num_examples, plan.round - r.round)) for r in stale]
+        weighted = [(r, r.num_examples) for r in fresh] + [(r, _stale_weight(r.num_examples, plan.round - r.round, spec.sync == "async")) for r in stale]
+        for row, weight in weighted[len(fresh):]:
+            hub_log(session, task.id, f"round {plan.round}: folded the update of {', '.join(row.contributors)} from round {row.round} (staleness "
+                    f"{plan.round - row.round}) at weight {weight} of its {row.num_examples} examples", at=at, worker_id=row.worker_id)  # fmt: skip
         moved = whole.fuse(session, blobs, plan, strategy, weighted, task.id, spec.compression)
         meta, arrays = strategy.state_meta(), dict[str, np.ndarray]()
     else:
@@ -430,9 +468,10 @@ def _close(session: Session, task: Task, plan: FlPlan, spec: FederatedTrainingSp
     done.closed = done.changed = True
 
 
-def _stale_weight(num_examples: int, staleness: int) -> int:
-    """What a stale update counts for: ``n / (1 + staleness)``, at least 1."""
-    return max(1, round(num_examples / (1 + staleness)))
+def _stale_weight(num_examples: int, staleness: int, buffered: bool = False) -> int:
+    """What a stale update counts for: ``n / (1 + staleness)``; in an async task (FedBuff, Nguyen et al. 2022: the
+    polynomial staleness weight with exponent 1/2) ``n / sqrt(1 + staleness)``; rounded, at least 1."""
+    return max(1, round(num_examples / (math.sqrt(1 + staleness) if buffered else 1 + staleness)))
 
 
 def _unmasked(plan: FlPlan, layer: surgery.DenseLayer, rows: list[FlUpdateRow]) -> ClientUpdate:

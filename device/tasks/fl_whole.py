@@ -19,7 +19,7 @@ each round attempt it has not taken yet and whose deadline has not passed it
 
 A participant that missed a round (stopped, slow, offline) starts the next one from the new global parameters: a
 reset, never a stale continuation; training still under way when the order names another round attempt is stopped
-(unless ``late_updates: stale`` would still count it). A failure of the algorithm FAILS the worker with its reason;
+(unless ``late_updates: stale`` or ``sync: async`` would still count it). A failure of the algorithm FAILS the worker with its reason;
 an upload the hub refuses is logged and the round goes on without this participant. The task's directory is removed when the
 worker stops. Metrics: ``rounds``, ``round``, ``fit_s``, ``upload_s``, ``examples`` and what ``fit`` reported.
 """
@@ -135,6 +135,8 @@ class _Site:
     def _watch_round(self, fl: FlOrder, stop: threading.Event) -> None:
         """Stop the training of ``fl``'s round attempt once the order names another one (the hub closed it without this
         site, or ran it again) and its update could no longer count: a reset, never a stale continuation."""
+        if self.spec.sync == "async":
+            return  # every update counts there, at its staleness's weight: train to the end
         keeps = self.spec.late_updates == "stale"
         while not stop.is_set():
             now = self.worker.order_as(FederatedTrainingOrder).fl

@@ -236,10 +236,12 @@ class FederatedTrainingSpec(_In):
     topology: Literal["hierarchical", "flat"] | None = Field(default=None, description="default: hierarchical for a last layer, flat for a whole model")
     min_participants: int = Field(default=1, ge=1, le=10_000, description="k: a round closes at its timeout with at least this many updates")
     round_timeout_s: float = Field(default=60, ge=0.5, le=86400)
-    sync: Literal["fixed", "adaptive"] = Field(
+    sync: Literal["fixed", "adaptive", "async"] = Field(
         default="fixed", description="adaptive: each round's deadline is 3x the slowest of the last 5 rounds every participant finished (at least "
-        "1 s, at most round_timeout_s), so a dead participant costs little once the pace is known",
+        "1 s, at most round_timeout_s), so a dead participant costs little once the pace is known; async (whole models): the hub folds every "
+        "buffer_size arriving updates into a new global model (FedBuff), a late one at weight n / sqrt(1 + staleness), so a slow site never holds a round",
     )  # fmt: skip
+    buffer_size: int | None = Field(default=None, ge=1, le=10_000, description="async: how many updates make a fold (default: min_participants)")
     max_round_attempts: int = Field(default=3, ge=1, le=100, description="a round short of k at its timeout runs again; after this many tries the task FAILS")
     late_updates: Literal["drop", "stale"] = Field(default="drop", description="an update for a closed round: dropped, or fused into the next round at weight / (1 + staleness)")
     max_staleness: int = Field(default=2, ge=1, le=100, description="stale: updates older than this many rounds are dropped")
@@ -265,7 +267,11 @@ class FederatedTrainingSpec(_In):
             raise ValueError("secure aggregation cannot fuse a late update (its masks cancel only within its round): use late_updates drop")
         if (self.model is None) == (self.algorithm is None):
             raise ValueError("give either model (its last layer is trained) or algorithm (the whole model is trained)")
+        if self.buffer_size is not None and self.sync != "async":
+            raise ValueError("buffer_size is for sync async")
         if self.model is not None:
+            if self.sync == "async":
+                raise ValueError("async rounds are for whole models (algorithm) in this version")
             if self.dataset is None:
                 raise ValueError("a last-layer task names the dataset each device keeps")
             whole = self._not_default(("variants", "datasets", "config", "initial_parameters", "local_fits", "limits", "compression", "topk_fraction"))

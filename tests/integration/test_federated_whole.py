@@ -200,3 +200,49 @@ def test_int8_updates_with_error_feedback_train_as_well_as_fp32_for_far_fewer_by
     assert fp32 > 0.8, results
     assert abs(int8 - fp32) <= 0.01, results
     assert int8_bytes < 0.4 * fp32_bytes, results
+
+
+def test_async_rounds_never_wait_for_a_site_ten_times_slower_and_fold_its_late_updates_at_the_documented_weight(stack: DevStack, tmp_path: Path) -> None:
+    # Prepare: three numpy sites; the one labelled slow=yes takes about ten times as long a round (a variant's configuration)
+    algorithm = _upload_algorithm(stack, EXAMPLES / "numpy_cnn", tmp_path)
+    initial = _initial_parameters(stack, tmp_path)
+    devices = []
+    for k in range(3):
+        train, _ = write_digits(tmp_path / f"site-{k}", seed=k)
+        device = stack.add_device(f"site-{k}")
+        device.datasets.add("digits-train", train)
+        devices.append(device)
+    slow = devices[2]
+    api(stack, "PATCH", f"/devices/{slow.device_id}", json={"labels": {"slow": "yes"}})
+    for device in devices:
+        wait_for(lambda d=device: stack.device_state(d.device_id) == "ONLINE", 60, what="the device ONLINE")
+    ref = {"name": algorithm["name"], "version": algorithm["version"]}
+    spec = {"algorithm": ref, "variants": [{"selector": "slow=yes", "algorithm": ref, "config": {"epochs": 50, "batch_size": 8}}], "datasets": {"train": "digits-train"},
+            "config": {"epochs": 1}, "initial_parameters": initial["id"], "rounds": 12, "min_participants": 2, "round_timeout_s": 300,
+            "sync": "async", "buffer_size": 2, "max_staleness": 12}  # fmt: skip
+
+    # Execute
+    task = api(stack, "POST", "/tasks", json={"type": "federated_training", "spec": spec, "heartbeat_s": 0.5,
+                                             "placement": {"target": "device", "ids": [d.device_id for d in devices]}})  # fmt: skip
+    done = wait_for(lambda: (t := api(stack, "GET", f"/tasks/{task['id']}", "viewer"))["state"] in FINAL and t, 300, interval=0.5, what="the task final")
+
+    # Assert: SUCCEEDED; no round waited for the slow site (each closed far sooner than its round deadline, most without
+    # it); each of its updates that made it was folded late at n / sqrt(1 + staleness)
+    items = api(stack, "GET", f"/tasks/{task['id']}/logs?limit=500", "viewer")["items"]
+    lines = [line["text"] for line in items]
+    assert done["state"] == "SUCCEEDED", (done, lines[-30:])
+    history = [s["values"] for s in api(stack, "GET", f"/tasks/{task['id']}/metrics?series=true&worker=hub", "viewer")["series"]]
+    assert [int(r["round"]) for r in history] == list(range(1, 13))
+    fit_s: dict[bool, list[float]] = {True: [], False: []}
+    for line in items:
+        if line["text"].startswith("round ") and " fit calls on " in line["text"]:
+            fit_s[line["target_id"] == slow.device_id].append(float(line["text"].split(" examples in ")[1].split(" s")[0]))
+    assert fit_s[False] and fit_s[True] and min(fit_s[True]) > 5 * np.median(fit_s[False]), fit_s
+    assert all(r["round_s"] < min(fit_s[True]) for r in history), (history, fit_s)  # no round waited for the slow site
+    folded = [line for line in lines if f"folded the update of {slow.device_id}" in line]
+    assert folded, [x for x in lines if x.startswith("[hub]")][-40:]
+    for line in folded:
+        staleness = int(line.split("(staleness ")[1].split(")")[0])
+        weight, examples = (int(x) for x in (line.split(" at weight ")[1].split(" of its ")[0], line.split(" of its ")[1].split(" examples")[0]))
+        assert staleness >= 1 and weight == max(1, round(examples / (1 + staleness) ** 0.5)), line
+    assert sum(r["stale"] for r in history) >= len(folded)
