@@ -389,15 +389,17 @@ def test_a_whole_model_task_on_sites_runs_on_edge_nodes(sqlite_fleet: TaskFleet,
 # --- updates by reference ----------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("strategy", ["fedavg", "median"])
-def test_a_round_fuses_the_uploaded_updates_tensor_by_tensor_into_the_next_global_parameters(sqlite_fleet: TaskFleet, packages: dict[Path, bytes], strategy: str) -> None:
+@pytest.mark.parametrize(("strategy", "params"), [("fedavg", {}), ("fedprox", {"mu": 0.1}), ("median", {}), ("trimmed_mean", {"beta": 0.34})])
+def test_a_round_fuses_the_uploaded_updates_tensor_by_tensor_into_the_next_global_parameters(
+    sqlite_fleet: TaskFleet, packages: dict[Path, bytes], strategy: str, params: dict[str, float],
+) -> None:  # fmt: skip
     fleet = sqlite_fleet
     # Prepare: three devices, two rounds
     gw = fleet.node()
     upload_algorithm(fleet, packages, TORCH)
     start = initial(fleet)
     devices = [site_device(fleet, gw) for _ in range(3)]
-    task = federate(fleet, devices, initial_parameters=start.id, strategy=strategy)
+    task = federate(fleet, devices, initial_parameters=start.id, strategy=strategy, strategy_params=params, min_participants=3)
     workers = started(fleet, task["id"])
     updates = {d: (parameters(10 + k), n) for k, (d, n) in enumerate(zip(devices, (10, 30, 60), strict=True))}
 
@@ -413,10 +415,13 @@ def test_a_round_fuses_the_uploaded_updates_tensor_by_tensor_into_the_next_globa
     assert closed.metrics["examples"] == 100.0
     art, got = global_after(fleet, task["id"], 2)
     assert (art["kind"], art["name"], art["format"]) == ("model", "digits-torch-cnn.fl", "safetensors") and art["version"].endswith(".r2")
-    if strategy == "fedavg":
+    stacked = {k: np.stack([t[k] for t, _ in updates.values()]).astype(np.float64) for k in SHAPES}
+    if strategy in ("fedavg", "fedprox"):  # FedProx fuses as FedAvg (its term is the participants')
         expected = fedavg(list(updates.values()))
-    else:
-        expected = {k: np.median(np.stack([t[k] for t, _ in updates.values()]).astype(np.float64), axis=0).astype(np.float32) for k in SHAPES}
+    elif strategy == "median":
+        expected = {k: np.median(v, axis=0).astype(np.float32) for k, v in stacked.items()}
+    else:  # floor(0.34 * 3) = 1 value dropped at each end of every coordinate
+        expected = {k: np.sort(v, axis=0)[1:2].mean(axis=0).astype(np.float32) for k, v in stacked.items()}
     assert_tensors(got, expected)
     # round 2's orders start from them and grant the round-2 updates
     for d in devices:
