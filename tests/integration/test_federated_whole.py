@@ -237,6 +237,7 @@ def test_async_rounds_never_wait_for_a_site_ten_times_slower_and_fold_its_late_u
     for line in items:
         if line["text"].startswith("round ") and " fit calls on " in line["text"]:
             fit_s[line["target_id"] == slow.device_id].append(float(line["text"].split(" examples in ")[1].split(" s")[0]))
+    print(f"fit s quick {sorted(fit_s[False])}, slow {sorted(fit_s[True])}; round s {[round(r['round_s'], 2) for r in history]}")  # the figures, with -s
     assert fit_s[False] and fit_s[True] and min(fit_s[True]) > 3 * np.median(fit_s[False]), fit_s  # process starts weigh on the quick ones
     assert all(r["round_s"] < min(fit_s[True]) for r in history), (history, fit_s)  # no round waited for the slow site
     folded = [line for line in lines if f"folded the update of {slow.device_id}" in line]
