@@ -268,7 +268,7 @@ def artifact_in_use(session: Session, artifact_id: str) -> str | None:
     if row is None:
         return None
     if row.kind == ArtifactKind.ALGORITHM.value:
-        runs = session.execute(select(TrainingManifest.task_id).where(TrainingManifest.algorithm_id == artifact_id).order_by(TrainingManifest.task_id).limit(1)).first()
+        runs = session.execute(select(TrainingManifest.task_id).where(TrainingManifest.algorithm_id == artifact_id).order_by(TrainingManifest.task_id).limit(1)).first()  # type: ignore[call-overload]
         if runs is None:
             plans = session.execute(select(FlPlan.task_id, FlPlan.layer)).all()  # type: ignore[call-overload]
             runs = next((p for p in plans if isinstance(p.layer, dict) and any(a.get("artifact_id") == artifact_id for a in p.layer.get("whole", {}).get("algorithms", []))), None)

@@ -242,7 +242,9 @@ def fl_order(session: Session, task: Task, worker: TaskWorker, signing: Any) -> 
         from cloud.fl import whole
 
         run, config = whole.run_for(session, task, plan, worker, signing)
-        return FlOrder(round=plan.round, attempt=plan.attempt, deadline_at=utc(plan.deadline_at), weights=ref(plan.weights_artifact_id), via_edge=False,
+        deadline = utc(plan.deadline_at)
+        assert deadline is not None
+        return FlOrder(round=plan.round, attempt=plan.attempt, deadline_at=deadline, weights=ref(plan.weights_artifact_id), via_edge=False,
                        run=run, participant=worker.target_id, config=config)  # fmt: skip
     model = session.get(Artifact, plan.model_artifact_id)
     if model is None:
