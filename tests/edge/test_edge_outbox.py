@@ -195,6 +195,12 @@ def test_a_device_state_goes_ahead_of_the_events_queued_meanwhile_and_only_its_n
     edge = start_edge(node_dir, NODE, "--downstream-mqtt-url", down.url, "--device-listen", "off")
     cleanup.append(lambda: stop_edge(edge))
     hub.expect(NODE_STATE.topic(node_id=NODE), where=lambda m: body(m)["state"] == "online")
+    # online upstream says nothing of the devices' broker: a first state relayed shows the edge listens there
+    events_topic, state_topic = RELAY_EVENTS.topic(node_id=NODE, device_id=DEVICE), RELAY_STATE.topic(node_id=NODE, device_id=DEVICE)
+    first = _state(ConnectionState.ONLINE, "0")
+    device.publish(DEVICE_STATE.topic(device_id=DEVICE), first, retain=True)
+    assert hub.expect(state_topic, timeout=60).payload == first
+    arrived.clear()
 
     # Execute: during an outage the device sends 45 events and changes its state three times
     up.stop()
@@ -207,7 +213,6 @@ def test_a_device_state_goes_ahead_of_the_events_queued_meanwhile_and_only_its_n
     up.start()
 
     # Assert: the newest state arrives first, alone; then every event in order
-    events_topic, state_topic = RELAY_EVENTS.topic(node_id=NODE, device_id=DEVICE), RELAY_STATE.topic(node_id=NODE, device_id=DEVICE)
     assert hub.expect(state_topic, timeout=60).payload == states[-1]
     assert [hub.expect(events_topic, timeout=60).payload for _ in EVENTS] == EVENTS
     assert hub.drain(state_topic, quiet_s=0.5) == []
@@ -231,6 +236,9 @@ def test_a_state_not_yet_relayed_when_the_edge_is_killed_reaches_the_hub_after_i
     edge = start_edge(node_dir, NODE, *options)
     cleanup.append(lambda: stop_edge(edge))
     hub.expect(NODE_STATE.topic(node_id=NODE), where=lambda m: body(m)["state"] == "online")
+    first = _state(ConnectionState.ONLINE, "2")  # relayed: the edge listens on the devices' broker
+    device.publish(DEVICE_STATE.topic(device_id=DEVICE), first, retain=True)
+    assert hub.expect(RELAY_STATE.topic(node_id=NODE, device_id=DEVICE), timeout=60).payload == first
     up.stop()
     state = _state(ConnectionState.ONLINE, "3")
     device.publish(DEVICE_STATE.topic(device_id=DEVICE), state, retain=True)
