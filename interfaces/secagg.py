@@ -28,6 +28,10 @@ each survivor s, the mask s applied for the pair {s, d}. The survivors then reve
 that one) and the aggregator removes those masks (:meth:`Aggregator.recover`, :func:`unmask_sum`). Every survivor
 must reveal: one missing seed leaves a full-range random mask in the result.
 
+Whole models. A participant's update is a tensor file of its masked tensors (uint32, the model's names and shapes:
+:func:`masked_misfit`); the aggregator sums the files one tensor at a time and reads the contributors' mean back
+through :class:`MaskedSum` (sum, unmask, decode, rescale), so no whole model is held in memory.
+
 Key agreement is not here (``interfaces`` holds no cryptography): participants derive the shared secret of each pair
 from an X25519 exchange of public keys relayed by the aggregator (the caller's job, e.g. with ``cryptography``) and
 pass it to :func:`pair_seed`.
@@ -43,7 +47,9 @@ from __future__ import annotations
 
 import hashlib
 import hmac
-from collections.abc import Iterable, Mapping
+import math
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -291,3 +297,53 @@ class Aggregator:
                 f"participants {sorted(self.pending)} neither sent an update nor were recovered: the sum is still masked"
             )
         return {name: decode(array, scale) for name, array in self.total().items()}
+
+
+# ------------------------------------------------------------------------------------------------- whole models
+
+
+def masked_misfit(tensors: Any, infos: Mapping[str, Any]) -> str | None:
+    """Why ``tensors`` (a :class:`~interfaces.tensorfile.TensorFile`) is not a masked update of the model laid out as
+    ``infos`` (name -> :class:`~interfaces.tensorfile.TensorInfo`): every tensor of the model, uint32, its shape; None
+    when it is. The values are masked: any uint32 is one."""
+    have = tensors.infos()
+    if set(have) != set(infos):
+        return f"its tensors differ from a masked update of the model: missing {sorted(set(infos) - set(have))[:5]}, unexpected {sorted(set(have) - set(infos))[:5]}"
+    for name, got in have.items():
+        if got.dtype != "uint32" or tuple(got.shape) != tuple(infos[name].shape):
+            return f"tensor {name!r} is {got.dtype} {list(got.shape)}; a masked update holds uint32 {list(infos[name].shape)}"
+    return None
+
+
+class MaskedSum:
+    """The contributors' weighted mean of a whole model, one tensor at a time (an
+    ``interfaces.aggregation.TensorSource``), from their masked updates (sources of uint32 tensors named as the model).
+
+    Each contributor k sent ``encode(x_k · w_k / T)`` masked, where ``T`` is the round's total weight and ``w_k``
+    its own. Per tensor: the sum of the updates mod 2^32, the masks of the ``dropped`` participants removed with the
+    survivors' revealed seeds (:func:`unmask_sum`), decoded, and multiplied by ``factor`` = T / Σ_k w_k, which makes
+    the survivors' Σ (w_k / T) x_k their weighted mean. Read in the model's dtype (``infos``: name -> TensorInfo)."""
+
+    def __init__(self, updates: Sequence[Any], infos: Mapping[str, Any], dropped: Mapping[str, Mapping[str, bytes]], factor: float,
+                 scale: float = DEFAULT_SCALE) -> None:  # fmt: skip
+        if not updates:
+            raise ValueError("a masked sum of no update")
+        if not (math.isfinite(factor) and factor > 0):
+            raise ValueError(f"the rescaling factor must be a positive finite number, got {factor!r}")
+        self.updates, self.infos, self.dropped, self.factor, self.scale = list(updates), dict(infos), dropped, float(factor), _check_scale(scale)
+
+    @property
+    def names(self) -> list[str]:
+        return list(self.infos)
+
+    def info(self, name: str) -> Any:
+        return self.infos[name]
+
+    def read(self, name: str) -> np.ndarray:
+        info = self.infos[name]
+        total = np.zeros(tuple(info.shape), dtype=np.uint32)
+        for update in self.updates:
+            total += np.asarray(update.read(name), dtype=np.uint32)
+        if self.dropped:
+            total = unmask_sum({name: total}, self.dropped)[name]
+        return (decode(total, self.scale) * self.factor).astype(info.dtype)

@@ -49,7 +49,7 @@ from __future__ import annotations
 import base64
 import logging
 import math
-from datetime import datetime, timedelta
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import numpy as np
@@ -130,6 +130,9 @@ def accept(session: Session, task: Task, kind: str, target_id: str, data: FlUpda
         if plan.unmasking:  # the survivors are revealing their seeds with the dropped: too late to count
             return "late"
         session.add(row)
+        if spec.whole and spec.secure_aggregation:
+            whole.counted(plan, target_id, num_examples)
+            session.add(plan)
         if spec.whole:
             ran = whole.algorithm_for(whole.WholePlan.of(plan), whole.labels_of(session, kind, target_id)).manifest
             hub_log(session, task.id, f"round {data.round}: the update of {target_id} is in ({ran['name']} {ran['version']}, {num_examples} examples)",
@@ -341,7 +344,7 @@ def drive(session: Session, task: Task, at: datetime, driver: Driver, blobs: Any
             session.flush()
             done.orders |= bool(driver.put_orders())
             done.changed = True
-            hub_log(session, task.id, f"round {plan.round}: {len(dropped)} participants dropped after masking; the {len(contributed)} others reveal their seeds with them", at=at)
+            hub_log(session, task.id, f"round {plan.round}: {', '.join(sorted(dropped))} dropped after masking; the {len(contributed)} others reveal their seeds with {'it' if len(dropped) == 1 else 'them'}", at=at)
             return done
         if not _revealed(session, task.id, plan):
             contributed = set()  # the sum cannot be unmasked: the attempt runs again below
@@ -373,7 +376,9 @@ def _open(session: Session, task: Task, plan: FlPlan, spec: FederatedTrainingSpe
     plan.attempt, plan.participants = attempt, running
     plan.unmasking, plan.reveals = [], {}
     plan.trained = {**plan.trained, **{d: plan.trained.get(d, 0) + 1 for d in running}}  # what a DP task charges each device
-    if spec.secure_aggregation:
+    if spec.secure_aggregation and spec.whole:
+        plan.total_examples = whole.secure_weights(plan, running)
+    elif spec.secure_aggregation:
         rows = {d.id: d for d in session.execute(select(Device).where(Device.id.in_(running))).scalars()}  # type: ignore[attr-defined]
         plan.total_examples = sum(max(1, (info.rows if (info := budgets.reported_dataset(rows[d], spec.dataset or "")) else 1)) for d in running if d in rows)
     plan.opened_at, plan.deadline_at = at, at + timedelta(seconds=_timeout(session, task.id, spec))
@@ -430,7 +435,7 @@ def _close(session: Session, task: Task, plan: FlPlan, spec: FederatedTrainingSp
         for row, weight in weighted[len(fresh):]:
             hub_log(session, task.id, f"round {plan.round}: folded the update of {', '.join(row.contributors)} from round {row.round} (staleness "
                     f"{plan.round - row.round}) at weight {weight} of its {row.num_examples} examples", at=at, worker_id=row.worker_id)  # fmt: skip
-        moved = whole.fuse(session, blobs, plan, strategy, weighted, task.id, spec.compression)
+        moved = whole.fuse(session, blobs, plan, strategy, weighted, task.id, spec.compression, _seeds_with_dropped(plan) if spec.secure_aggregation else None)
         meta, arrays = strategy.state_meta(), dict[str, np.ndarray]()
     else:
         layer = surgery.DenseLayer.from_json(plan.layer)
@@ -484,7 +489,7 @@ def _unmasked(plan: FlPlan, layer: surgery.DenseLayer, rows: list[FlUpdateRow]) 
         for name, array in _layer(row.data, layer, masked=True).items():
             total[name] = total[name] + array if name in total else array.copy()  # uint32: wraps mod 2^32
     if plan.unmasking:
-        total = secagg.unmask_sum(total, {d: {s: base64.b64decode(seeds[d]) for s, seeds in plan.reveals.items() if d in seeds} for d in plan.unmasking})
+        total = secagg.unmask_sum(total, _seeds_with_dropped(plan))
     examples = sum(r.num_examples for r in rows)
     scale = (plan.total_examples or examples) / examples
     weights = {name: (secagg.decode(array) * scale).astype(np.float32) for name, array in total.items()}
@@ -525,6 +530,11 @@ def prepare(engine: Engine, signing: Any, blobs: Any) -> int:
             stored += _prepare_one(engine, signing, blobs, task_id)
         except Exception:  # noqa: BLE001 - tried again on the next tick
             log.exception("task %s: storing the federated model failed", task_id)
+    try:  # read the updates through here, not under the plan's lock in drive: a whole model's files may be large
+        with Session(engine) as session:
+            whole.vet_waiting(session, blobs, datetime.now(UTC))
+    except Exception:  # noqa: BLE001 - tried again on the next tick (and by drive before a round closes)
+        log.exception("reading federated updates through failed")
     try:
         with Session(engine) as session:
             whole.sweep(session, blobs)
@@ -612,3 +622,7 @@ def round_due(session: Session, at: datetime) -> set[str]:
         or (r.attempt > 0 and r.deadline_at is not None and utc(r.deadline_at) <= at)
     }  # fmt: skip
 
+
+def _seeds_with_dropped(plan: FlPlan) -> dict[str, dict[str, bytes]]:
+    """Secure aggregation: each participant that dropped after masking -> the survivors' revealed seeds with it."""
+    return {d: {s: base64.b64decode(seeds[d]) for s, seeds in plan.reveals.items() if d in seeds} for d in plan.unmasking}

@@ -244,8 +244,12 @@ def fl_order(session: Session, task: Task, worker: TaskWorker, signing: Any) -> 
         run, config = whole.run_for(session, task, plan, worker, signing)
         deadline = utc(plan.deadline_at)
         assert deadline is not None
+        secure = spec.secure_aggregation
         return FlOrder(round=plan.round, attempt=plan.attempt, deadline_at=deadline, weights=ref(plan.weights_artifact_id), via_edge=False,
-                       run=run, participant=worker.target_id, config=config)  # fmt: skip
+                       run=run, participant=worker.target_id, config=config, secure=secure,
+                       peers={d: plan.keys[d]["key"] for d in plan.participants if d in plan.keys} if secure else {},
+                       total_examples=plan.total_examples if secure else None, reveal=list(plan.unmasking),
+                       weight=whole.WholePlan.of(plan).weights.get(worker.target_id) if secure else None)  # fmt: skip
     model = session.get(Artifact, plan.model_artifact_id)
     if model is None:
         raise LookupError(f"the model of task {task.id}'s federated plan is gone")

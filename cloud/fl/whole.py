@@ -25,6 +25,11 @@ are :mod:`cloud.fl.rounds`'; this module is what differs when the model is a use
   moments live in a tensor file of their own. The artefact of the next round's parameters (or, after the last
   round, the published ``<name>-parameters``) is recorded by :func:`store` in the hub's tick, on its own
   transaction; the fused updates' artefacts are deleted then (:func:`sweep`).
+* **Secure aggregation**: each participant counts for the examples of its latest update (:func:`counted`; 1 before
+  its first), fixed as a round attempt opens (:func:`secure_weights`); its upload is its parameters times its share,
+  masked (uint32 tensors under the model's names, ``interfaces.secagg.masked_misfit``), and the strategy fuses one
+  update: the contributors' weighted mean, read tensor by tensor from the sum of the masked files with the masks of
+  the participants that dropped removed (``interfaces.secagg.MaskedSum``).
 """
 
 from __future__ import annotations
@@ -47,6 +52,7 @@ from sqlmodel import Session
 from cloud.errors import BadRequest, Conflict
 from cloud.tables import Artifact, Device, FlPlan, FlUpdateRow, Node, Task, TaskWorker, TrainingManifest
 from interfaces.algorithms import AlgorithmManifest
+from interfaces.compression import FLOATS
 from interfaces.deployments import ArtifactCreate, ArtifactFormat, ArtifactKind, TargetKind
 from interfaces.tasks import PARAMETERS_SUFFIX, AlgorithmRun, FederatedTrainingSpec, PublishGrant
 from interfaces.tensorfile import TensorFile, TensorFileError, TensorInfo, TensorWriter
@@ -55,7 +61,6 @@ from interfaces.uploads import PublishClaims
 log = logging.getLogger("aisynergy.hub.fl")
 
 UPDATE_PREFIX = "fl-update"
-FLOATS = frozenset({"float16", "float32", "float64"})
 GRANT_TTL_S = 7 * 86400
 REFUSED = -1
 """``fl_updates.used_in`` of an update that did not fit the model when read through (never fused)"""
@@ -95,6 +100,8 @@ class WholePlan(BaseModel):
     pending: PendingBlob | None = Field(default=None, description="the fused parameters stored as a blob, not yet an artefact")
     state_sha256: str | None = Field(default=None, description="the blob of the strategy's arrays (a server optimiser's moments)")
     retired: list[str] = Field(default_factory=list, description="blobs of earlier strategy arrays, deleted once the plan moved on")
+    examples: dict[str, int] = Field(default_factory=dict, description="secure: each participant's examples, as its latest update counted them")
+    weights: dict[str, int] = Field(default_factory=dict, description="secure: what each participant of the attempt in progress counts for")
 
     @classmethod
     def of(cls, plan: FlPlan) -> WholePlan:
@@ -115,6 +122,22 @@ def own_blobs(plan_row: FlPlan) -> list[str]:
     """The blobs the plan holds outside artefacts: the strategy's arrays (and earlier ones), fused parameters pending."""
     plan = WholePlan.of(plan_row)
     return [*([plan.state_sha256] if plan.state_sha256 else []), *plan.retired, *([plan.pending.sha256] if plan.pending else [])]
+
+
+def secure_weights(plan_row: FlPlan, participants: list[str]) -> int:
+    """Secure aggregation, as a round attempt opens: what each participant's masked parameters count for (the examples
+    of its latest update; 1 before its first, so a first round is an unweighted mean), kept in the plan; their total."""
+    plan = WholePlan.of(plan_row)
+    plan.weights = {d: plan.examples.get(d, 1) for d in participants}
+    plan.put(plan_row)
+    return sum(plan.weights.values())
+
+
+def counted(plan_row: FlPlan, target_id: str, num_examples: int) -> None:
+    """Secure aggregation: the examples ``target_id``'s update counted, its weight in the rounds it masks next."""
+    plan = WholePlan.of(plan_row)
+    plan.examples[target_id] = num_examples
+    plan.put(plan_row)
 
 
 def update_identity(task_id: str, target_id: str, round: int, attempt: int) -> tuple[str, str]:
@@ -251,10 +274,12 @@ def identity_wrong(session: Session, task_id: str, target_id: str, artifact_id: 
 def misfit(blobs: Any, plan: WholePlan, artifact: Artifact, spec: FederatedTrainingSpec) -> str | None:
     """Why the update's file is not an update of the plan's model as the task's compression encodes it (names, dtypes,
     shapes, finite values, indices in range: ``interfaces.compression.misfit``); None when it is."""
-    from interfaces import compression
+    from interfaces import compression, secagg
 
     try:
         with _local(blobs, artifact.sha256) as path, TensorFile(path) as tensors:
+            if spec.secure_aggregation:
+                return secagg.masked_misfit(tensors, plan.infos())
             return compression.misfit(spec.compression, tensors, plan.infos(), spec.topk_fraction)
     except TensorFileError as exc:
         return f"not a safetensors file: {exc}"
@@ -280,6 +305,25 @@ def vet(session: Session, blobs: Any, task: Task, plan_row: FlPlan, at: datetime
         session.add(row)
         dropped += 1
     session.flush()
+    return dropped
+
+
+def vet_waiting(session: Session, blobs: Any, at: datetime) -> int:
+    """:func:`vet` every active whole-model task that holds updates not read yet, each on its own transaction
+    (committed); how many updates were dropped."""
+    from interfaces.tasks import TASK_ACTIVE
+
+    waiting = session.execute(
+        select(FlUpdateRow.task_id).join(Task, Task.id == FlUpdateRow.task_id).where(  # type: ignore[arg-type]
+            FlUpdateRow.vetted.is_(False), FlUpdateRow.used_in.is_(None), Task.state.in_([s.value for s in TASK_ACTIVE])  # type: ignore[attr-defined,union-attr]
+        ).distinct()
+    ).scalars().all()  # fmt: skip
+    dropped = 0
+    for task_id in waiting:
+        task, plan_row = session.get(Task, task_id), session.get(FlPlan, task_id)
+        if task is not None and plan_row is not None and is_whole(plan_row):
+            dropped += vet(session, blobs, task, plan_row, at)
+            session.commit()
     return dropped
 
 
@@ -310,14 +354,18 @@ def _put_file(blobs: Any, path: Path) -> PendingBlob:
     return PendingBlob(sha256=sha256, size=size)
 
 
-def fuse(session: Session, blobs: Any, plan_row: FlPlan, strategy: Any, fresh: list[tuple[FlUpdateRow, int]], task_id: str, compression: str = "none") -> dict[str, float]:
+def fuse(session: Session, blobs: Any, plan_row: FlPlan, strategy: Any, fresh: list[tuple[FlUpdateRow, int]], task_id: str, compression: str = "none",
+         dropped: dict[str, dict[str, bytes]] | None = None) -> dict[str, float]:  # fmt: skip
     """Aggregate the updates (each row with the weight it counts at; encoded as ``compression`` says) into the next
     global parameters, stored as a pending blob of the plan, and the strategy's arrays as another; the bytes moved,
-    for the round's metrics."""
+    for the round's metrics. ``dropped`` (secure aggregation: the updates are masked; dropped participant -> the
+    survivors' seeds with it): the strategy sees one update, the contributors' weighted mean
+    (``interfaces.secagg.MaskedSum``), at the weight of all of them."""
     from contextlib import ExitStack
 
     from interfaces.aggregation import StreamUpdate
     from interfaces.compression import Decoded
+    from interfaces.secagg import MaskedSum
 
     plan = WholePlan.of(plan_row)
     stored = {r.artifact_id: session.get(Artifact, r.artifact_id) for r, _ in fresh if r.artifact_id is not None}
@@ -338,6 +386,10 @@ def fuse(session: Session, blobs: Any, plan_row: FlPlan, strategy: Any, fresh: l
                 raise LookupError(f"task {task_id}: the update {row.artifact_id} of worker {row.worker_id} is gone")
             source = opened(artifact.sha256)
             updates.append(StreamUpdate(source if compression == "none" else Decoded(compression, source, global_), weight, dict(row.metrics), row.worker_id))
+        if dropped is not None and updates:  # masked: only their sum means anything
+            weights = [plan.weights.get(c, 1) for row, _ in fresh for c in row.contributors]
+            mean = MaskedSum([u.tensors for u in updates], infos, dropped, (plan_row.total_examples or sum(weights)) / sum(weights))
+            updates = [StreamUpdate(mean, sum(weights), {}, "the secure sum")]
         state_in = opened(plan.state_sha256) if plan.state_sha256 and state_infos else None
         out_path, state_path = Path(scratch) / "global.safetensors", Path(scratch) / "state.safetensors"
         with TensorWriter(out_path, infos) as out, TensorWriter(state_path, state_infos) as state_out:

@@ -36,11 +36,12 @@ import logging
 import threading
 import time
 from datetime import UTC, datetime
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from device.tasks.programs import require_model
 from device.tasks.worker import Failed, Rejected, Worker
-from interfaces.tasks import FL_AGGREGATOR, FL_KEY_EVENT, FL_REVEAL_EVENT, FL_UPDATE_EVENT, FederatedTrainingOrder, FederatedTrainingSpec, FlKey, FlOrder, FlReveal, FlUpdate
+from device.tasks.secure import PairMasks
+from interfaces.tasks import FL_AGGREGATOR, FL_UPDATE_EVENT, FederatedTrainingOrder, FederatedTrainingSpec, FlOrder, FlUpdate
 
 if TYPE_CHECKING:
     import numpy as np
@@ -101,18 +102,16 @@ class _Participant:
             raise Rejected(str(exc)) from None
         if len(self.y) == 0:
             raise Rejected(f"dataset {self.dataset} has no rows")
-        self.identity = getattr(worker.fl, "identity", None)
-        if self.identity is None:
+        identity = getattr(worker.fl, "identity", None)
+        if not isinstance(identity, str):
             raise Rejected("this target has no federated channel (it is not a device)")
+        self.identity: str = identity
         self.features: np.ndarray | None = None
         self.body_sha: str | None = None
         self.done: set[tuple[int, int]] = set()
         self._lock = threading.Lock()
         self.metrics: dict[str, float] = {"rounds": 0.0}
-        self.private_key: Any = None  # secure aggregation: this run's X25519 key
-        self.public_key: str | None = None
-        self.seeds: dict[tuple[int, int], dict[str, bytes]] = {}  # secure: the pair seeds of each attempt masked
-        self.revealed: set[tuple[int, int]] = set()
+        self.masks = PairMasks(worker)  # secure aggregation
 
     def run(self) -> None:
         w = self.worker
@@ -120,15 +119,14 @@ class _Participant:
         w.running()
         w.log(f"taking part in {self.spec.rounds} rounds on {len(self.y)} rows of {self.dataset} ({self.spec.strategy})")
         if self.spec.secure_aggregation:
-            self._send_key()
+            self.masks.send_key()
         while w.checkpoint():
             fl = w.order_as(FederatedTrainingOrder).fl
-            if fl is not None and fl.reveal and (fl.round, fl.attempt) in self.seeds and (fl.round, fl.attempt) not in self.revealed:
-                self._reveal(fl)
+            self.masks.reveal_if_asked(fl)
             if fl is None or (fl.round, fl.attempt) in self.done:
                 w.wait(IDLE_WAIT_S)
                 continue
-            if fl.secure and fl.peers.get(self.identity) != self.public_key:  # the others did not mask with this run's key
+            if fl.secure and not self.masks.masks_with(fl, self.identity):  # the others did not mask with this run's key
                 self.done.add((fl.round, fl.attempt))
                 continue
             if _seconds_left(fl) <= 0:
@@ -189,7 +187,10 @@ class _Participant:
         loss = float(sum(losses[-10:]) / len(losses[-10:])) if losses else float("nan")
         metrics = {"accuracy": accuracy} | ({"loss": loss} if losses else {})
         if fl.secure:
-            frame = self._masked(fl, trainer)
+            if not fl.total_examples:
+                raise Failed("secure aggregation: no total of examples in the order")
+            layer = {"weight": trainer.weight, "bias": trainer.bias}
+            frame = save(self.masks.mask(fl, self.identity, layer, len(self.y) / fl.total_examples))
         update = FlUpdate(
             task_id=w.task_id, worker_id=w.worker_id, round=fl.round, attempt=fl.attempt, contributors=[self.identity], num_examples=len(self.y),
             data=base64.b64encode(frame).decode("ascii"), metrics=metrics, masked=fl.secure,
@@ -212,50 +213,6 @@ class _Participant:
     def _sample(self) -> dict[str, float]:
         with self._lock:
             return dict(self.metrics)
-
-    # ---- secure aggregation ---------------------------------------------------------------------------
-    def _send_key(self) -> None:
-        from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
-        from cryptography.hazmat.primitives.serialization import Encoding, PublicFormat
-
-        self.private_key = X25519PrivateKey.generate()
-        public = self.private_key.public_key().public_bytes(Encoding.Raw, PublicFormat.Raw)
-        self.public_key = base64.b64encode(public).decode("ascii")
-        self.worker.event(FL_KEY_EVENT, FlKey(task_id=self.worker.task_id, worker_id=self.worker.worker_id, public_key=self.public_key))
-
-    def _masked(self, fl: FlOrder, trainer: Any) -> bytes:
-        """The layer scaled by n / total_examples, fixed-point, masked with every other participant's pair seed."""
-        from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PublicKey
-        from safetensors.numpy import save
-
-        from interfaces import secagg
-
-        if self.private_key is None or not fl.total_examples:
-            raise Failed("secure aggregation: no key of this run, or no total of examples in the order")
-        round_id = f"{self.worker.task_id}/{fl.round}/{fl.attempt}"
-        seeds = {}
-        for peer, key in fl.peers.items():
-            if peer == self.identity:
-                continue
-            try:
-                secret = self.private_key.exchange(X25519PublicKey.from_public_bytes(base64.b64decode(key, validate=True)))
-            except ValueError as exc:
-                raise Failed(f"secure aggregation: {peer}'s key is not an X25519 public key: {exc}") from None
-            seeds[peer] = secagg.pair_seed(secret, round_id, self.identity, peer)
-        share = len(self.y) / fl.total_examples
-        encoded = {"weight": secagg.encode(trainer.weight * share), "bias": secagg.encode(trainer.bias * share)}
-        self.seeds[(fl.round, fl.attempt)] = seeds
-        for old in [k for k in self.seeds if k < (fl.round, fl.attempt)]:
-            del self.seeds[old]
-        return save(secagg.mask(encoded, self.identity, seeds))
-
-    def _reveal(self, fl: FlOrder) -> None:
-        """The hub asks for this attempt's pair seeds with the participants that dropped after masking."""
-        key = (fl.round, fl.attempt)
-        seeds = {d: base64.b64encode(self.seeds[key][d]).decode("ascii") for d in fl.reveal if d in self.seeds[key]}
-        self.worker.event(FL_REVEAL_EVENT, FlReveal(task_id=self.worker.task_id, worker_id=self.worker.worker_id, round=fl.round, attempt=fl.attempt, seeds=seeds))
-        self.revealed.add(key)
-        self.worker.log(f"round {fl.round}: revealed the pair seeds with {len(seeds)} participants that dropped")
 
 
 # --- an edge's aggregator ----------------------------------------------------------------------------

@@ -13,7 +13,8 @@ each round attempt it has not taken yet and whose deadline has not passed it
    stderr become log lines, its metrics the worker's;
 3. encodes the trained parameters as the task's ``compression`` says (``interfaces.compression``: fp16, or int8 /
    topk deltas from the global parameters with this site's error feedback added, kept in its directory between
-   rounds), uploads them through the chunked upload API with the round's grant (resumable: a restart of the agent
+   rounds; with ``secure_aggregation``: times its ``weight / total_examples``, fixed point, masked with every
+   other participant's pair seed, ``device.tasks.secure``), uploads them through the chunked upload API with the round's grant (resumable: a restart of the agent
    continues the upload) and sends one ``fl.update`` naming the stored artefact, the examples ``fit`` reported and
    its metrics.
 
@@ -33,6 +34,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+from device.tasks.secure import PairMasks
 from device.tasks.training import PACKAGE_DIR, _detail, _metric_name, _one_at_a_time, _watch, unpack_admitted
 from device.tasks.worker import Failed, Rejected, Worker
 from interfaces.tasks import FL_UPDATE_EVENT, FederatedTrainingOrder, FederatedTrainingSpec, FlOrder, FlUpdate
@@ -68,6 +70,7 @@ class _Site:
         self.package_sha: str | None = None
         self._lock = threading.Lock()
         self.metrics: dict[str, float] = {"rounds": 0.0}
+        self.masks = PairMasks(worker)  # secure aggregation
 
     def _sample(self) -> dict[str, float]:
         with self._lock:
@@ -84,13 +87,19 @@ class _Site:
                 w.running()
                 w.log(f"taking part in {self.spec.rounds} whole-model rounds on {', '.join(f'{k}={v}' for k, v in self.spec.datasets.items()) or 'no dataset'} "
                       f"({self.spec.strategy}, {self.spec.local_fits} fit calls a round)")  # fmt: skip
+                if self.spec.secure_aggregation:
+                    self.masks.send_key()
                 while w.checkpoint():
                     fl = w.order_as(FederatedTrainingOrder).fl
+                    self.masks.reveal_if_asked(fl)
                     if fl is None or (fl.round, fl.attempt) in self.done:
                         w.wait(IDLE_WAIT_S)
                         continue
                     if fl.run is None or fl.participant is None:
                         raise Rejected("a whole-model round's order carries the algorithm, the update grant and this participant's id")
+                    if fl.secure and not self.masks.masks_with(fl, fl.participant):  # the others did not mask with this run's key
+                        self.done.add((fl.round, fl.attempt))
+                        continue
                     if _seconds_left(fl) <= 0:
                         self.done.add((fl.round, fl.attempt))
                         w.log(f"round {fl.round} (attempt {fl.attempt}) is past its deadline; waiting for the next one", "warning")
@@ -111,13 +120,20 @@ class _Site:
         self.package_sha = sha
         return package
 
-    def _encode(self, parameters: Path, weights: Path, attempt_dir: Path) -> tuple[Path, Path | None]:
-        """The file to upload for the trained ``parameters`` (``interfaces.compression``), and the new error feedback's
-        file (None for none and fp16; it replaces the kept one once the update is uploaded)."""
+    def _encode(self, fl: FlOrder, parameters: Path, weights: Path, attempt_dir: Path) -> tuple[Path, Path | None]:
+        """The file to upload for the trained ``parameters`` (``interfaces.compression``; secure aggregation: masked,
+        ``device.tasks.secure``), and the new error feedback's file (None for none, fp16 and masked; it replaces the
+        kept one once the update is uploaded)."""
         from safetensors.numpy import load_file, save_file
 
         from interfaces import compression
 
+        if fl.secure:
+            if fl.participant is None or fl.weight is None or fl.total_examples is None:
+                raise Failed("secure aggregation: the order names no weight and total of examples for this participant")
+            out = attempt_dir / "update.safetensors"
+            save_file(self.masks.mask(fl, fl.participant, load_file(str(parameters)), fl.weight / fl.total_examples), str(out))
+            return out, None
         kind = self.spec.compression
         if kind == "none":
             return parameters, None
@@ -195,7 +211,7 @@ class _Site:
         grant = run.publish
         uploaded = time.perf_counter()
         try:
-            encoded, feedback = self._encode(parameters, weights, attempt_dir)
+            encoded, feedback = self._encode(fl, parameters, weights, attempt_dir)
             artifact_id = self.site.publish(encoded, grant.names[0], grant.version, "safetensors", grant.token, attempt_dir / "upload.json")
         except UploadError as exc:
             w.log(f"round {fl.round}: the update could not be uploaded ({exc}); the next round starts from the new global model", "warning")
@@ -208,7 +224,7 @@ class _Site:
         metrics = {_metric_name(k): float(v) for k, v in dict(fitted["metrics"]).items()
                    if isinstance(k, str) and isinstance(v, int | float) and not isinstance(v, bool) and v == v}  # fmt: skip
         update = FlUpdate(task_id=w.task_id, worker_id=w.worker_id, round=fl.round, attempt=fl.attempt, contributors=[fl.participant],
-                          num_examples=max(1, int(fitted["num_examples"])), parameters=artifact_id, metrics=dict(list(metrics.items())[:64]))  # fmt: skip
+                          num_examples=max(1, int(fitted["num_examples"])), parameters=artifact_id, metrics=dict(list(metrics.items())[:64]), masked=fl.secure)  # fmt: skip
         shown = ", ".join(f"{k} {v:.4g}" for k, v in sorted(metrics.items()))
         w.log(f"round {fl.round}: {run.manifest.name} {run.manifest.version}, {self.spec.local_fits} fit calls on {update.num_examples} examples in {fit_s:.1f} s"
               + (f" ({shown})" if shown else "") + f"; update {artifact_id} uploaded in {upload_s:.1f} s")  # fmt: skip

@@ -248,7 +248,7 @@ class FederatedTrainingSpec(_In):
     layer: str | None = Field(default=None, min_length=1, max_length=256, description="the tensor feeding the last dense layer (default: found)")
     dp: FlPrivacy | None = Field(default=None, description="differentially private local training, accounted against each device's budget")
     secure_aggregation: bool = Field(
-        default=False, description="pairwise additive masking: the hub (and an edge) sees only the sum of the participants' layers; fedavg, fedprox, fedadam",
+        default=False, description="pairwise additive masking: the hub (and an edge) sees only the sum of the participants' layers (whole models: parameters); fedavg, fedprox, fedadam",
     )  # fmt: skip
     eval_inputs: Id | None = Field(
         default=None, description="a dataset artefact (safetensors: x, and integer labels y) the hub scores each round's global model on (held out at the cloud)",
@@ -285,9 +285,12 @@ class FederatedTrainingSpec(_In):
             raise ValueError("a whole-model task starts from initial_parameters: a model artefact of the algorithm's named tensors (aisynergy algorithm run writes them)")
         if self.topology == "hierarchical":
             raise ValueError("whole-model rounds are flat in this version (every participant uploads to the hub, a device through its edge): topology flat")
-        for what, on in (("dp", self.dp is not None), ("secure_aggregation", self.secure_aggregation)):
-            if on:
-                raise ValueError(f"{what} is not available for whole-model rounds in this version")
+        if self.dp is not None:
+            raise ValueError("dp is not available for whole-model rounds in this version")
+        if self.secure_aggregation and self.compression != "none":
+            raise ValueError(f"secure aggregation masks the full-precision parameters: compression none, not {self.compression}")
+        if self.secure_aggregation and self.sync == "async":
+            raise ValueError("secure aggregation cannot fold an update of an earlier round (its masks cancel only within its round): sync fixed or adaptive")
         return self
 
     def _not_default(self, names: tuple[str, ...]) -> list[str]:

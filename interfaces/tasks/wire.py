@@ -100,6 +100,9 @@ class FlOrder(WireModel):
         default_factory=dict, max_length=10_000, description="secure: every participant's X25519 public key (base64), to derive the pair seeds",
     )  # fmt: skip
     total_examples: int | None = Field(default=None, ge=1, le=INT64_MAX, description="secure: the participants' examples in all (the scale of each layer)")
+    weight: int | None = Field(
+        default=None, ge=1, le=INT64_MAX, description="secure, whole model: the examples this participant's parameters count for (its update's share is weight / total_examples)",
+    )  # fmt: skip
     reveal: list[Id] = Field(default_factory=list, max_length=10_000, description="secure: participants that dropped after masking; survivors reveal their pair seeds with them")
 
 

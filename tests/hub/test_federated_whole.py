@@ -262,7 +262,6 @@ def test_what_a_whole_model_task_cannot_run_with_is_refused_and_nothing_is_store
         (whole_body([device], initial_parameters=start, model={"name": "digits"}), "give either model"),
         (whole_body([device], initial_parameters=start, topology="hierarchical"), "whole-model rounds are flat"),
         (whole_body([device], initial_parameters=start, dp={"clip_norm": 1.0}), "dp is not available for whole-model rounds"),
-        (whole_body([device], initial_parameters=start, secure_aggregation=True), "secure_aggregation is not available for whole-model rounds"),
         (whole_body([device], initial_parameters=start, variants=[{"selector": "fw in (", "algorithm": TORCH_REF}]), "variant selector 'fw in ('"),
         ({**last_layer, "spec": {**last_layer_spec, "local_fits": 2}}, "local_fits: whole-model fields"),
         ({**last_layer, "placement": {"target": "node"}}, "does not run on nodes"),
@@ -732,3 +731,121 @@ def test_fedadams_state_files_do_not_outlive_the_task(sqlite_fleet: TaskFleet, p
 
     # Assert: no state file of it is left in the blob store
     assert [fleet.blobs.exists(sha256) for sha256 in states if sha256 is not None] == [False, False]
+
+
+# --- secure aggregation ----------------------------------------------------------------------------
+
+
+def test_secure_aggregation_of_whole_models_fuses_the_plain_mean_and_recovers_a_dropout_after_masking(
+    sqlite_fleet: TaskFleet, packages: dict[Path, bytes],
+) -> None:  # fmt: skip
+    # Prepare: three devices with X25519 keys; no round opens before each running worker sent its key
+    import base64
+
+    from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey, X25519PublicKey
+    from cryptography.hazmat.primitives.serialization import Encoding, PublicFormat
+
+    from interfaces import secagg
+    from interfaces.tasks import FL_KEY_EVENT, FL_REVEAL_EVENT, FlKey, FlReveal
+
+    fleet = sqlite_fleet
+    gw = fleet.node()
+    upload_algorithm(fleet, packages, TORCH)
+    start = initial(fleet)
+    devices = [site_device(fleet, gw) for _ in range(3)]
+    task = federate(fleet, devices, initial_parameters=start.id, min_participants=2, secure_aggregation=True)
+    t0 = datetime.now(UTC)
+    fleet.tick(t0)
+    workers = workers_of(fleet, task["id"])
+    for w in workers.values():
+        fleet.report(w, "RUNNING")
+    fleet.tick(t0)
+    assert plan_of(fleet, task["id"]).attempt == 0
+    keys = {d: X25519PrivateKey.generate() for d in devices}
+    for d in devices:
+        public = keys[d].public_key().public_bytes(Encoding.Raw, PublicFormat.Raw)
+        fleet.send(d, FL_KEY_EVENT, FlKey(task_id=task["id"], worker_id=workers[d]["id"], public_key=base64.b64encode(public).decode()))
+    fleet.tick(t0)
+    examples = dict(zip(devices, (100, 200, 300), strict=True))
+
+    def masked(d: str, round_: int, tensors: Tensors) -> bytes:
+        """What the participant uploads: its parameters times its share, fixed point, masked with the others' seeds."""
+        fl = order_for(fleet, workers[d]).fl
+        assert fl is not None and fl.secure and fl.weight is not None and fl.total_examples is not None and fl.round == round_
+        round_id = f"{task['id']}/{fl.round}/{fl.attempt}"
+        seeds = {p: secagg.pair_seed(keys[d].exchange(X25519PublicKey.from_public_bytes(base64.b64decode(k))), round_id, d, p) for p, k in fl.peers.items() if p != d}
+        encoded = {k: secagg.encode(v.astype(np.float64) * fl.weight / fl.total_examples) for k, v in tensors.items()}
+        return save(secagg.mask(encoded, d, seeds))
+
+    def send_masked(d: str, round_: int, tensors: Tensors) -> None:
+        artifact = upload_update(fleet, workers[d], round_, masked(d, round_, tensors))
+        data = FlUpdate(task_id=task["id"], worker_id=workers[d]["id"], round=round_, attempt=1, contributors=[d], num_examples=examples[d],
+                        parameters=artifact.id, masked=True)  # fmt: skip
+        fleet.send(d, FL_UPDATE_EVENT, data)
+
+    # Execute 1: every participant masks and uploads round 1 (no counts known yet: each weighs 1)
+    fl = order_for(fleet, workers[devices[0]]).fl
+    assert fl is not None and set(fl.peers) == set(devices) and (fl.total_examples, fl.weight) == (3, 1)
+    first = {d: parameters(20 + k) for k, d in enumerate(devices)}
+    for d in devices:
+        send_masked(d, 1, first[d])
+    fleet.tick()
+    fleet.tick()
+
+    # Assert 1: no single upload is its parameters; their unmasked sum is the plain mean
+    one = load(content(fleet, stored_updates(fleet, task["id"])[0].artifact_id))  # type: ignore[arg-type]
+    assert one["fc.weight"].dtype == np.uint32
+    _, got = global_after(fleet, task["id"], 2)
+    plain = fedavg([(t, 1) for t in first.values()])
+    for k in SHAPES:
+        np.testing.assert_allclose(got[k], plain[k], rtol=0, atol=3 / secagg.DEFAULT_SCALE)
+
+    # Execute 2: round 2 weighs each by the examples it counted; the third participant drops after masking
+    fl = order_for(fleet, workers[devices[2]]).fl
+    assert fl is not None and fl.total_examples == 600 and fl.weight == 300 and fl.round == 2
+    second = {d: parameters(30 + k) for k, d in enumerate(devices)}
+    masked(devices[2], 2, second[devices[2]])  # derived its seeds and masked; its upload never comes
+    for d in devices[:2]:
+        send_masked(d, 2, second[d])
+    t1 = datetime.now(UTC) + timedelta(seconds=TIMEOUT + 1)
+    fleet.tick(t1)
+
+    # Assert 2: the survivors are asked for their seeds with it, and only they
+    for d in devices:
+        fl = order_for(fleet, workers[d]).fl
+        assert fl is not None and fl.reveal == [devices[2]]
+
+    # Execute 3: they reveal them
+    round_id = f"{task['id']}/2/1"
+    for d in devices[:2]:
+        peer_key = X25519PublicKey.from_public_bytes(keys[devices[2]].public_key().public_bytes(Encoding.Raw, PublicFormat.Raw))
+        seed = secagg.pair_seed(keys[d].exchange(peer_key), round_id, d, devices[2])
+        fleet.send(d, FL_REVEAL_EVENT, FlReveal(task_id=task["id"], worker_id=workers[d]["id"], round=2, attempt=1, seeds={devices[2]: base64.b64encode(seed).decode()}))
+    for _ in range(3):
+        fleet.tick(t1 + timedelta(seconds=1))
+
+    # Assert 3: the published parameters are the survivors' FedAvg by their examples; the log says who dropped
+    assert fleet.task(task["id"])["state"] == "SUCCEEDED"
+    published = load(content(fleet, plan_of(fleet, task["id"]).published_artifact_id))  # type: ignore[arg-type]
+    expected = fedavg([(second[devices[0]], 100), (second[devices[1]], 200)])
+    for k in SHAPES:
+        np.testing.assert_allclose(published[k], expected[k], rtol=0, atol=3 / secagg.DEFAULT_SCALE)
+    closed = closed_rounds(fleet, task["id"])
+    assert [(c.round, c.contributors, c.participants) for c in closed] == [(1, 3, 3), (2, 2, 3)]
+    assert any(f"round 2: {devices[2]} dropped after masking; the 2 others reveal their seeds with it" in line["text"] for line in log_lines(fleet, task["id"]))
+
+
+def test_secure_aggregation_of_whole_models_refuses_what_it_cannot_mask(sqlite_fleet: TaskFleet, packages: dict[Path, bytes]) -> None:
+    fleet = sqlite_fleet
+    device = site_device(fleet, fleet.node())
+    upload_algorithm(fleet, packages, TORCH)
+    start = initial(fleet).id
+    before = fleet.hub.snapshot()
+    for extra, text in [
+        ({"compression": "int8"}, "secure aggregation masks the full-precision parameters: compression none"),
+        ({"sync": "async"}, "secure aggregation cannot fold an update of an earlier round"),
+        ({"strategy": "median"}, "secure aggregation reveals only the sum"),
+    ]:
+        r = fleet.hub.request("POST", "/tasks", Role.OPERATOR, json=whole_body([device], initial_parameters=start, secure_aggregation=True, **extra))
+        assert r.status_code == 422 and text in r.text, (extra, r.text)
+    assert fleet.hub.snapshot() == before

@@ -53,6 +53,35 @@ def _content(stack: DevStack, artifact_id: str) -> bytes:
         return r.content
 
 
+def _log_items(stack: DevStack, task_id: str) -> list[dict[str, Any]]:
+    """Every log line of the task, oldest first (page after page: a busy site writes more than a page)."""
+    items: list[dict[str, Any]] = []
+    while True:
+        page = api(stack, "GET", f"/tasks/{task_id}/logs?limit=500" + (f"&after={items[-1]['id']}" if items else ""), "viewer")
+        items += page["items"]
+        if page["next_cursor"] is None:
+            return items
+
+
+def _logs(stack: DevStack, task_id: str) -> list[str]:
+    return [line["text"] for line in _log_items(stack, task_id)]
+
+
+def _digits_sites(stack: DevStack, tmp_path: Path, n: int = 3, test: bool = False) -> list[Any]:
+    """``n`` devices ONLINE, each a site keeping its own shuffle of the digits (``digits-train``; ``digits-test`` too)."""
+    devices = []
+    for k in range(n):
+        train, held_out = write_digits(tmp_path / f"site-{k}", seed=k)
+        device = stack.add_device(f"site-{k}")
+        device.datasets.add("digits-train", train)
+        if test:
+            device.datasets.add("digits-test", held_out)
+        devices.append(device)
+    for device in devices:
+        wait_for(lambda d=device: stack.device_state(d.device_id) == "ONLINE", 60, what="the device ONLINE")
+    return devices
+
+
 def test_two_pytorch_sites_and_a_numpy_one_train_one_network_and_the_hub_fuses_it_by_name_as_numpy_does(stack: DevStack, tmp_path: Path) -> None:
     # Prepare: both examples stored; three devices with shards of different sizes; one labelled for the numpy variant
     torch_alg = _upload_algorithm(stack, EXAMPLES / "torch_cnn", tmp_path)
@@ -83,7 +112,7 @@ def test_two_pytorch_sites_and_a_numpy_one_train_one_network_and_the_hub_fuses_i
     done = wait_for(lambda: (t := api(stack, "GET", f"/tasks/{task['id']}", "viewer"))["state"] in FINAL and t, 300, interval=0.5, what="the task final")
 
     # Assert: SUCCEEDED; the published parameters are FedAvg of the three updates, by name
-    logs = [line["text"] for line in api(stack, "GET", f"/tasks/{task['id']}/logs?limit=500", "viewer")["items"]]
+    logs = _logs(stack, task["id"])
     assert done["state"] == "SUCCEEDED", (done, logs[-30:])
     outputs = api(stack, "GET", f"/tasks/{task['id']}/outputs", "viewer")
     (published_id,) = outputs["artifacts"]
@@ -112,17 +141,9 @@ def test_a_site_stopped_mid_round_is_not_waited_for_and_rejoins_from_the_new_glo
     # Prepare: three numpy sites; the one labelled slow=yes trains for long in its round (a variant's configuration)
     algorithm = _upload_algorithm(stack, EXAMPLES / "numpy_cnn", tmp_path)
     initial = _initial_parameters(stack, tmp_path)
-    devices = []
-    for k in range(3):
-        train, test = write_digits(tmp_path / f"site-{k}", seed=k)
-        device = stack.add_device(f"site-{k}")
-        device.datasets.add("digits-train", train)
-        device.datasets.add("digits-test", test)
-        devices.append(device)
+    devices = _digits_sites(stack, tmp_path, test=True)
     slow = devices[2]
     api(stack, "PATCH", f"/devices/{slow.device_id}", json={"labels": {"slow": "yes"}})
-    for device in devices:
-        wait_for(lambda d=device: stack.device_state(d.device_id) == "ONLINE", 60, what="the device ONLINE")
     ref = {"name": algorithm["name"], "version": algorithm["version"]}
     spec = {"algorithm": ref, "variants": [{"selector": "slow=yes", "algorithm": ref, "config": {"epochs": 200, "batch_size": 4}}], "datasets": {"train": "digits-train"},
             "config": {"epochs": 1}, "initial_parameters": initial["id"], "rounds": 3, "min_participants": 2, "round_timeout_s": 20}  # fmt: skip
@@ -131,7 +152,7 @@ def test_a_site_stopped_mid_round_is_not_waited_for_and_rejoins_from_the_new_glo
     # are quick); round 1 closes at its deadline without it, and the hub's next round resets its training
     task = api(stack, "POST", "/tasks", json={"type": "federated_training", "spec": spec, "heartbeat_s": 0.5, "retry": {"backoff_s": 0.5, "max_attempts": 5},
                                              "placement": {"target": "device", "ids": [d.device_id for d in devices]}})  # fmt: skip
-    logs = lambda: [line["text"] for line in api(stack, "GET", f"/tasks/{task['id']}/logs?limit=500", "viewer")["items"]]  # noqa: E731
+    logs = lambda: _logs(stack, task["id"])  # noqa: E731
     wait_for(lambda: sum("round 1: the update of" in line for line in logs()) == 2, 120, interval=0.5, what="the two quick sites' round 1 updates")
     slow.stop()
     api(stack, "PATCH", f"/devices/{slow.device_id}", json={"labels": {}})
@@ -206,16 +227,9 @@ def test_async_rounds_never_wait_for_a_site_ten_times_slower_and_fold_its_late_u
     # Prepare: three numpy sites; the one labelled slow=yes takes about ten times as long a round (a variant's configuration)
     algorithm = _upload_algorithm(stack, EXAMPLES / "numpy_cnn", tmp_path)
     initial = _initial_parameters(stack, tmp_path)
-    devices = []
-    for k in range(3):
-        train, _ = write_digits(tmp_path / f"site-{k}", seed=k)
-        device = stack.add_device(f"site-{k}")
-        device.datasets.add("digits-train", train)
-        devices.append(device)
+    devices = _digits_sites(stack, tmp_path)
     slow = devices[2]
     api(stack, "PATCH", f"/devices/{slow.device_id}", json={"labels": {"slow": "yes"}})
-    for device in devices:
-        wait_for(lambda d=device: stack.device_state(d.device_id) == "ONLINE", 60, what="the device ONLINE")
     ref = {"name": algorithm["name"], "version": algorithm["version"]}
     spec = {"algorithm": ref, "variants": [{"selector": "slow=yes", "algorithm": ref, "config": {"epochs": 50, "batch_size": 8}}], "datasets": {"train": "digits-train"},
             "config": {"epochs": 1}, "initial_parameters": initial["id"], "rounds": 12, "min_participants": 2, "round_timeout_s": 300,
@@ -228,7 +242,7 @@ def test_async_rounds_never_wait_for_a_site_ten_times_slower_and_fold_its_late_u
 
     # Assert: SUCCEEDED; no round waited for the slow site (each closed far sooner than its round deadline, most without
     # it); each of its updates that made it was folded late at n / sqrt(1 + staleness)
-    items = api(stack, "GET", f"/tasks/{task['id']}/logs?limit=500", "viewer")["items"]
+    items = _log_items(stack, task["id"])
     lines = [line["text"] for line in items]
     assert done["state"] == "SUCCEEDED", (done, lines[-30:])
     history = [s["values"] for s in api(stack, "GET", f"/tasks/{task['id']}/metrics?series=true&worker=hub", "viewer")["series"]]
@@ -247,3 +261,34 @@ def test_async_rounds_never_wait_for_a_site_ten_times_slower_and_fold_its_late_u
         weight, examples = (int(x) for x in (line.split(" at weight ")[1].split(" of its ")[0], line.split(" of its ")[1].split(" examples")[0]))
         assert staleness >= 1 and weight == max(1, round(examples / (1 + staleness) ** 0.5)), line
     assert sum(r["stale"] for r in history) >= len(folded)
+
+
+def test_secure_aggregation_over_real_sites_fuses_what_the_same_task_without_it_does(stack: DevStack, tmp_path: Path) -> None:
+    # Prepare: three numpy sites with shards of equal size (a first round weighs each the same either way); the example
+    # trains deterministically from its seed, so both tasks train the same local models
+    algorithm = _upload_algorithm(stack, EXAMPLES / "numpy_cnn", tmp_path)
+    initial = _initial_parameters(stack, tmp_path)
+    devices = _digits_sites(stack, tmp_path)
+
+    # Execute: the same round with and without secure aggregation
+    published, tasks = {}, {}
+    for secure in (False, True):
+        spec = {"algorithm": {"name": algorithm["name"], "version": algorithm["version"]}, "datasets": {"train": "digits-train"}, "config": {"epochs": 1},
+                "initial_parameters": initial["id"], "rounds": 1, "min_participants": 3, "round_timeout_s": 120, "secure_aggregation": secure,
+                "output": {"name": f"digits-secure-{str(secure).lower()}"}}  # fmt: skip
+        task = api(stack, "POST", "/tasks", json={"type": "federated_training", "spec": spec, "heartbeat_s": 0.5,
+                                                 "placement": {"target": "device", "ids": [d.device_id for d in devices]}})  # fmt: skip
+        done = wait_for(lambda: (t := api(stack, "GET", f"/tasks/{task['id']}", "viewer"))["state"] in FINAL and t, 300, interval=0.5, what="the task final")
+        logs = _logs(stack, task["id"])
+        assert done["state"] == "SUCCEEDED", (done, logs[-30:])
+        (artifact_id,) = api(stack, "GET", f"/tasks/{task['id']}/outputs", "viewer")["artifacts"]
+        published[secure], tasks[secure] = load(_content(stack, artifact_id)), task["id"]
+
+    # Assert: what each secure site uploaded is masked (uint32, not its parameters); the unmasked mean is the plain one
+    for device in devices:
+        (stored,) = api(stack, "GET", f"/artifacts?name=fl-update.{tasks[True]}.{device.device_id}", "viewer")["items"]
+        assert all(array.dtype == np.uint32 for array in load(_content(stack, stored["id"])).values())
+    assert set(published[True]) == set(published[False])
+    for name, plain in published[False].items():
+        assert published[True][name].dtype == plain.dtype and np.abs(published[True][name] - plain).max() <= 1e-4, name
+    assert not np.allclose(published[False]["fc.weight"], load(_content(stack, initial["id"]))["fc.weight"])
