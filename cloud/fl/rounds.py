@@ -435,7 +435,9 @@ def _close(session: Session, task: Task, plan: FlPlan, spec: FederatedTrainingSp
         for row, weight in weighted[len(fresh):]:
             hub_log(session, task.id, f"round {plan.round}: folded the update of {', '.join(row.contributors)} from round {row.round} (staleness "
                     f"{plan.round - row.round}) at weight {weight} of its {row.num_examples} examples", at=at, worker_id=row.worker_id)  # fmt: skip
-        moved = whole.fuse(session, blobs, plan, strategy, weighted, task.id, spec.compression, _seeds_with_dropped(plan) if spec.secure_aggregation else None)
+        moved = whole.fuse(session, blobs, plan, strategy, weighted, task.id, spec.compression, _seeds_with_dropped(plan) if spec.secure_aggregation else None, spec.dp)
+        if spec.dp is not None:
+            moved["dp_noise_std"] = spec.dp.noise_multiplier * spec.dp.clip_norm / max(1, len(weighted))
         meta, arrays = strategy.state_meta(), dict[str, np.ndarray]()
     else:
         layer = surgery.DenseLayer.from_json(plan.layer)

@@ -77,7 +77,16 @@ def admit(session: Session, task: Task, spec: FederatedTrainingSpec, placement: 
     if spec.whole:
         from cloud.fl import whole
 
-        return whole.admit(session, task, spec, blobs)
+        if spec.dp is None:
+            return whole.admit(session, task, spec, blobs)
+        if placement.target is not TargetKind.DEVICE:
+            raise BadRequest("dp on whole models charges each participant's privacy budget, which devices keep: placement.target device", status=422)
+        devices = [d.id for d in matching_devices(session, placement)]
+        _whole_privacy(session, spec, devices, lock=False)  # refuse before anything is stored
+        spec = whole.admit(session, task, spec, blobs)
+        for target, run, delta, name in _whole_privacy(session, spec, devices, lock=True):
+            budgets.reserve(session, (target.device_id, name), task.id, run, delta, task.created_at)
+        return spec
     if placement.target is not TargetKind.DEVICE:
         raise BadRequest("a last-layer task (model) does not run on nodes: it trains on devices (placement.target device); sites train whole models (algorithm)", status=422)
     ref, dataset = spec.model, spec.dataset
@@ -143,6 +152,31 @@ def _privacy(session: Session, spec: FederatedTrainingSpec, device_ids: list[str
     return planned
 
 
+def _whole_privacy(session: Session, spec: FederatedTrainingSpec, device_ids: list[str], lock: bool) -> list[tuple[Any, Any, float, str]]:
+    """DP-FedAvg: each device's budget for each of the task's datasets against ``rounds`` Gaussian mechanisms (DP-SGD
+    steps at sample rate 1, noise multiplier z; ``cloud.incremental.task.plan_steps``): (target, run, δ, dataset)
+    each; 409 ``privacy_budget_exceeded`` naming the devices that cannot afford them."""
+    from cloud.errors import Conflict
+    from cloud.incremental.task import Target, plan_steps
+    from interfaces.errors import ErrorCode
+    from interfaces.tasks import IncrementalTrainingSpec
+
+    assert spec.dp is not None and spec.algorithm is not None
+    out = []
+    for dataset in sorted(set(spec.datasets.values())):
+        shim = IncrementalTrainingSpec.model_validate({
+            "model": {"name": spec.algorithm.name}, "dataset": dataset, "steps": spec.rounds, "batch_size": 1, "clip_norm": spec.dp.clip_norm,
+            "noise_multiplier": spec.dp.noise_multiplier, "delta": spec.dp.delta, "epsilon": spec.dp.epsilon,
+        })  # fmt: skip
+        planned = plan_steps(session, shim, [Target(d, 1, 1.0, spec.rounds) for d in device_ids], lock=lock)
+        short = [t.device_id for t, run, _ in planned if run.steps < spec.rounds]
+        if short:
+            raise Conflict(f"the task's epsilon affords fewer than its {spec.rounds} rounds on {', '.join(short[:20])} ({dataset})",
+                           code=ErrorCode.PRIVACY_BUDGET_EXCEEDED, targets=[{"device_id": d, "dataset": dataset, "requested_steps": spec.rounds} for d in short])  # fmt: skip
+        out += [(target, run, delta, dataset) for target, run, delta in planned]
+    return out
+
+
 def readmit(session: Session, task: Task, at: datetime) -> None:
     """A retried task goes on from the round it was in, as a fresh attempt of it: the open attempt's unused updates go,
     and a DP task reserves again on the devices of its placement that can still afford all its rounds (409 otherwise)."""
@@ -157,7 +191,12 @@ def readmit(session: Session, task: Task, at: datetime) -> None:
     plan.unmasking, plan.reveals, plan.total_examples, plan.keys = [], {}, None, {}
     session.add(plan)
     spec = spec_of(task)
-    if spec.dp is not None and spec.dataset is not None:
+    if spec.dp is not None and spec.whole:
+        devices = [d.id for d in matching_devices(session, Placement.model_validate(task.placement))]
+        for target, run, delta, dataset in _whole_privacy(session, spec, devices, lock=True):
+            budgets.reserve(session, (target.device_id, dataset), task.id, run, delta, at)
+        plan.trained = {}
+    elif spec.dp is not None and spec.dataset is not None:
         model = session.get(Artifact, plan.model_artifact_id)
         placement = Placement.model_validate(task.placement)
         able = [d.id for d in matching_devices(session, placement) if budgets.reported_dataset(d, spec.dataset) is not None and model is not None and _runs(d, model)]
@@ -186,7 +225,8 @@ def task_ended(session: Session, task: Task, at: datetime) -> None:
     plan = session.get(FlPlan, task.id)
     spec = spec_of(task)
     for spend in session.execute(select(PrivacySpendRow).where(PrivacySpendRow.task_id == task.id, PrivacySpendRow.state == SpendState.RESERVED.value)).scalars():
-        taken = (plan.trained.get(spend.device_id, 0) if plan is not None else spend.max_steps) * spec.local_steps
+        per = 1 if spec.whole else spec.local_steps  # a whole-model round is one Gaussian mechanism on the device's data
+        taken = (plan.trained.get(spend.device_id, 0) if plan is not None else spend.max_steps) * per
         budgets.settle(session, spend, min(spend.max_steps, taken), at)
 
 

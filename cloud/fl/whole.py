@@ -229,6 +229,11 @@ def candidates(session: Session, task: Task, found: Any) -> Any:
             lacking.append(f"{candidate.id} lacks {', '.join(missing)} for {manifest.name} {manifest.version}")
         else:
             eligible.append(candidate)
+    if FederatedTrainingSpec.model_validate(task.spec).dp is not None:  # only devices whose budgets were reserved at creation
+        from cloud.fl.task import reserved
+
+        eligible = [c for c in eligible if reserved(session, task.id, c.id) is not None]
+        lacking.append("only devices holding a privacy reservation of this task take part")
     why = "" if eligible else (found.why_not or "no participant qualifies") + ("; " + "; ".join(lacking[:5]) if lacking else "")
     return Candidates(eligible, why)
 
@@ -314,7 +319,7 @@ def vet_waiting(session: Session, blobs: Any, at: datetime) -> int:
     from interfaces.tasks import TASK_ACTIVE
 
     waiting = session.execute(
-        select(FlUpdateRow.task_id).join(Task, Task.id == FlUpdateRow.task_id).where(  # type: ignore[arg-type]
+        select(FlUpdateRow.task_id).join(Task, Task.id == FlUpdateRow.task_id).where(  # type: ignore[arg-type,call-overload]
             FlUpdateRow.vetted.is_(False), FlUpdateRow.used_in.is_(None), Task.state.in_([s.value for s in TASK_ACTIVE])  # type: ignore[attr-defined,union-attr]
         ).distinct()
     ).scalars().all()  # fmt: skip
@@ -355,12 +360,13 @@ def _put_file(blobs: Any, path: Path) -> PendingBlob:
 
 
 def fuse(session: Session, blobs: Any, plan_row: FlPlan, strategy: Any, fresh: list[tuple[FlUpdateRow, int]], task_id: str, compression: str = "none",
-         dropped: dict[str, dict[str, bytes]] | None = None) -> dict[str, float]:  # fmt: skip
+         dropped: dict[str, dict[str, bytes]] | None = None, dp: Any = None) -> dict[str, float]:  # fmt: skip
     """Aggregate the updates (each row with the weight it counts at; encoded as ``compression`` says) into the next
     global parameters, stored as a pending blob of the plan, and the strategy's arrays as another; the bytes moved,
     for the round's metrics. ``dropped`` (secure aggregation: the updates are masked; dropped participant -> the
     survivors' seeds with it): the strategy sees one update, the contributors' weighted mean
-    (``interfaces.secagg.MaskedSum``), at the weight of all of them."""
+    (``interfaces.secagg.MaskedSum``), at the weight of all of them. ``dp`` (the task's ``FlPrivacy``): one update
+    too, the clipped deltas' mean with noise (``interfaces.dpfedavg.NoisedMean``)."""
     from contextlib import ExitStack
 
     from interfaces.aggregation import StreamUpdate
@@ -390,6 +396,11 @@ def fuse(session: Session, blobs: Any, plan_row: FlPlan, strategy: Any, fresh: l
             weights = [plan.weights.get(c, 1) for row, _ in fresh for c in row.contributors]
             mean = MaskedSum([u.tensors for u in updates], infos, dropped, (plan_row.total_examples or sum(weights)) / sum(weights))
             updates = [StreamUpdate(mean, sum(weights), {}, "the secure sum")]
+        if dp is not None and updates:
+            from interfaces.dpfedavg import NoisedMean
+
+            noised = NoisedMean(global_, [u.tensors for u in updates], dp.clip_norm, dp.noise_multiplier)
+            updates = [StreamUpdate(noised, len(updates), {}, "the noised mean")]
         state_in = opened(plan.state_sha256) if plan.state_sha256 and state_infos else None
         out_path, state_path = Path(scratch) / "global.safetensors", Path(scratch) / "state.safetensors"
         with TensorWriter(out_path, infos) as out, TensorWriter(state_path, state_infos) as state_out:

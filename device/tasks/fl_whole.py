@@ -13,7 +13,7 @@ each round attempt it has not taken yet and whose deadline has not passed it
    stderr become log lines, its metrics the worker's;
 3. encodes the trained parameters as the task's ``compression`` says (``interfaces.compression``: fp16, or int8 /
    topk deltas from the global parameters with this site's error feedback added, kept in its directory between
-   rounds; with ``secure_aggregation``: times its ``weight / total_examples``, fixed point, masked with every
+   rounds; with ``dp``, the delta from the global parameters first clipped to ``clip_norm``, DP-FedAvg; with ``secure_aggregation``: times its ``weight / total_examples``, fixed point, masked with every
    other participant's pair seed, ``device.tasks.secure``), uploads them through the chunked upload API with the round's grant (resumable: a restart of the agent
    continues the upload) and sends one ``fl.update`` naming the stored artefact, the examples ``fit`` reported and
    its metrics.
@@ -148,6 +148,19 @@ class _Site:
         save_file(feedback, str(staged))
         return out, staged
 
+    def _clipped(self, parameters: Path, weights: Path, attempt_dir: Path) -> Path:
+        """DP-FedAvg: the trained parameters with their delta from the global ones clipped to the task's clip norm
+        (``interfaces.dpfedavg.clip``), so that what leaves the site is bounded; the hub adds the noise."""
+        from safetensors.numpy import load_file, save_file
+
+        from interfaces.dpfedavg import clip
+
+        assert self.spec.dp is not None
+        clipped, _ = clip(load_file(str(parameters)), load_file(str(weights)), self.spec.dp.clip_norm)  # its norm is not logged: the hub reads the logs
+        out = attempt_dir / "clipped.safetensors"
+        save_file(clipped, str(out))
+        return out
+
     def _watch_round(self, fl: FlOrder, stop: threading.Event) -> None:
         """Stop the training of ``fl``'s round attempt once the order names another one (the hub closed it without this
         site, or ran it again) and its update could no longer count: a reset, never a stale continuation."""
@@ -211,6 +224,8 @@ class _Site:
         grant = run.publish
         uploaded = time.perf_counter()
         try:
+            if self.spec.dp is not None:
+                parameters = self._clipped(parameters, weights, attempt_dir)
             encoded, feedback = self._encode(fl, parameters, weights, attempt_dir)
             artifact_id = self.site.publish(encoded, grant.names[0], grant.version, "safetensors", grant.token, attempt_dir / "upload.json")
         except UploadError as exc:

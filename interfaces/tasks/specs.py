@@ -166,9 +166,12 @@ class AlgorithmLimits(_In):
 
 
 class FlPrivacy(_In):
-    """DP-SGD on every participant (per-example clipping to ``clip_norm``, Gaussian noise ``noise_multiplier * clip_norm``,
-    Poisson sampling at ``batch_size / rows``). Each device's privacy budget for the dataset must afford all its rounds
-    (``rounds * local_steps`` steps) at creation (409 ``privacy_budget_exceeded``); at the end each device is charged
+    """Last layer: DP-SGD on every participant (per-example clipping to ``clip_norm``, Gaussian noise ``noise_multiplier *
+    clip_norm``, Poisson sampling at ``batch_size / rows``); each device's privacy budget for the dataset must afford all
+    its rounds (``rounds * local_steps`` steps). Whole model: client-level DP-FedAvg (``interfaces.dpfedavg``: each
+    participant's update clipped to ``clip_norm``, noise ``noise_multiplier * clip_norm`` added to their sum, every
+    contributor counted the same); each device's budget for each of the task's datasets must afford ``rounds`` steps
+    at sample rate 1. Both: checked at creation (409 ``privacy_budget_exceeded``); at the end each device is charged
     for the round attempts it took part in."""
 
     clip_norm: float = Field(default=1.0, gt=0, le=1e6)
@@ -246,7 +249,7 @@ class FederatedTrainingSpec(_In):
     late_updates: Literal["drop", "stale"] = Field(default="drop", description="an update for a closed round: dropped, or fused into the next round at weight / (1 + staleness)")
     max_staleness: int = Field(default=2, ge=1, le=100, description="stale: updates older than this many rounds are dropped")
     layer: str | None = Field(default=None, min_length=1, max_length=256, description="the tensor feeding the last dense layer (default: found)")
-    dp: FlPrivacy | None = Field(default=None, description="differentially private local training, accounted against each device's budget")
+    dp: FlPrivacy | None = Field(default=None, description="differential privacy (last layer: DP-SGD on each device; whole model: DP-FedAvg), accounted against each device's budget")
     secure_aggregation: bool = Field(
         default=False, description="pairwise additive masking: the hub (and an edge) sees only the sum of the participants' layers (whole models: parameters); fedavg, fedprox, fedadam",
     )  # fmt: skip
@@ -285,8 +288,13 @@ class FederatedTrainingSpec(_In):
             raise ValueError("a whole-model task starts from initial_parameters: a model artefact of the algorithm's named tensors (aisynergy algorithm run writes them)")
         if self.topology == "hierarchical":
             raise ValueError("whole-model rounds are flat in this version (every participant uploads to the hub, a device through its edge): topology flat")
-        if self.dp is not None:
-            raise ValueError("dp is not available for whole-model rounds in this version")
+        if self.dp is not None:  # client-level DP-FedAvg (interfaces.dpfedavg)
+            for what, why in (("secure_aggregation", self.secure_aggregation), ("sync async", self.sync == "async"), ("late_updates stale", self.late_updates == "stale"),
+                              (f"strategy {self.strategy}", self.strategy in ("median", "trimmed_mean"))):  # fmt: skip
+                if why:
+                    raise ValueError(f"dp on whole models (DP-FedAvg: each round's clipped updates averaged, with noise) does not go with {what}")
+            if not self.datasets:
+                raise ValueError("dp charges each participant's privacy budget of the datasets it trains on: name them (datasets)")
         if self.secure_aggregation and self.compression != "none":
             raise ValueError(f"secure aggregation masks the full-precision parameters: compression none, not {self.compression}")
         if self.secure_aggregation and self.sync == "async":

@@ -261,7 +261,7 @@ def test_what_a_whole_model_task_cannot_run_with_is_refused_and_nothing_is_store
         (whole_body([device], initial_parameters=start, dataset="camera"), "dataset: last-layer fields"),
         (whole_body([device], initial_parameters=start, model={"name": "digits"}), "give either model"),
         (whole_body([device], initial_parameters=start, topology="hierarchical"), "whole-model rounds are flat"),
-        (whole_body([device], initial_parameters=start, dp={"clip_norm": 1.0}), "dp is not available for whole-model rounds"),
+        (whole_body([device], initial_parameters=start, dp={"clip_norm": 1.0}), "dp charges each participant's privacy budget of the datasets it trains on"),
         (whole_body([device], initial_parameters=start, variants=[{"selector": "fw in (", "algorithm": TORCH_REF}]), "variant selector 'fw in ('"),
         ({**last_layer, "spec": {**last_layer_spec, "local_fits": 2}}, "local_fits: whole-model fields"),
         ({**last_layer, "placement": {"target": "node"}}, "does not run on nodes"),
@@ -849,3 +849,85 @@ def test_secure_aggregation_of_whole_models_refuses_what_it_cannot_mask(sqlite_f
         r = fleet.hub.request("POST", "/tasks", Role.OPERATOR, json=whole_body([device], initial_parameters=start, secure_aggregation=True, **extra))
         assert r.status_code == 422 and text in r.text, (extra, r.text)
     assert fleet.hub.snapshot() == before
+
+
+# --- differential privacy (DP-FedAvg) --------------------------------------------------------------
+
+
+def test_dp_fedavg_on_whole_models_clips_each_update_adds_the_noise_and_charges_each_devices_budget(sqlite_fleet: TaskFleet, packages: dict[Path, bytes]) -> None:
+    # Prepare: three devices with budgets for the dataset the task trains on; one too small at first
+    import dp_accounting
+    from dp_accounting.rdp import RdpAccountant
+
+    fleet = sqlite_fleet
+    gw = fleet.node()
+    upload_algorithm(fleet, packages, TORCH)
+    start = initial(fleet)
+    devices = [site_device(fleet, gw) for _ in range(3)]
+
+    def budget(device_id: str, epsilon: float) -> None:
+        r = fleet.hub.request("PUT", f"/devices/{device_id}/privacy-budgets/digits", Role.OPERATOR, json={"epsilon": epsilon, "delta": 1e-5})
+        assert r.status_code == 200, r.text
+
+    for d, eps in zip(devices, (50.0, 50.0, 0.5), strict=True):
+        budget(d, eps)
+    z, clip = 2.0, 1.0
+    dp = {"clip_norm": clip, "noise_multiplier": z}
+    body = whole_body(devices, initial_parameters=start.id, datasets={"train": "digits"}, dp=dp, min_participants=3)
+
+    # Execute / Assert 1: refused while one budget cannot afford the rounds (409 naming it), and where DP cannot hold
+    node = site_node(fleet, "site-a")
+    before = fleet.hub.snapshot()
+    r = fleet.hub.request("POST", "/tasks", Role.OPERATOR, json=body)
+    assert r.status_code == 409 and r.json()["code"] == "privacy_budget_exceeded" and [t["device_id"] for t in r.json()["targets"]] == [devices[2]], r.text
+    for other, text in [
+        ({**body, "placement": {"target": "node", "ids": [node]}}, "which devices keep: placement.target device"),
+        (whole_body(devices, initial_parameters=start.id, dp=dp), "name them (datasets)"),
+        ({**body, "spec": {**body["spec"], "secure_aggregation": True}}, "does not go with secure_aggregation"),
+        ({**body, "spec": {**body["spec"], "strategy": "median"}}, "does not go with strategy median"),
+    ]:
+        r = fleet.hub.request("POST", "/tasks", Role.OPERATOR, json=other)
+        assert r.status_code == 422 and text in r.text, (other["spec"], r.text)
+    assert fleet.hub.snapshot() == before
+
+    # Execute 2: every budget affords it; round 1's updates move the model by norms 0.5, 4 and 40
+    budget(devices[2], 50.0)
+    r = fleet.hub.request("POST", "/tasks", Role.OPERATOR, json=body)
+    assert r.status_code == 201, r.text
+    task = r.json()
+    workers = started(fleet, task["id"])
+    x = parameters(0)
+    size = sum(int(np.prod(s)) for s in SHAPES.values())
+    rng = np.random.default_rng(7)
+    deltas = {}
+    for d, norm in zip(devices, (0.5, 4.0, 40.0), strict=True):
+        direction = {k: rng.standard_normal(s) for k, s in SHAPES.items()}
+        length = np.sqrt(sum(float(np.sum(v**2)) for v in direction.values()))
+        deltas[d] = {k: v * norm / length for k, v in direction.items()}
+    answer(fleet, workers, 1, {d: ({k: (x[k] + deltas[d][k]).astype(np.float32) for k in SHAPES}, 100) for d in devices})
+    fleet.tick()
+    fleet.tick()
+
+    # Assert 2: the new model is x plus the mean of the clipped deltas (norms 0.5, 1, 1) and noise of std z C / 3
+    _, got = global_after(fleet, task["id"], 2)
+    factors = {d: min(1.0, clip / n) for d, n in zip(devices, (0.5, 4.0, 40.0), strict=True)}
+    mean = {k: x[k].astype(np.float64) + sum(deltas[d][k] * factors[d] for d in devices) / 3 for k in SHAPES}
+    noise = np.concatenate([(got[k].astype(np.float64) - mean[k]).ravel() for k in SHAPES])
+    assert noise.size == size and abs(noise.std() - z * clip / 3) < 0.15 * z * clip / 3, noise.std()
+    assert abs(noise.mean()) < 5 * z * clip / 3 / np.sqrt(size)
+    (closed,) = closed_rounds(fleet, task["id"])
+    assert closed.metrics["dp_noise_std"] == pytest.approx(z * clip / 3)
+
+    # Execute 3: round 2, then the task ends
+    answer(fleet, workers, 2, {d: (got, 100) for d in devices})
+    for _ in range(3):
+        fleet.tick()
+
+    # Assert 3: SUCCEEDED; each device charged 2 rounds of the Gaussian mechanism, epsilon as the accountant says
+    assert fleet.task(task["id"])["state"] == "SUCCEEDED"
+    outputs = fleet.hub.get(f"/tasks/{task['id']}/outputs").json()
+    assert sorted((s["device_id"], s["state"], s["steps"]) for s in outputs["privacy"]) == sorted((d, "spent", 2) for d in devices)
+    accountant = RdpAccountant()
+    accountant.compose(dp_accounting.GaussianDpEvent(z), 2)
+    for spend in outputs["privacy"]:
+        assert spend["epsilon"] == pytest.approx(accountant.get_epsilon(1e-5), rel=1e-3)

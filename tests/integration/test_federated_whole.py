@@ -292,3 +292,32 @@ def test_secure_aggregation_over_real_sites_fuses_what_the_same_task_without_it_
     for name, plain in published[False].items():
         assert published[True][name].dtype == plain.dtype and np.abs(published[True][name] - plain).max() <= 1e-4, name
     assert not np.allclose(published[False]["fc.weight"], load(_content(stack, initial["id"]))["fc.weight"])
+
+
+def test_dp_fedavg_over_real_sites_uploads_clipped_updates_and_charges_each_devices_budget(stack: DevStack, tmp_path: Path) -> None:
+    # Prepare: three numpy sites, each with a privacy budget for the dataset it trains on
+    algorithm = _upload_algorithm(stack, EXAMPLES / "numpy_cnn", tmp_path)
+    initial = _initial_parameters(stack, tmp_path)
+    devices = _digits_sites(stack, tmp_path)
+    for device in devices:
+        api(stack, "PUT", f"/devices/{device.device_id}/privacy-budgets/digits-train", json={"epsilon": 100.0, "delta": 1e-5})
+    clip = 0.5
+
+    # Execute: one DP-FedAvg round
+    spec = {"algorithm": {"name": algorithm["name"], "version": algorithm["version"]}, "datasets": {"train": "digits-train"}, "config": {"epochs": 1},
+            "initial_parameters": initial["id"], "rounds": 1, "min_participants": 3, "round_timeout_s": 120, "dp": {"clip_norm": clip, "noise_multiplier": 0.5}}  # fmt: skip
+    task = api(stack, "POST", "/tasks", json={"type": "federated_training", "spec": spec, "heartbeat_s": 0.5,
+                                             "placement": {"target": "device", "ids": [d.device_id for d in devices]}})  # fmt: skip
+    done = wait_for(lambda: (t := api(stack, "GET", f"/tasks/{task['id']}", "viewer"))["state"] in FINAL and t, 300, interval=0.5, what="the task final")
+
+    # Assert: SUCCEEDED; what each site uploaded moved the initial model by at most the clip norm; each device charged one round
+    assert done["state"] == "SUCCEEDED", (done, _logs(stack, task["id"])[-30:])
+    start = load(_content(stack, initial["id"]))
+    for device in devices:
+        (stored,) = api(stack, "GET", f"/artifacts?name=fl-update.{task['id']}.{device.device_id}", "viewer")["items"]
+        update = load(_content(stack, stored["id"]))
+        norm = np.sqrt(sum(float(np.sum((update[k].astype(np.float64) - start[k]) ** 2)) for k in start))
+        assert 0 < norm <= clip * (1 + 1e-4), norm
+    outputs = api(stack, "GET", f"/tasks/{task['id']}/outputs", "viewer")
+    assert sorted((s["device_id"], s["dataset"], s["state"], s["steps"]) for s in outputs["privacy"]) == sorted((d.device_id, "digits-train", "spent", 1) for d in devices)
+    assert all(s["epsilon"] > 0 for s in outputs["privacy"])
