@@ -18,7 +18,7 @@ from interfaces.deployments import EXECUTION_EVENT, DeploymentOrder, ExecutionPr
 from interfaces.ids import new_id
 from interfaces.resources import Resources
 from interfaces.tasks import (
-    MAX_WORKERS_PER_TARGET, TASK_EVENTS, FlKey, FlReveal, FlUpdate, TrainedModel, WorkerLog, WorkerMetrics, WorkerOrder, WorkerOutput, WorkerReport,
+    MAX_WORKERS_PER_TARGET, TASK_EVENTS, FlEvaluation, FlKey, FlReveal, FlUpdate, TrainedModel, WorkerLog, WorkerMetrics, WorkerOrder, WorkerOutput, WorkerReport,
 )  # fmt: skip
 from interfaces.strict import BY_VALUE, INT64_MAX, STRICT_JSON, JsonObject, ProtocolVersion, Timestamp, WireModel
 from interfaces.strict import MAX_MESSAGE_BYTES as MAX_MESSAGE_BYTES  # every tier's limit, with the wire's other bounds
@@ -239,18 +239,23 @@ class FlRevealEvent(_ActedEvent):
     data: FlReveal  # type: ignore[assignment]
 
 
+class FlEvaluationEvent(_ActedEvent):
+    type: Literal["fl.evaluation"]
+    data: FlEvaluation  # type: ignore[assignment]
+
+
 class TaskTrainedEvent(_ActedEvent):
     type: Literal["task.trained"]
     data: TrainedModel  # type: ignore[assignment]
 
 
-TaskEvent = TaskWorkerEvent | TaskLogEvent | TaskMetricsEvent | TaskOutputEvent | FlUpdateEvent | FlKeyEvent | FlRevealEvent | TaskTrainedEvent
+TaskEvent = TaskWorkerEvent | TaskLogEvent | TaskMetricsEvent | TaskOutputEvent | FlUpdateEvent | FlKeyEvent | FlRevealEvent | FlEvaluationEvent | TaskTrainedEvent
 """The events of task workers (``interfaces.tasks.TASK_EVENTS``)."""
 ActedEvent = Annotated[ExecutionEvent | TaskEvent, Field(discriminator="type")]
 """An ``EventBody`` of a type the hub acts on, as its type's variant (told apart by ``type``; every other type is
 stored as it came). :func:`acted_event` reads one."""
 ACTED_EVENTS: tuple[type[_ActedEvent], ...] = (
-    ExecutionEvent, TaskWorkerEvent, TaskLogEvent, TaskMetricsEvent, TaskOutputEvent, FlUpdateEvent, FlKeyEvent, FlRevealEvent, TaskTrainedEvent,
+    ExecutionEvent, TaskWorkerEvent, TaskLogEvent, TaskMetricsEvent, TaskOutputEvent, FlUpdateEvent, FlKeyEvent, FlRevealEvent, FlEvaluationEvent, TaskTrainedEvent,
 )  # fmt: skip
 EVENT_DATA: dict[str, type[BaseModel]] = {v.model_fields["type"].annotation.__args__[0]: v.model_fields["data"].annotation for v in ACTED_EVENTS}  # type: ignore[union-attr,misc]
 """``EventBody.data`` of the event types the hub acts on, by ``EventBody.type`` (the variants of :data:`ActedEvent`)."""

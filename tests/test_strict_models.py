@@ -67,6 +67,8 @@ from interfaces.tasks import (
     FlKey,
     FlOrder,
     FlReveal,
+    FlEvaluation,
+    FlScore,
     FlUpdate,
     InputRef,
     LogLine,
@@ -190,6 +192,7 @@ EVENTS: list[tuple[str, type[BaseModel], dict[str, Any]]] = [
         "fl.update": _update(),
         "fl.key": FlKey(task_id="t-1", worker_id="w-1", public_key=KEY),
         "fl.reveal": FlReveal(task_id="t-1", worker_id="w-1", round=2, attempt=1, seeds={"dv-2": KEY}),
+        "fl.evaluation": FlEvaluation(task_id="t-1", worker_id="w-1", scores={"global": FlScore(loss=0.5, num_examples=90, metrics={"accuracy": 0.9})}),
         "task.trained": TrainedModel(task_id="t-1", worker_id="w-1", parameters="a-1", onnx="a-2", steps=4, resumed_from=2, num_examples=300,
                                      loss=0.25, metrics={"accuracy": 0.9}),  # fmt: skip
     }.items()

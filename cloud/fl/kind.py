@@ -14,7 +14,7 @@ from cloud.fl import task as fl
 from cloud.tables import FlPlan, PrivacySpendRow
 from cloud.tasks.kind import Driver, HubParts, TaskKind, Ticked
 from interfaces.tasks import (
-    FL_AGGREGATOR, FL_KEY_EVENT, FL_REVEAL_EVENT, FL_UPDATE_EVENT, FederatedTrainingSpec, FlKey, FlReveal, FlUpdate, TaskOutputs, TaskType,
+    FL_AGGREGATOR, FL_EVALUATION_EVENT, FL_KEY_EVENT, FL_REVEAL_EVENT, FL_UPDATE_EVENT, FederatedTrainingSpec, FlEvaluation, FlKey, FlReveal, FlUpdate, TaskOutputs, TaskType,
 )  # fmt: skip
 
 if TYPE_CHECKING:
@@ -29,7 +29,7 @@ if TYPE_CHECKING:
 
 class FederatedTraining(TaskKind):
     type: ClassVar[TaskType] = TaskType.FEDERATED_TRAINING
-    events: ClassVar[frozenset[str]] = frozenset({FL_UPDATE_EVENT, FL_KEY_EVENT, FL_REVEAL_EVENT})
+    events: ClassVar[frozenset[str]] = frozenset({FL_UPDATE_EVENT, FL_KEY_EVENT, FL_REVEAL_EVENT, FL_EVALUATION_EVENT})
     node_roles: ClassVar[frozenset[str]] = frozenset({FL_AGGREGATOR})
 
     def admit(self, session: Session, task: Task, spec: BaseModel, placement: Placement, hub: HubParts) -> BaseModel:
@@ -40,7 +40,11 @@ class FederatedTraining(TaskKind):
         fl.readmit(session, task, at)
 
     def order(self, session: Session, task: Task, worker: TaskWorker, signing: Any, order: WorkerOrder) -> WorkerOrder:
-        return order.model_copy(update={"fl": fl.fl_order(session, task, worker, signing)})
+        from cloud.fl import whole
+
+        plan = session.get(FlPlan, task.id)
+        evaluation = whole.evaluation_order(session, task, plan, worker, signing) if plan is not None else None
+        return order.model_copy(update={"fl": fl.fl_order(session, task, worker, signing), "evaluation": evaluation})
 
     def companion_roles(self, task: Task) -> tuple[str, str] | None:
         """Hierarchical rounds of a decomposable strategy: an aggregator on the edge node of each device."""
@@ -61,6 +65,10 @@ class FederatedTraining(TaskKind):
             outcome = rounds.accept_key(session, task, target_kind, target_id, data)
         elif isinstance(data, FlReveal):
             outcome = rounds.accept_reveal(session, task, target_kind, target_id, data, at)
+        elif isinstance(data, FlEvaluation):
+            from cloud.fl import whole
+
+            outcome = whole.accept_evaluation(session, task, target_kind, target_id, data)
         else:
             return super().accept(session, task, worker, target_kind, target_id, data, at)
         return outcome, outcome == "accepted"
@@ -72,7 +80,10 @@ class FederatedTraining(TaskKind):
         plan = session.get(FlPlan, task.id)
         artifacts = [plan.published_artifact_id] if plan is not None and plan.published_artifact_id else []
         spends = session.execute(select(PrivacySpendRow).where(PrivacySpendRow.task_id == task.id).order_by(PrivacySpendRow.id)).scalars()  # type: ignore[arg-type]
-        return outputs.model_copy(update={"artifacts": artifacts, "privacy": [spend_to_wire(r) for r in spends], "complete": bool(artifacts)})
+        from cloud.fl import whole
+
+        scores = whole.matrix(plan) if plan is not None else []
+        return outputs.model_copy(update={"artifacts": artifacts, "privacy": [spend_to_wire(r) for r in spends], "complete": bool(artifacts), "evaluation": scores})
 
     def forget(self, session: Session, task_id: str) -> None:
         fl.forget(session, task_id)

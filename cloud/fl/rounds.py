@@ -317,6 +317,13 @@ def drive(session: Session, task: Task, at: datetime, driver: Driver, blobs: Any
     spec = spec_of(task)
     if plan.round > spec.rounds:
         if plan.published_artifact_id:
+            if spec.whole and spec.cross_evaluation:
+                running = sorted({w.target_id for w in active_workers(session, task.id) if w.role != FL_AGGREGATOR and w.state in {s.value for s in WORKER_ACTIVE}})
+                phase = whole.evaluated(session, task, plan, spec, running, at, driver)
+                if phase != "done":
+                    done.orders |= phase == "opened"
+                    done.changed |= phase == "opened"
+                    return done
             driver.finish(TaskState.SUCCEEDED, f"{spec.rounds} rounds done; published {plan.published_artifact_id}")
         else:
             driver.wait("publishing the trained model")

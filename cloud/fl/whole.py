@@ -41,7 +41,7 @@ import tempfile
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
@@ -90,6 +90,18 @@ class PendingBlob(BaseModel):
     size: int
 
 
+class EvaluationPhase(BaseModel):
+    """A cross-site evaluation in progress (or done): the models, who scores them, by when, and the scores so far."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    models: dict[str, str] = Field(description="label (global, or a participant's id) -> the model's artefact")
+    evaluators: list[str]
+    deadline_at: datetime
+    scores: dict[str, dict[str, dict[str, Any]]] = Field(default_factory=dict, description="evaluator -> label -> FlScore as JSON")
+    done: bool = False
+
+
 class WholePlan(BaseModel):
     """What a whole-model plan keeps beside the rounds (``fl_plans.layer`` as ``{"whole": ...}``)."""
 
@@ -102,6 +114,7 @@ class WholePlan(BaseModel):
     retired: list[str] = Field(default_factory=list, description="blobs of earlier strategy arrays, deleted once the plan moved on")
     examples: dict[str, int] = Field(default_factory=dict, description="secure: each participant's examples, as its latest update counted them")
     weights: dict[str, int] = Field(default_factory=dict, description="secure: what each participant of the attempt in progress counts for")
+    evaluation: EvaluationPhase | None = None
 
     @classmethod
     def of(cls, plan: FlPlan) -> WholePlan:
@@ -241,9 +254,9 @@ def candidates(session: Session, task: Task, found: Any) -> Any:
 # --- orders ----------------------------------------------------------------------------------------
 
 
-def run_for(session: Session, task: Task, plan_row: FlPlan, worker: TaskWorker, signing: Any) -> tuple[AlgorithmRun, dict[str, Any]]:
-    """The participant's algorithm, its limits and the grant for its update of the round attempt in progress, and the
-    configuration it runs with."""
+def run_for(session: Session, task: Task, plan_row: FlPlan, worker: TaskWorker, signing: Any, deadline: datetime | None = None) -> tuple[AlgorithmRun, dict[str, Any]]:
+    """The participant's algorithm, its limits and the grant for its update of the round attempt in progress (``deadline``:
+    another than the round's, the cross-site evaluation's), and the configuration it runs with."""
     from cloud.artifacts import task_input
 
     spec = FederatedTrainingSpec.model_validate(task.spec)
@@ -251,7 +264,7 @@ def run_for(session: Session, task: Task, plan_row: FlPlan, worker: TaskWorker, 
     chosen = algorithm_for(plan, labels_of(session, worker.target_kind, worker.target_id))
     manifest = AlgorithmManifest.model_validate(chosen.manifest)
     name, version = update_identity(task.id, worker.target_id, plan_row.round, max(1, plan_row.attempt))
-    deadline = plan_row.deadline_at
+    deadline = deadline or plan_row.deadline_at
     expires = int(deadline.timestamp() if deadline is not None else time.time()) + GRANT_TTL_S  # one token per round attempt: the order stays the same
     claims = PublishClaims(task_id=task.id, worker_id=worker.id, target_id=worker.target_id, names=[name], version=version, exp=expires)
     return AlgorithmRun(
@@ -530,3 +543,89 @@ def last_updates(session: Session, task_id: str) -> dict[str, str]:
     rows = session.execute(select(FlUpdateRow).where(FlUpdateRow.task_id == task_id, FlUpdateRow.artifact_id.is_not(None), FlUpdateRow.used_in.is_not(None),  # type: ignore[union-attr,arg-type]
                                                      FlUpdateRow.used_in != REFUSED).order_by(FlUpdateRow.round, FlUpdateRow.attempt, FlUpdateRow.id)).scalars()  # type: ignore[arg-type]  # fmt: skip
     return {",".join(sorted(r.contributors)): r.artifact_id for r in rows if r.artifact_id}
+
+
+# --- cross-site evaluation -------------------------------------------------------------------------
+
+
+def evaluated(session: Session, task: Task, plan_row: FlPlan, spec: FederatedTrainingSpec, running: list[str], at: datetime, driver: Any) -> str:
+    """After the last round (the model published), with ``cross_evaluation``: open the evaluation (every running
+    participant scores the published model and, but with compression or secure aggregation, every participant's last
+    local model), wait for the scores until every evaluator sent them or its deadline passed: "opened", "waiting",
+    "done"."""
+    from cloud.tasks.lifecycle import hub_log
+    from interfaces.tasks import EVALUATED_GLOBAL
+
+    plan = WholePlan.of(plan_row)
+    phase = plan.evaluation
+    if phase is None:
+        assert plan_row.published_artifact_id is not None
+        models = {EVALUATED_GLOBAL: plan_row.published_artifact_id}
+        if spec.compression == "none" and not spec.secure_aggregation:
+            models |= {p: a for p, a in sorted(last_updates(session, task.id).items()) if "," not in p}
+        phase = plan.evaluation = EvaluationPhase(models=models, evaluators=sorted(running), deadline_at=at + timedelta(seconds=spec.round_timeout_s))
+        plan.put(plan_row)
+        session.add(plan_row)
+        session.flush()
+        driver.put_orders()
+        hub_log(session, task.id, f"cross-site evaluation open: {len(phase.evaluators)} participants score {len(models)} models, deadline in {spec.round_timeout_s:g} s", at=at)
+        driver.wait(f"cross-site evaluation: 0 of {len(phase.evaluators)} participants scored")
+        return "opened"
+    if phase.done:
+        return "done"
+    deadline = phase.deadline_at if phase.deadline_at.tzinfo else phase.deadline_at.replace(tzinfo=UTC)
+    if not phase.evaluators or set(phase.scores) >= set(phase.evaluators) or at >= deadline:
+        phase.done = True
+        plan.put(plan_row)
+        session.add(plan_row)
+        hub_log(session, task.id, f"cross-site evaluation done: {len(phase.scores)} of {len(phase.evaluators)} participants scored the {len(phase.models)} models", at=at)
+        return "done"
+    driver.wait(f"cross-site evaluation: {len(phase.scores)} of {len(phase.evaluators)} participants scored")
+    return "waiting"
+
+
+def accept_evaluation(session: Session, task: Task, kind: str, target_id: str, data: Any) -> str:
+    """A participant's scores of the evaluation's models: accepted once, from an evaluator's worker, for those models."""
+    plan_row = session.get(FlPlan, task.id, with_for_update=True)
+    worker = session.get(TaskWorker, data.worker_id)
+    if plan_row is None or not is_whole(plan_row) or worker is None or worker.task_id != task.id or (worker.target_kind, worker.target_id) != (kind, target_id):
+        return "refused"
+    plan = WholePlan.of(plan_row)
+    phase = plan.evaluation
+    if phase is None or target_id not in phase.evaluators or not set(data.scores) <= set(phase.models):
+        return "refused"
+    if phase.done:
+        return "late"
+    if target_id in phase.scores:
+        return "duplicate"
+    phase.scores[target_id] = {label: score.model_dump(mode="json") for label, score in data.scores.items()}
+    if set(phase.scores) >= set(phase.evaluators):
+        phase.deadline_at = min(phase.deadline_at if phase.deadline_at.tzinfo else phase.deadline_at.replace(tzinfo=UTC), datetime.now(UTC))
+    plan.put(plan_row)
+    session.add(plan_row)
+    return "accepted"
+
+
+def evaluation_order(session: Session, task: Task, plan_row: FlPlan, worker: TaskWorker, signing: Any) -> Any:
+    """The worker's part of the evaluation in progress (None when there is none, it is done, or it scored already)."""
+    from cloud.artifacts import task_input
+    from interfaces.tasks import FlEvaluationOrder
+
+    phase = WholePlan.of(plan_row).evaluation if is_whole(plan_row) else None
+    if phase is None or phase.done or worker.target_id not in phase.evaluators or worker.target_id in phase.scores:
+        return None
+    deadline = phase.deadline_at if phase.deadline_at.tzinfo else phase.deadline_at.replace(tzinfo=UTC)
+    run, config = run_for(session, task, plan_row, worker, signing, deadline)
+    models = {label: task_input(session, artifact_id, worker.target_id, signing, f"task {task.id}'s cross-site evaluation") for label, artifact_id in phase.models.items()}
+    return FlEvaluationOrder(models=models, run=run, config=config, deadline_at=deadline)
+
+
+def matrix(plan_row: FlPlan) -> list[Any]:
+    """The evaluation's scores as ``CrossScore`` rows (evaluator, then model)."""
+    from interfaces.tasks import CrossScore
+
+    phase = WholePlan.of(plan_row).evaluation if is_whole(plan_row) else None
+    if phase is None:
+        return []
+    return [CrossScore(evaluator=evaluator, model=label, loss=score.get("loss"), num_examples=int(score.get("num_examples", 0)), metrics=dict(score.get("metrics", {})))
+            for evaluator, scores in sorted(phase.scores.items()) for label, score in sorted(scores.items())]  # fmt: skip

@@ -16,6 +16,9 @@ runner then
 5. calls ``evaluate``, writes ``<work>/output/parameters.safetensors`` (and ``model.onnx`` when the client has
    ``export``), and sends the result.
 
+A job with ``evaluate`` (label -> parameters file; a whole-model task's cross-site evaluation) only builds the
+client and scores each file with ``evaluate``: one ``evaluated`` frame each, then the result.
+
 Frames go to the agent as JSON lines on a pipe of their own (its descriptor in ``AISYNERGY_FRAMES_FD``) (the algorithm's own stdout and stderr are its log
 lines): ``{"type": "started" | "step" | "checkpoint" | "result" | "error", ...}``. Exit status 0 after a result, 3
 after an error frame (the algorithm broke the contract or raised), anything else: the process died.
@@ -58,6 +61,7 @@ class Job(BaseModel):
     checkpoint_every: int = Field(default=1, ge=1, le=1_000_000)
     initial_parameters: str | None = Field(default=None, max_length=4096)
     export: bool = True
+    evaluate: dict[str, str] = Field(default_factory=dict, max_length=1_000, description="score these parameter files (label -> path) instead of training")
     private_dir: str | None = Field(default=None, max_length=4096, description="the agent's data directory: unreadable to the algorithm (where the kernel has Landlock) but for its package, its datasets and its own directory")
 
 
@@ -151,6 +155,12 @@ def run(job: Job, work: Path, frames: _Frames, confinement: str = "audit hook") 
     from device.algorithm.loader import load_client
 
     _, client = load_client(Path(job.package_dir), job.config, {k: Path(v) for k, v in job.datasets.items()})
+    if job.evaluate:  # a cross-site evaluation: each model scored on this site's data, nothing trained or written
+        for label, path in job.evaluate.items():
+            scored = checked_evaluate(client, load_parameters(Path(path)), {"round": 0})
+            frames.send("evaluated", label=label, loss=scored.loss, num_examples=scored.num_examples, metrics=scored.metrics)
+        frames.send("result", resumed_from=0, steps=0, loss=0.0, num_examples=0, metrics={}, parameters=PARAMETERS_FILE, onnx=None)
+        return
     resumed = _load_checkpoint(work)
     if resumed is not None:
         start, parameters, state = resumed
@@ -195,7 +205,7 @@ def main() -> int:
     sys.path.insert(0, job.package_dir)
     confine_writes(work)
     try:
-        readable = [Path(job.package_dir), *map(Path, job.datasets.values())] + ([Path(job.initial_parameters)] if job.initial_parameters else [])
+        readable = [Path(job.package_dir), *map(Path, job.datasets.values()), *map(Path, job.evaluate.values())] + ([Path(job.initial_parameters)] if job.initial_parameters else [])
         version = landlock.confine([work], hidden=Path(job.private_dir) if job.private_dir else None, readable=readable)
     except OSError as exc:  # the kernel has Landlock and refused: the algorithm does not run unconfined
         frames.send("error", kind="raised", message=f"the site could not confine the algorithm: {exc}")

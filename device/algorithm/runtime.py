@@ -227,7 +227,7 @@ def run_worker(
 ) -> Finished:  # fmt: skip
     """Run one worker (``name``: unique on this site, e.g. its worker id) in ``work`` and wait for it; see the module
     docstring. ``on_log(stream, line)`` gets each line of its stdout and stderr, ``on_frame`` each frame (started,
-    step, checkpoint) as it comes; ``stop`` set: the worker is killed and the run raises ``stopped``; while
+    step, checkpoint, evaluated) as it comes; ``stop`` set: the worker is killed and the run raises ``stopped``; while
     ``paused()`` says so the worker's processes are stopped (``SIGSTOP`` to its process group: it holds its memory,
     takes no CPU, and goes on where it was at ``SIGCONT``), and paused time does not count towards its timeout."""
     work = Path(work).resolve()
@@ -269,7 +269,7 @@ def run_worker(
                         continue
                     if isinstance(frame, dict):
                         frames.append(frame)
-                        if frame.get("type") in ("started", "step", "checkpoint"):
+                        if frame.get("type") in ("started", "step", "checkpoint", "evaluated"):
                             try:
                                 on_frame(frame)
                             except Exception:

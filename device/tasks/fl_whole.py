@@ -37,7 +37,9 @@ from typing import Any
 from device.tasks.secure import PairMasks
 from device.tasks.training import PACKAGE_DIR, _detail, _metric_name, _one_at_a_time, _watch, unpack_admitted
 from device.tasks.worker import Failed, Rejected, Worker
-from interfaces.tasks import FL_UPDATE_EVENT, FederatedTrainingOrder, FederatedTrainingSpec, FlOrder, FlUpdate
+from interfaces.tasks import (
+    FL_EVALUATION_EVENT, FL_UPDATE_EVENT, AlgorithmRun, FederatedTrainingOrder, FederatedTrainingSpec, FlEvaluation, FlEvaluationOrder, FlOrder, FlScore, FlUpdate,
+)  # fmt: skip
 
 IDLE_WAIT_S = 5.0
 LOCK_FILE = ".lock"
@@ -71,6 +73,7 @@ class _Site:
         self._lock = threading.Lock()
         self.metrics: dict[str, float] = {"rounds": 0.0}
         self.masks = PairMasks(worker)  # secure aggregation
+        self.scored = False  # the cross-site evaluation is done here
 
     def _sample(self) -> dict[str, float]:
         with self._lock:
@@ -90,7 +93,11 @@ class _Site:
                 if self.spec.secure_aggregation:
                     self.masks.send_key()
                 while w.checkpoint():
-                    fl = w.order_as(FederatedTrainingOrder).fl
+                    order = w.order_as(FederatedTrainingOrder)
+                    if order.evaluation is not None and not self.scored:
+                        self._evaluate(order.evaluation)
+                        continue
+                    fl = order.fl
                     self.masks.reveal_if_asked(fl)
                     if fl is None or (fl.round, fl.attempt) in self.done:
                         w.wait(IDLE_WAIT_S)
@@ -111,12 +118,15 @@ class _Site:
 
     def _package(self, fl: FlOrder) -> Path:
         assert fl.run is not None
+        return self._package_of(fl.run)
+
+    def _package_of(self, run: AlgorithmRun) -> Path:
         package = self.home / PACKAGE_DIR
-        sha = fl.run.package.signed_manifest.manifest.sha256
+        sha = run.package.signed_manifest.manifest.sha256
         if sha == self.package_sha and package.exists():
             return package
-        archive = self.worker.fetch_inputs(fl.run.package)  # REJECTED when the signature or the content does not verify
-        unpack_admitted(archive, package, fl.run.manifest)
+        archive = self.worker.fetch_inputs(run.package)  # REJECTED when the signature or the content does not verify
+        unpack_admitted(archive, package, run.manifest)
         self.package_sha = sha
         return package
 
@@ -147,6 +157,56 @@ class _Site:
         staged = attempt_dir / FEEDBACK_FILE
         save_file(feedback, str(staged))
         return out, staged
+
+    def _evaluate(self, evaluation: FlEvaluationOrder) -> None:
+        """The cross-site evaluation: every model of the order scored on this site's datasets by its algorithm's
+        ``evaluate`` (one run of the algorithm, nothing trained), the scores sent to the hub."""
+        from device.algorithm.runner import Job
+        from device.algorithm.runtime import AlgorithmFailed, Limits, run_worker
+
+        w, run = self.worker, evaluation.run
+        self.scored = True
+        if (evaluation.deadline_at - datetime.now(UTC)).total_seconds() <= 0:
+            w.log("the cross-site evaluation is past its deadline", "warning")
+            return
+        package = self._package_of(run)
+        directory = self.home / "evaluation"
+        shutil.rmtree(directory, ignore_errors=True)
+        models = {label: str(w.fetch_inputs(ref)) for label, ref in evaluation.models.items()}
+        config = dict(evaluation.config) if evaluation.config is not None else dict(self.spec.config)
+        job = Job(package_dir=str(package), datasets=self.datasets, config=config, steps=1, export=False, evaluate=models,
+                  private_dir=str(self.site.private) if self.site.private else None)  # fmt: skip
+        limits = Limits(cpu_cores=run.cpu_cores, memory_bytes=run.memory_bytes, timeout_s=run.timeout_s, accelerators=tuple(run.accelerators))
+        scores: dict[str, FlScore] = {}
+
+        def on_frame(frame: dict[str, Any]) -> None:
+            if frame.get("type") == "evaluated" and frame.get("label") in models:
+                loss = frame.get("loss")
+                metrics = {_metric_name(k): float(v) for k, v in dict(frame.get("metrics") or {}).items()
+                           if isinstance(k, str) and isinstance(v, int | float) and not isinstance(v, bool) and v == v}  # fmt: skip
+                scores[str(frame["label"])] = FlScore(loss=float(loss) if isinstance(loss, int | float) and loss == loss else None,
+                                                      num_examples=max(0, int(frame.get("num_examples") or 0)), metrics=dict(list(metrics.items())[:64]))  # fmt: skip
+
+        stop = threading.Event()
+        watcher = threading.Thread(target=_watch, args=(w, stop), daemon=True)
+        watcher.start()
+        try:
+            run_worker(f"{w.worker_id}-evaluation", directory / "work", job, limits, stop=stop, on_frame=on_frame,
+                       on_log=lambda stream, line: w.log(line, "warning" if stream == "stderr" else "info"), paused=w.pause_requested)  # fmt: skip
+        except AlgorithmFailed as exc:
+            if exc.reason == "stopped":
+                return
+            raise Failed(f"the cross-site evaluation failed: {_detail(exc)}") from None
+        finally:
+            stop.set()
+        if not scores:
+            raise Failed("the cross-site evaluation scored no model")
+        shown = ", ".join(f"{label} {s.metrics.get('accuracy', s.loss)}" for label, s in sorted(scores.items()))
+        w.log(f"cross-site evaluation: scored {len(scores)} models on this site's data ({shown})")
+        try:
+            w.event(FL_EVALUATION_EVENT, FlEvaluation(task_id=w.task_id, worker_id=w.worker_id, scores=scores))
+        except Exception as exc:  # noqa: BLE001 - not connected: the hub closes the evaluation without this site at its deadline
+            w.log(f"could not send the cross-site evaluation's scores: {exc}", "warning")
 
     def _clipped(self, parameters: Path, weights: Path, attempt_dir: Path) -> Path:
         """DP-FedAvg: the trained parameters with their delta from the global ones clipped to the task's clip norm

@@ -59,6 +59,7 @@ from interfaces.tasks.rest import (
     TaskPublicBody as TaskPublicBody,
     TASK_CREATE_VARIANTS as TASK_CREATE_VARIANTS,
     TrainedSummary as TrainedSummary,
+    CrossScore as CrossScore,
     TrainingTask as TrainingTask,
     TrainingTaskCreate as TrainingTaskCreate,
     TrainingTaskDetail as TrainingTaskDetail,
@@ -202,6 +203,7 @@ from interfaces.tasks.states import (
 )
 from interfaces.tasks.states import (
     FL_REVEAL_EVENT as FL_REVEAL_EVENT,
+    FL_EVALUATION_EVENT as FL_EVALUATION_EVENT,
 )
 from interfaces.tasks.states import (
     FL_UPDATE_EVENT as FL_UPDATE_EVENT,
@@ -304,6 +306,10 @@ from interfaces.tasks.wire import (
 )
 from interfaces.tasks.wire import (
     FlReveal as FlReveal,
+    FlEvaluation as FlEvaluation,
+    FlEvaluationOrder as FlEvaluationOrder,
+    FlScore as FlScore,
+    EVALUATED_GLOBAL as EVALUATED_GLOBAL,
 )
 from interfaces.tasks.wire import (
     FlUpdate as FlUpdate,

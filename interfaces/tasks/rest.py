@@ -249,6 +249,14 @@ class TrainedSummary(BaseModel):
     metrics: dict[str, float]
 
 
+class CrossScore(BaseModel):
+    evaluator: str = Field(description="the participant whose own data scored the model")
+    model: str = Field(description="global (the published model), or the participant whose last local model it is")
+    loss: float | None
+    num_examples: int
+    metrics: dict[str, float]
+
+
 class TensorInfo(BaseModel):
     name: str
     dtype: str
@@ -266,3 +274,4 @@ class TaskOutputs(BaseModel):
     artifacts: list[str] = Field(default_factory=list, description="ids of artefacts the task produced (models)")
     privacy: list[PrivacySpend] = Field(default_factory=list, description="incremental_training: what each worker run spent of its device's budget")
     trained: list[TrainedSummary] = Field(default_factory=list, description="training: what each site's run reported (its evaluation) and published")
+    evaluation: list[CrossScore] = Field(default_factory=list, description="federated_training with cross_evaluation: every participant's score of every model (the cross-site matrix)")

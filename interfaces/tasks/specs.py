@@ -256,6 +256,10 @@ class FederatedTrainingSpec(_In):
     eval_inputs: Id | None = Field(
         default=None, description="a dataset artefact (safetensors: x, and integer labels y) the hub scores each round's global model on (held out at the cloud)",
     )  # fmt: skip
+    cross_evaluation: bool = Field(
+        default=False, description="whole model: after the last round every participant scores the published model and every participant's last local model "
+        "(compression none, no secure aggregation) on its own data with its algorithm's evaluate; the matrix is a task output",
+    )  # fmt: skip
     output: TrainingOutput = Field(default_factory=TrainingOutput)
 
     @model_validator(mode="after")
@@ -277,7 +281,7 @@ class FederatedTrainingSpec(_In):
                 raise ValueError("async rounds are for whole models (algorithm) in this version")
             if self.dataset is None:
                 raise ValueError("a last-layer task names the dataset each device keeps")
-            whole = self._not_default(("variants", "datasets", "config", "initial_parameters", "local_fits", "limits", "compression", "topk_fraction"))
+            whole = self._not_default(("variants", "datasets", "config", "initial_parameters", "local_fits", "limits", "compression", "topk_fraction", "cross_evaluation"))
             if whole:
                 raise ValueError(f"{', '.join(whole)}: whole-model fields; a last-layer task (model) does not take them")
             return self

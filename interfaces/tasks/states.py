@@ -23,10 +23,12 @@ FL_KEY_EVENT = "fl.key"
 """``EventBody.type`` of a device's key for secure aggregation (its X25519 public key); ``data`` is an ``FlKey``."""
 FL_REVEAL_EVENT = "fl.reveal"
 """``EventBody.type`` of a survivor's pair seeds with participants that dropped after masking; ``data`` is an ``FlReveal``."""
+FL_EVALUATION_EVENT = "fl.evaluation"
+"""``EventBody.type`` of a site's scores in a whole-model task's cross-site evaluation; ``data`` is an ``FlEvaluation``."""
 TASK_TRAINED_EVENT = "task.trained"
 """``EventBody.type`` of a ``training`` worker's result (the model artefacts it published); ``data`` is a ``TrainedModel``."""
 TASK_EVENTS = frozenset({
-    TASK_WORKER_EVENT, TASK_LOG_EVENT, TASK_METRICS_EVENT, TASK_OUTPUT_EVENT, FL_UPDATE_EVENT, FL_KEY_EVENT, FL_REVEAL_EVENT, TASK_TRAINED_EVENT,
+    TASK_WORKER_EVENT, TASK_LOG_EVENT, TASK_METRICS_EVENT, TASK_OUTPUT_EVENT, FL_UPDATE_EVENT, FL_KEY_EVENT, FL_REVEAL_EVENT, FL_EVALUATION_EVENT, TASK_TRAINED_EVENT,
 })  # fmt: skip
 
 MAX_WORKERS_PER_TARGET = 64

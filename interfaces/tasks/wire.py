@@ -134,6 +134,38 @@ class AlgorithmRun(WireModel):
     publish: PublishGrant
 
 
+EVALUATED_GLOBAL = "global"
+"""The label of the published global model in a cross-site evaluation (the others: the participant whose last local
+model it is)."""
+EvaluationLabel = Annotated[str, Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")]
+
+
+class FlEvaluationOrder(WireModel):
+    """A whole-model task's cross-site evaluation, after its last round: every model named here scored on this site's
+    own data by its algorithm's ``evaluate``."""
+
+    models: dict[EvaluationLabel, InputRef] = Field(min_length=1, max_length=1_000, description="label (global, or a participant's id) -> the model's parameters (signed safetensors)")
+    run: AlgorithmRun = Field(description="this participant's algorithm, as in the rounds")
+    config: JsonObject | None = Field(default=None, description="the configuration its algorithm runs with (its variant's, else the task's)")
+    deadline_at: AwareTimestamp = Field(description="scores must reach the hub by then")
+
+
+class FlScore(WireModel):
+    """What a site's ``evaluate`` said of one model."""
+
+    loss: float | None = Field(default=None, description="None when it was not finite")
+    num_examples: int = Field(ge=0, le=INT64_MAX)
+    metrics: dict[MetricName, float] = Field(default_factory=dict, max_length=64)
+
+
+class FlEvaluation(WireModel):
+    """``data`` of an ``FL_EVALUATION_EVENT``: a site's scores of the models of its evaluation order."""
+
+    task_id: Id
+    worker_id: Id
+    scores: dict[EvaluationLabel, FlScore] = Field(min_length=1, max_length=1_000)
+
+
 class _Order(WireModel):
     """What every worker order holds; each task type's variant adds its ``type``, its ``spec`` and its kind's part."""
 
@@ -207,11 +239,15 @@ class FederatedTrainingOrder(_Order):
     type: Literal[TaskType.FEDERATED_TRAINING]
     spec: FederatedTrainingSpec
     fl: FlOrder | None = Field(default=None, description="the round in progress")
+    evaluation: FlEvaluationOrder | None = Field(default=None, description="whole model, after the last round: the cross-site evaluation")
 
     def input_refs(self) -> list[InputRef]:
+        refs = super().input_refs()
+        if self.evaluation is not None:
+            refs += [*self.evaluation.models.values(), self.evaluation.run.package]
         if self.fl is None:
-            return super().input_refs()
-        return super().input_refs() + [ref for ref in (self.fl.weights, self.fl.body, self.fl.run.package if self.fl.run else None) if ref is not None]
+            return refs
+        return refs + [ref for ref in (self.fl.weights, self.fl.body, self.fl.run.package if self.fl.run else None) if ref is not None]
 
 
 class TrainingTaskOrder(_Order):
@@ -347,7 +383,7 @@ class TrainedModel(WireModel):
     metrics: dict[MetricName, float] = Field(default_factory=dict, max_length=64, description="what evaluate() reported (accuracy, ...)")
 
 
-KindReport = WorkerOutput | FlUpdate | FlKey | FlReveal | TrainedModel
+KindReport = WorkerOutput | FlUpdate | FlKey | FlReveal | FlEvaluation | TrainedModel
 """What a worker sends that its task's kind takes (``TaskKind.accept``): a chunk's outputs, a trained layer, a
 round's update, a key, a survivor's seeds, a trained model."""
 TaskReportData = WorkerReport | WorkerLog | WorkerMetrics | KindReport

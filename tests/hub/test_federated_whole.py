@@ -264,6 +264,7 @@ def test_what_a_whole_model_task_cannot_run_with_is_refused_and_nothing_is_store
         (whole_body([device], initial_parameters=start, dp={"clip_norm": 1.0}), "dp charges each participant's privacy budget of the datasets it trains on"),
         (whole_body([device], initial_parameters=start, variants=[{"selector": "fw in (", "algorithm": TORCH_REF}]), "variant selector 'fw in ('"),
         ({**last_layer, "spec": {**last_layer_spec, "local_fits": 2}}, "local_fits: whole-model fields"),
+        ({**last_layer, "spec": {**last_layer_spec, "cross_evaluation": True}}, "cross_evaluation: whole-model fields"),
         ({**last_layer, "placement": {"target": "node"}}, "does not run on nodes"),
         ({**last_layer, "spec": {**last_layer_spec, "sync": "async"}}, "async rounds are for whole models"),
         (whole_body([device], initial_parameters=start, buffer_size=2), "buffer_size is for sync async"),

@@ -769,3 +769,31 @@ def test_whole_model_federated_task_from_the_readme(real_hub: _Hub, sqlite_hub: 
     spec = FederatedTrainingSpec.model_validate(doc["spec"])
     assert (doc["spec"]["algorithm"]["name"], spec.initial_parameters, spec.rounds, spec.local_fits, spec.output.name) == ("digits-torch-cnn", artifact_id, 5, 2, "digits-fl")
     assert [(v.selector, v.algorithm.name) for v in spec.variants] == [("framework=numpy", "digits-numpy-cnn")]
+
+
+def test_outputs_print_the_privacy_spent_and_the_cross_site_matrix() -> None:
+    # Prepare: a federated task's outputs: the published model, each device's spend, the cross-site scores
+    from interfaces.tasks import CrossScore
+
+    def score(evaluator: str, model: str, accuracy: float) -> CrossScore:
+        return CrossScore(evaluator=evaluator, model=model, loss=0.5, num_examples=90, metrics={"accuracy": accuracy})
+
+    outputs = TaskOutputs(
+        task_id="task-1", state=TaskState.SUCCEEDED, complete=True, items_total=None, items_done=None, artifacts=["art-1"],
+        evaluation=[score("dev-a", "global", 0.91), score("dev-a", "dev-a", 0.95), score("dev-a", "dev-b", 0.72), score("dev-b", "global", 0.88),
+                    score("dev-b", "dev-a", 0.61), score("dev-b", "dev-b", 0.93)],
+    ).model_dump(mode="json")  # fmt: skip
+    outputs["privacy"] = [{"device_id": "dev-a", "dataset": "digits", "state": "spent", "steps": 2, "epsilon": 1.2345}]
+    hub = ScriptedHub({("GET", "/tasks/task-1/outputs"): outputs})
+
+    # Act
+    result = CliRunner().invoke(cli.task, ["outputs", "task-1"], obj=hub.hub)
+
+    # Assert: the spend, and a row per evaluator with the global model's column first
+    assert result.exit_code == 0, result.output
+    lines = result.output.splitlines()
+    assert "artifact art-1" in lines and any("dev-a" in line and "digits" in line and "1.234" in line for line in lines), result.output
+    header = next(line for line in lines if "DATA OF (accuracy)" in line)
+    assert header.index("global") < header.index("dev-a") < header.index("dev-b"), header
+    row = next(line for line in lines if line.lstrip("│ ").startswith("dev-b") and "0.8800" in line)
+    assert row.index("0.8800") < row.index("0.6100") < row.index("0.9300"), row

@@ -148,14 +148,15 @@ def test_a_site_stopped_mid_round_is_not_waited_for_and_rejoins_from_the_new_glo
     spec = {"algorithm": ref, "variants": [{"selector": "slow=yes", "algorithm": ref, "config": {"epochs": 200, "batch_size": 4}}], "datasets": {"train": "digits-train"},
             "config": {"epochs": 1}, "initial_parameters": initial["id"], "rounds": 3, "min_participants": 2, "round_timeout_s": 20}  # fmt: skip
 
-    # Execute: the slow site is stopped while it trains round 1 and comes back at once, without the label (its next rounds
-    # are quick); round 1 closes at its deadline without it, and the hub's next round resets its training
+    # Execute: the slow site is stopped while it trains round 1 and loses the label (its next rounds are quick); round 1
+    # closes at its deadline without it, and it comes back
     task = api(stack, "POST", "/tasks", json={"type": "federated_training", "spec": spec, "heartbeat_s": 0.5, "retry": {"backoff_s": 0.5, "max_attempts": 5},
                                              "placement": {"target": "device", "ids": [d.device_id for d in devices]}})  # fmt: skip
     logs = lambda: _logs(stack, task["id"])  # noqa: E731
     wait_for(lambda: sum("round 1: the update of" in line for line in logs()) == 2, 120, interval=0.5, what="the two quick sites' round 1 updates")
     slow.stop()
     api(stack, "PATCH", f"/devices/{slow.device_id}", json={"labels": {}})
+    wait_for(lambda: any("round 1 closed with 2 of 3 participants" in line for line in logs()), 120, interval=0.5, what="round 1 closed without the slow site")
     stack.restart_device(slow)
     done = wait_for(lambda: (t := api(stack, "GET", f"/tasks/{task['id']}", "viewer"))["state"] in FINAL and t, 240, interval=0.5, what="the task final")
 
@@ -321,3 +322,28 @@ def test_dp_fedavg_over_real_sites_uploads_clipped_updates_and_charges_each_devi
     outputs = api(stack, "GET", f"/tasks/{task['id']}/outputs", "viewer")
     assert sorted((s["device_id"], s["dataset"], s["state"], s["steps"]) for s in outputs["privacy"]) == sorted((d.device_id, "digits-train", "spent", 1) for d in devices)
     assert all(s["epsilon"] > 0 for s in outputs["privacy"])
+
+
+def test_the_cross_site_evaluation_scores_the_global_and_every_local_model_on_every_sites_data(stack: DevStack, tmp_path: Path) -> None:
+    # Prepare: three numpy sites, each with its own train and test split
+    algorithm = _upload_algorithm(stack, EXAMPLES / "numpy_cnn", tmp_path)
+    initial = _initial_parameters(stack, tmp_path)
+    devices = _digits_sites(stack, tmp_path, test=True)
+    ids = sorted(d.device_id for d in devices)
+
+    # Execute: two rounds, then the cross-site evaluation
+    spec = {"algorithm": {"name": algorithm["name"], "version": algorithm["version"]}, "datasets": {"train": "digits-train", "test": "digits-test"},
+            "config": {"epochs": 1}, "initial_parameters": initial["id"], "rounds": 2, "min_participants": 3, "round_timeout_s": 120, "cross_evaluation": True}  # fmt: skip
+    task = api(stack, "POST", "/tasks", json={"type": "federated_training", "spec": spec, "heartbeat_s": 0.5,
+                                             "placement": {"target": "device", "ids": ids}})  # fmt: skip
+    done = wait_for(lambda: (t := api(stack, "GET", f"/tasks/{task['id']}", "viewer"))["state"] in FINAL and t, 300, interval=0.5, what="the task final")
+
+    # Assert: SUCCEEDED; the matrix has every cell (each site x the global model and each site's last local model)
+    logs = _logs(stack, task["id"])
+    assert done["state"] == "SUCCEEDED", (done, logs[-30:])
+    outputs = api(stack, "GET", f"/tasks/{task['id']}/outputs", "viewer")
+    cells = {(s["evaluator"], s["model"]): s for s in outputs["evaluation"]}
+    assert set(cells) == {(e, m) for e in ids for m in ["global", *ids]}, sorted(cells)
+    assert all(0 <= s["metrics"]["accuracy"] <= 1 and s["num_examples"] > 0 and s["loss"] is not None for s in cells.values())
+    assert min(cells[(e, "global")]["metrics"]["accuracy"] for e in ids) > 0.5, cells
+    assert any("cross-site evaluation done: 3 of 3 participants scored the 4 models" in line for line in logs), logs[-10:]

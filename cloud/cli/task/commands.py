@@ -296,8 +296,28 @@ def outputs(hub: _Hub, task_id: str, out: str | None, as_json: bool) -> None:
         make_console().print(table)
     for artifact_id in doc.get("artifacts") or []:
         click.echo(f"artifact {artifact_id}")
+    if doc.get("privacy"):
+        table = make_table("DEVICE", "DATASET", "STATE", "STEPS", "EPSILON")
+        for spend in doc["privacy"]:
+            table.add_row(spend["device_id"], spend.get("dataset", ""), spend["state"], str(spend.get("steps", "")), f"{spend.get('epsilon') or 0:.4g}")
+        make_console().print(table)
+    if doc.get("evaluation"):
+        _print_matrix(doc["evaluation"])
     if doc.get("content_url") and doc.get("complete"):
         click.echo(f"download: aisynergy task outputs {task_id} --out outputs.safetensors")
+
+
+def _print_matrix(scores: list[dict[str, Any]]) -> None:
+    """The cross-site evaluation: a row per participant whose data scored, a column per model (accuracy when the
+    algorithm reports one, else loss)."""
+    metric = "accuracy" if all("accuracy" in s["metrics"] for s in scores) else "loss"
+    models = sorted({s["model"] for s in scores}, key=lambda m: (m != "global", m))
+    cells = {(s["evaluator"], s["model"]): s["metrics"]["accuracy"] if metric == "accuracy" else s["loss"] for s in scores}
+    table = make_table(f"DATA OF ({metric})", *models)
+    for evaluator in sorted({s["evaluator"] for s in scores}):
+        table.add_row(evaluator, *("" if cells.get((evaluator, m)) is None else f"{cells[(evaluator, m)]:.4f}" for m in models))
+    click.echo("cross-site evaluation (rows: whose data; columns: which model)")
+    make_console().print(table)
 
 
 def _action(action: TaskAction, doc: str) -> None:
