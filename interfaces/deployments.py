@@ -251,8 +251,8 @@ class TargetKind(StrEnum):
 
 
 _EXACTLY_ONE_TARGET: list[JsonValue] = [
-    {"required": ["ids"], "properties": {"ids": {"type": "array"}, "selector": {"type": "null"}}},
-    {"required": ["selector"], "properties": {"selector": {"type": "string"}, "ids": {"type": "null"}}},
+    {"required": ["ids"], "properties": {"ids": {"type": "array", "maxItems": 10_000}, "selector": {"type": "null"}}},
+    {"required": ["selector"], "properties": {"selector": {"type": "string", "maxLength": 4096}, "ids": {"type": "null"}}},
 ]
 """The JSON Schema of the validator's rule: exactly one of ``ids`` and ``selector`` (the other absent or null)."""
 

@@ -14,7 +14,7 @@ from cloud.fl import task as fl
 from cloud.tables import FlPlan, PrivacySpendRow
 from cloud.tasks.kind import Driver, HubParts, TaskKind, Ticked
 from interfaces.tasks import (
-    FL_AGGREGATOR, FL_EVALUATION_EVENT, FL_KEY_EVENT, FL_REVEAL_EVENT, FL_UPDATE_EVENT, FederatedTrainingSpec, FlEvaluation, FlKey, FlReveal, FlUpdate, TaskOutputs, TaskType,
+    FL_AGGREGATOR, FL_EVALUATION_EVENT, FL_KEY_EVENT, FL_REVEAL_EVENT, FL_UPDATE_EVENT, FederatedTrainingSpec, FlEvaluation, FlKey, FlReveal, FlUpdate, TASK_TRAINED_EVENT, TrainedModel, TaskOutputs, TaskType,
 )  # fmt: skip
 
 if TYPE_CHECKING:
@@ -29,7 +29,7 @@ if TYPE_CHECKING:
 
 class FederatedTraining(TaskKind):
     type: ClassVar[TaskType] = TaskType.FEDERATED_TRAINING
-    events: ClassVar[frozenset[str]] = frozenset({FL_UPDATE_EVENT, FL_KEY_EVENT, FL_REVEAL_EVENT, FL_EVALUATION_EVENT})
+    events: ClassVar[frozenset[str]] = frozenset({FL_UPDATE_EVENT, FL_KEY_EVENT, FL_REVEAL_EVENT, FL_EVALUATION_EVENT, TASK_TRAINED_EVENT})
     node_roles: ClassVar[frozenset[str]] = frozenset({FL_AGGREGATOR})
 
     def admit(self, session: Session, task: Task, spec: BaseModel, placement: Placement, hub: HubParts) -> BaseModel:
@@ -44,7 +44,8 @@ class FederatedTraining(TaskKind):
 
         plan = session.get(FlPlan, task.id)
         evaluation = whole.evaluation_order(session, task, plan, worker, signing) if plan is not None else None
-        return order.model_copy(update={"fl": fl.fl_order(session, task, worker, signing), "evaluation": evaluation})
+        export = whole.export_order(session, task, plan, worker, signing) if plan is not None else None
+        return order.model_copy(update={"fl": fl.fl_order(session, task, worker, signing), "evaluation": evaluation, "export": export})
 
     def companion_roles(self, task: Task) -> tuple[str, str] | None:
         """Hierarchical rounds of a decomposable strategy: an aggregator on the edge node of each device."""
@@ -69,6 +70,10 @@ class FederatedTraining(TaskKind):
             from cloud.fl import whole
 
             outcome = whole.accept_evaluation(session, task, target_kind, target_id, data)
+        elif isinstance(data, TrainedModel):  # the ONNX export of the published model (then_deploy)
+            from cloud.fl import whole
+
+            outcome = whole.accept_export(session, task, target_kind, target_id, data)
         else:
             return super().accept(session, task, worker, target_kind, target_id, data, at)
         return outcome, outcome == "accepted"
@@ -83,7 +88,10 @@ class FederatedTraining(TaskKind):
         from cloud.fl import whole
 
         scores = whole.matrix(plan) if plan is not None else []
-        return outputs.model_copy(update={"artifacts": artifacts, "privacy": [spend_to_wire(r) for r in spends], "complete": bool(artifacts), "evaluation": scores})
+        onnx, deployment = whole.deployment_of(plan) if plan is not None else (None, None)
+        artifacts += [onnx] if onnx else []
+        return outputs.model_copy(update={"artifacts": artifacts, "privacy": [spend_to_wire(r) for r in spends], "complete": bool(artifacts), "evaluation": scores,
+                                          "deployments": [deployment] if deployment else []})  # fmt: skip
 
     def forget(self, session: Session, task_id: str) -> None:
         fl.forget(session, task_id)

@@ -317,14 +317,18 @@ def drive(session: Session, task: Task, at: datetime, driver: Driver, blobs: Any
     spec = spec_of(task)
     if plan.round > spec.rounds:
         if plan.published_artifact_id:
-            if spec.whole and spec.cross_evaluation:
-                running = sorted({w.target_id for w in active_workers(session, task.id) if w.role != FL_AGGREGATOR and w.state in {s.value for s in WORKER_ACTIVE}})
-                phase = whole.evaluated(session, task, plan, spec, running, at, driver)
+            running = sorted({w.target_id for w in active_workers(session, task.id) if w.role != FL_AGGREGATOR and w.state in {s.value for s in WORKER_ACTIVE}})
+            for wanted, step in ((spec.whole and spec.then_deploy is not None, whole.exported), (spec.whole and spec.cross_evaluation, whole.evaluated)):
+                phase = step(session, task, plan, spec, running, at, driver) if wanted else "done"
                 if phase != "done":
                     done.orders |= phase == "opened"
                     done.changed |= phase == "opened"
                     return done
-            driver.finish(TaskState.SUCCEEDED, f"{spec.rounds} rounds done; published {plan.published_artifact_id}")
+            onnx, deployment = whole.deployment_of(plan)
+            if spec.whole and spec.then_deploy is not None and onnx is not None and deployment is None and whole.WholePlan.of(plan).export.why_not is None:  # type: ignore[union-attr]
+                driver.wait(f"starting the deployment of {onnx}")
+                return done
+            driver.finish(TaskState.SUCCEEDED, f"{spec.rounds} rounds done; published {plan.published_artifact_id}" + (f"; deployment {deployment} started" if deployment else ""))
         else:
             driver.wait("publishing the trained model")
         return done
@@ -544,6 +548,11 @@ def prepare(engine: Engine, signing: Any, blobs: Any) -> int:
             whole.vet_waiting(session, blobs, datetime.now(UTC))
     except Exception:  # noqa: BLE001 - tried again on the next tick (and by drive before a round closes)
         log.exception("reading federated updates through failed")
+    try:
+        with Session(engine) as session:
+            whole.deploy_waiting(session, datetime.now(UTC))
+    except Exception:  # noqa: BLE001 - tried again on the next tick
+        log.exception("starting the deployment of a federated model failed")
     try:
         with Session(engine) as session:
             whole.sweep(session, blobs)

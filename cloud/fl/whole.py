@@ -102,6 +102,19 @@ class EvaluationPhase(BaseModel):
     done: bool = False
 
 
+class ExportPhase(BaseModel):
+    """The ONNX export of the published model (a task with ``then_deploy``) and the deployment of it."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    exporter: str | None = Field(description="the participant asked to export; None: none was running")
+    deadline_at: datetime
+    onnx_artifact_id: str | None = None
+    done: bool = False
+    deployment_id: str | None = None
+    why_not: str | None = Field(default=None, description="why nothing was deployed")
+
+
 class WholePlan(BaseModel):
     """What a whole-model plan keeps beside the rounds (``fl_plans.layer`` as ``{"whole": ...}``)."""
 
@@ -115,6 +128,7 @@ class WholePlan(BaseModel):
     examples: dict[str, int] = Field(default_factory=dict, description="secure: each participant's examples, as its latest update counted them")
     weights: dict[str, int] = Field(default_factory=dict, description="secure: what each participant of the attempt in progress counts for")
     evaluation: EvaluationPhase | None = None
+    export: ExportPhase | None = None
 
     @classmethod
     def of(cls, plan: FlPlan) -> WholePlan:
@@ -254,16 +268,18 @@ def candidates(session: Session, task: Task, found: Any) -> Any:
 # --- orders ----------------------------------------------------------------------------------------
 
 
-def run_for(session: Session, task: Task, plan_row: FlPlan, worker: TaskWorker, signing: Any, deadline: datetime | None = None) -> tuple[AlgorithmRun, dict[str, Any]]:
+def run_for(session: Session, task: Task, plan_row: FlPlan, worker: TaskWorker, signing: Any, deadline: datetime | None = None,
+            grant: tuple[str, str] | None = None) -> tuple[AlgorithmRun, dict[str, Any]]:  # fmt: skip
     """The participant's algorithm, its limits and the grant for its update of the round attempt in progress (``deadline``:
-    another than the round's, the cross-site evaluation's), and the configuration it runs with."""
+    another than the round's, the last phases'; ``grant``: another model, name and version), and the configuration it
+    runs with."""
     from cloud.artifacts import task_input
 
     spec = FederatedTrainingSpec.model_validate(task.spec)
     plan = WholePlan.of(plan_row)
     chosen = algorithm_for(plan, labels_of(session, worker.target_kind, worker.target_id))
     manifest = AlgorithmManifest.model_validate(chosen.manifest)
-    name, version = update_identity(task.id, worker.target_id, plan_row.round, max(1, plan_row.attempt))
+    name, version = grant or update_identity(task.id, worker.target_id, plan_row.round, max(1, plan_row.attempt))
     deadline = deadline or plan_row.deadline_at
     expires = int(deadline.timestamp() if deadline is not None else time.time()) + GRANT_TTL_S  # one token per round attempt: the order stays the same
     claims = PublishClaims(task_id=task.id, worker_id=worker.id, target_id=worker.target_id, names=[name], version=version, exp=expires)
@@ -584,11 +600,19 @@ def evaluated(session: Session, task: Task, plan_row: FlPlan, spec: FederatedTra
     return "waiting"
 
 
+def _reporters_plan(session: Session, task: Task, kind: str, target_id: str, worker_id: str) -> FlPlan | None:
+    """The task's whole-model plan, locked, when ``worker_id`` is the task's worker on that target; else None."""
+    plan_row = session.get(FlPlan, task.id, with_for_update=True)
+    worker = session.get(TaskWorker, worker_id)
+    if plan_row is None or not is_whole(plan_row) or worker is None or worker.task_id != task.id or (worker.target_kind, worker.target_id) != (kind, target_id):
+        return None
+    return plan_row
+
+
 def accept_evaluation(session: Session, task: Task, kind: str, target_id: str, data: Any) -> str:
     """A participant's scores of the evaluation's models: accepted once, from an evaluator's worker, for those models."""
-    plan_row = session.get(FlPlan, task.id, with_for_update=True)
-    worker = session.get(TaskWorker, data.worker_id)
-    if plan_row is None or not is_whole(plan_row) or worker is None or worker.task_id != task.id or (worker.target_kind, worker.target_id) != (kind, target_id):
+    plan_row = _reporters_plan(session, task, kind, target_id, data.worker_id)
+    if plan_row is None:
         return "refused"
     plan = WholePlan.of(plan_row)
     phase = plan.evaluation
@@ -629,3 +653,149 @@ def matrix(plan_row: FlPlan) -> list[Any]:
         return []
     return [CrossScore(evaluator=evaluator, model=label, loss=score.get("loss"), num_examples=int(score.get("num_examples", 0)), metrics=dict(score.get("metrics", {})))
             for evaluator, scores in sorted(phase.scores.items()) for label, score in sorted(scores.items())]  # fmt: skip
+
+
+# --- the ONNX export and its deployment (then_deploy) ---------------------------------------------------
+
+
+def _aware(at: datetime) -> datetime:
+    return at if at.tzinfo else at.replace(tzinfo=UTC)
+
+
+def exported(session: Session, task: Task, plan_row: FlPlan, spec: FederatedTrainingSpec, running: list[str], at: datetime, driver: Any) -> str:
+    """With ``then_deploy``, after the model is published: ask one running participant to export it as ONNX with its
+    algorithm, and wait for the export until its deadline: "opened", "waiting", "done"."""
+    from cloud.tasks.lifecycle import hub_log
+
+    plan = WholePlan.of(plan_row)
+    phase = plan.export
+    if phase is None:
+        exporter = sorted(running)[0] if running else None
+        phase = plan.export = ExportPhase(exporter=exporter, deadline_at=at + timedelta(seconds=spec.round_timeout_s))
+        if exporter is None:
+            phase.done, phase.why_not = True, "no participant was running to export the model as ONNX"
+        plan.put(plan_row)
+        session.add(plan_row)
+        session.flush()
+        if exporter is None:
+            hub_log(session, task.id, f"not deployed: {phase.why_not}", "warning", at=at)
+            return "done"
+        driver.put_orders()
+        hub_log(session, task.id, f"{exporter} exports the published model as ONNX (deadline in {spec.round_timeout_s:g} s)", at=at)
+        driver.wait(f"{exporter} exports the published model as ONNX")
+        return "opened"
+    if phase.done:
+        return "done"
+    if at >= _aware(phase.deadline_at):
+        phase.done, phase.why_not = True, f"{phase.exporter} did not export the model by the deadline"
+        plan.put(plan_row)
+        session.add(plan_row)
+        hub_log(session, task.id, f"not deployed: {phase.why_not}", "warning", at=at)
+        return "done"
+    driver.wait(f"{phase.exporter} exports the published model as ONNX")
+    return "waiting"
+
+
+def export_order(session: Session, task: Task, plan_row: FlPlan, worker: TaskWorker, signing: Any) -> Any:
+    """The exporter's order part (None for everyone else, or once the export is done)."""
+    from cloud.artifacts import task_input
+    from interfaces.tasks import FlExportOrder
+
+    phase = WholePlan.of(plan_row).export if is_whole(plan_row) else None
+    if phase is None or phase.done or worker.target_id != phase.exporter or plan_row.published_artifact_id is None:
+        return None
+    spec = FederatedTrainingSpec.model_validate(task.spec)
+    assert spec.output.name is not None and spec.output.version is not None
+    deadline = _aware(phase.deadline_at)
+    run, config = run_for(session, task, plan_row, worker, signing, deadline, grant=(spec.output.name, spec.output.version))
+    parameters = task_input(session, plan_row.published_artifact_id, worker.target_id, signing, f"task {task.id}'s published")
+    return FlExportOrder(parameters=parameters, run=run, config=config, deadline_at=deadline)
+
+
+def accept_export(session: Session, task: Task, kind: str, target_id: str, data: Any) -> str:
+    """The exporter's ONNX model (or none: its algorithm does not export): the granted name and version, in ONNX."""
+    from cloud.tasks.lifecycle import hub_log
+
+    plan_row = _reporters_plan(session, task, kind, target_id, data.worker_id)
+    if plan_row is None:
+        return "refused"
+    plan = WholePlan.of(plan_row)
+    phase = plan.export
+    if phase is None or phase.exporter != target_id or data.parameters != plan_row.published_artifact_id:
+        return "refused"
+    if phase.done:
+        return "late"
+    spec = FederatedTrainingSpec.model_validate(task.spec)
+    if data.onnx is None:
+        phase.why_not = f"{spec.algorithm.name if spec.algorithm else 'the algorithm'} of {target_id} has no export"
+    else:
+        artifact = session.get(Artifact, data.onnx)
+        wanted = (ArtifactKind.MODEL.value, spec.output.name, spec.output.version, ArtifactFormat.ONNX.value)
+        if artifact is None or (artifact.kind, artifact.name, artifact.version, artifact.format) != wanted:
+            hub_log(session, task.id, f"refused the ONNX export of {target_id}: artefact {data.onnx} is not the model {spec.output.name} {spec.output.version} in ONNX", "warning")
+            return "refused"
+        phase.onnx_artifact_id = artifact.id
+    phase.done = True
+    plan.put(plan_row)
+    session.add(plan_row)
+    hub_log(session, task.id, f"exported as ONNX: {phase.onnx_artifact_id}" if phase.onnx_artifact_id else f"not deployed: {phase.why_not}", "info" if phase.onnx_artifact_id else "warning")
+    return "accepted"
+
+
+def deploy_waiting(session: Session, at: datetime) -> int:
+    """Start the ``then_deploy`` deployment of each active task whose ONNX export is in and not deployed yet (the hub's
+    tick, own transactions: creating a deployment commits); how many were started. A deployment named after the task
+    that exists already (started before a restart) is the task's."""
+    from cloud.errors import ApiError
+    from cloud.services import deployments
+    from cloud.tables import Deployment
+    from cloud.tasks.lifecycle import hub_log
+    from interfaces.deployments import DeploymentCreate
+    from interfaces.tasks import TASK_ACTIVE
+
+    waiting = session.execute(
+        select(FlPlan.task_id).join(Task, Task.id == FlPlan.task_id).where(  # type: ignore[arg-type,call-overload]
+            Task.state.in_([s.value for s in TASK_ACTIVE]), FlPlan.published_artifact_id.is_not(None)  # type: ignore[attr-defined,union-attr]
+        )
+    ).scalars().all()  # fmt: skip
+    started = 0
+    for task_id in waiting:
+        task, plan_row = session.get(Task, task_id), session.get(FlPlan, task_id)
+        if task is None or plan_row is None or not is_whole(plan_row):
+            continue
+        spec = FederatedTrainingSpec.model_validate(task.spec)
+        phase = WholePlan.of(plan_row).export
+        then = spec.then_deploy
+        if then is None or phase is None or phase.onnx_artifact_id is None or phase.deployment_id is not None or phase.why_not is not None:
+            continue
+        name = f"{task.id} {spec.output.name} {spec.output.version}"[:128]
+        body = DeploymentCreate(artifact_id=phase.onnx_artifact_id, target=then.target, strategy=then.strategy, max_failure_percent=then.max_failure_percent,
+                                failure_policy=then.failure_policy, timeout_s=then.timeout_s, name=name)  # fmt: skip
+        why, deployment_id = None, session.execute(select(Deployment.id).where(Deployment.name == name)).scalars().first()  # type: ignore[arg-type,call-overload]
+        if deployment_id is None:
+            try:
+                deployment_id = deployments.create(session, body).id  # commits
+            except ApiError as exc:
+                session.rollback()
+                why = f"the deployment was refused: {exc}"
+        plan_row = session.get(FlPlan, task_id, with_for_update=True)
+        if plan_row is None:
+            continue
+        plan = WholePlan.of(plan_row)
+        assert plan.export is not None
+        plan.export.deployment_id, plan.export.why_not = deployment_id, why
+        plan.put(plan_row)
+        session.add(plan_row)
+        if why is None:
+            hub_log(session, task_id, f"deployment {deployment_id} of {spec.output.name} {spec.output.version} (ONNX {plan.export.onnx_artifact_id}) started: {then.strategy.type}", at=at)
+            started += 1
+        else:
+            hub_log(session, task_id, f"not deployed: {why}", "warning", at=at)
+        session.commit()
+    return started
+
+
+def deployment_of(plan_row: FlPlan) -> tuple[str | None, str | None]:
+    """The ONNX export's artefact and the deployment the task started (either may be None)."""
+    phase = WholePlan.of(plan_row).export if is_whole(plan_row) else None
+    return (phase.onnx_artifact_id, phase.deployment_id) if phase is not None else (None, None)

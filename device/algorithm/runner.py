@@ -17,7 +17,9 @@ runner then
    ``export``), and sends the result.
 
 A job with ``evaluate`` (label -> parameters file; a whole-model task's cross-site evaluation) only builds the
-client and scores each file with ``evaluate``: one ``evaluated`` frame each, then the result.
+client and scores each file with ``evaluate``: one ``evaluated`` frame each, then the result. One with
+``export_from`` (a federated task's published parameters) only writes ``model.onnx`` from them when the client has
+``export``; its result names it (or no ONNX).
 
 Frames go to the agent as JSON lines on a pipe of their own (its descriptor in ``AISYNERGY_FRAMES_FD``) (the algorithm's own stdout and stderr are its log
 lines): ``{"type": "started" | "step" | "checkpoint" | "result" | "error", ...}``. Exit status 0 after a result, 3
@@ -62,6 +64,7 @@ class Job(BaseModel):
     initial_parameters: str | None = Field(default=None, max_length=4096)
     export: bool = True
     evaluate: dict[str, str] = Field(default_factory=dict, max_length=1_000, description="score these parameter files (label -> path) instead of training")
+    export_from: str | None = Field(default=None, max_length=4096, description="export these parameters (a file) as ONNX instead of training")
     private_dir: str | None = Field(default=None, max_length=4096, description="the agent's data directory: unreadable to the algorithm (where the kernel has Landlock) but for its package, its datasets and its own directory")
 
 
@@ -155,6 +158,18 @@ def run(job: Job, work: Path, frames: _Frames, confinement: str = "audit hook") 
     from device.algorithm.loader import load_client
 
     _, client = load_client(Path(job.package_dir), job.config, {k: Path(v) for k, v in job.datasets.items()})
+    if job.export_from is not None:  # a federated task's published model as ONNX, when the client exports
+        out = work / OUTPUT_DIR
+        out.mkdir(exist_ok=True)
+        onnx = None
+        if callable(getattr(client, "export", None)):
+            data = client.export(load_parameters(Path(job.export_from)))
+            if not isinstance(data, bytes | bytearray) or not data:
+                raise AlgorithmError(f"export() returned {type(data).__name__}; it returns the ONNX model's bytes")
+            (out / ONNX_FILE).write_bytes(bytes(data))
+            onnx = ONNX_FILE
+        frames.send("result", resumed_from=0, steps=0, loss=0.0, num_examples=0, metrics={}, parameters=PARAMETERS_FILE, onnx=onnx)
+        return
     if job.evaluate:  # a cross-site evaluation: each model scored on this site's data, nothing trained or written
         for label, path in job.evaluate.items():
             scored = checked_evaluate(client, load_parameters(Path(path)), {"round": 0})
@@ -205,7 +220,8 @@ def main() -> int:
     sys.path.insert(0, job.package_dir)
     confine_writes(work)
     try:
-        readable = [Path(job.package_dir), *map(Path, job.datasets.values()), *map(Path, job.evaluate.values())] + ([Path(job.initial_parameters)] if job.initial_parameters else [])
+        readable = [Path(job.package_dir), *map(Path, job.datasets.values()), *map(Path, job.evaluate.values())]
+        readable += [Path(p) for p in (job.initial_parameters, job.export_from) if p]
         version = landlock.confine([work], hidden=Path(job.private_dir) if job.private_dir else None, readable=readable)
     except OSError as exc:  # the kernel has Landlock and refused: the algorithm does not run unconfined
         frames.send("error", kind="raised", message=f"the site could not confine the algorithm: {exc}")

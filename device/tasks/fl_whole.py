@@ -38,7 +38,8 @@ from device.tasks.secure import PairMasks
 from device.tasks.training import PACKAGE_DIR, _detail, _metric_name, _one_at_a_time, _watch, unpack_admitted
 from device.tasks.worker import Failed, Rejected, Worker
 from interfaces.tasks import (
-    FL_EVALUATION_EVENT, FL_UPDATE_EVENT, AlgorithmRun, FederatedTrainingOrder, FederatedTrainingSpec, FlEvaluation, FlEvaluationOrder, FlOrder, FlScore, FlUpdate,
+    FL_EVALUATION_EVENT, FL_UPDATE_EVENT, TASK_TRAINED_EVENT, AlgorithmRun, FederatedTrainingOrder, FederatedTrainingSpec, FlEvaluation, FlEvaluationOrder,
+    FlExportOrder, FlOrder, FlScore, FlUpdate, TrainedModel,
 )  # fmt: skip
 
 IDLE_WAIT_S = 5.0
@@ -74,6 +75,7 @@ class _Site:
         self.metrics: dict[str, float] = {"rounds": 0.0}
         self.masks = PairMasks(worker)  # secure aggregation
         self.scored = False  # the cross-site evaluation is done here
+        self.exported = False  # the ONNX export of the published model (then_deploy) is done here
 
     def _sample(self) -> dict[str, float]:
         with self._lock:
@@ -94,6 +96,9 @@ class _Site:
                     self.masks.send_key()
                 while w.checkpoint():
                     order = w.order_as(FederatedTrainingOrder)
+                    if order.export is not None and not self.exported:
+                        self._export(order.export)
+                        continue
                     if order.evaluation is not None and not self.scored:
                         self._evaluate(order.evaluation)
                         continue
@@ -157,6 +162,43 @@ class _Site:
         staged = attempt_dir / FEEDBACK_FILE
         save_file(feedback, str(staged))
         return out, staged
+
+    def _export(self, export: FlExportOrder) -> None:
+        """The published parameters as ONNX by this site's algorithm (when it has ``export``), uploaded with the
+        order's grant and reported (``task.trained``, ``onnx`` None when the algorithm does not export)."""
+        from device.algorithm.runner import Job
+        from device.algorithm.runtime import AlgorithmFailed, Limits, run_worker
+        from device.upload import UploadError
+
+        w, run = self.worker, export.run
+        self.exported = True
+        package = self._package_of(run)
+        directory = self.home / "export"
+        shutil.rmtree(directory, ignore_errors=True)
+        parameters = w.fetch_inputs(export.parameters)
+        config = dict(export.config) if export.config is not None else dict(self.spec.config)
+        job = Job(package_dir=str(package), datasets=self.datasets, config=config, steps=1, export=True, export_from=str(parameters),
+                  private_dir=str(self.site.private) if self.site.private else None)  # fmt: skip
+        limits = Limits(cpu_cores=run.cpu_cores, memory_bytes=run.memory_bytes, timeout_s=run.timeout_s, accelerators=tuple(run.accelerators))
+        try:
+            finished = run_worker(f"{w.worker_id}-export", directory / "work", job, limits, on_log=lambda stream, line: w.log(line, "warning" if stream == "stderr" else "info"))
+        except AlgorithmFailed as exc:
+            raise Failed(f"exporting the published model failed: {_detail(exc)}") from None
+        onnx = None
+        if finished.onnx is not None:
+            grant = run.publish
+            try:
+                onnx = self.site.publish(finished.onnx, grant.names[0], grant.version, "onnx", grant.token, directory / "upload.json")
+            except UploadError as exc:
+                w.log(f"the ONNX export could not be uploaded ({exc})", "warning")
+                return
+        w.log(f"the published model exported as ONNX: {onnx}" if onnx else f"{run.manifest.name} {run.manifest.version} has no export: no ONNX model")
+        report = TrainedModel(task_id=w.task_id, worker_id=w.worker_id, parameters=export.parameters.artifact_id, onnx=onnx, steps=self.spec.rounds,
+                              resumed_from=0, num_examples=0, loss=0.0)  # fmt: skip
+        try:
+            w.event(TASK_TRAINED_EVENT, report)
+        except Exception as exc:  # noqa: BLE001 - not connected: the hub goes on without it at the deadline
+            w.log(f"could not report the ONNX export: {exc}", "warning")
 
     def _evaluate(self, evaluation: FlEvaluationOrder) -> None:
         """The cross-site evaluation: every model of the order scored on this site's datasets by its algorithm's

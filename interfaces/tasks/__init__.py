@@ -308,6 +308,7 @@ from interfaces.tasks.wire import (
     FlReveal as FlReveal,
     FlEvaluation as FlEvaluation,
     FlEvaluationOrder as FlEvaluationOrder,
+    FlExportOrder as FlExportOrder,
     FlScore as FlScore,
     EVALUATED_GLOBAL as EVALUATED_GLOBAL,
 )

@@ -275,3 +275,4 @@ class TaskOutputs(BaseModel):
     privacy: list[PrivacySpend] = Field(default_factory=list, description="incremental_training: what each worker run spent of its device's budget")
     trained: list[TrainedSummary] = Field(default_factory=list, description="training: what each site's run reported (its evaluation) and published")
     evaluation: list[CrossScore] = Field(default_factory=list, description="federated_training with cross_evaluation: every participant's score of every model (the cross-site matrix)")
+    deployments: list[str] = Field(default_factory=list, description="federated_training with then_deploy: the deployment of the ONNX export it started (GET /deployments/{id})")

@@ -9,7 +9,7 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from interfaces.deployments import ArtifactName, TargetKind, Version
+from interfaces.deployments import AllAtOnce, ArtifactName, DeploymentTarget, FailurePolicy, Strategy, TargetKind, Version
 from interfaces.privacy import DatasetName, Delta, Epsilon
 from interfaces.resources import AcceleratorType
 from interfaces.strict import BY_VALUE, INT64_MAX, JsonObject
@@ -190,6 +190,17 @@ class FlVariant(_In):
     config: JsonObject | None = Field(default=None, description="its configuration (checked against its config_schema); none: the task's")
 
 
+class ThenDeploy(_In):
+    """A deployment of a whole-model task's ONNX export, started by the hub once the task's model is published
+    (``DeploymentCreate`` without the artefact)."""
+
+    target: DeploymentTarget
+    strategy: Strategy = Field(default_factory=AllAtOnce)
+    max_failure_percent: float = Field(default=0, ge=0, le=100)
+    failure_policy: Annotated[FailurePolicy, BY_VALUE] = FailurePolicy.HALT
+    timeout_s: int = Field(default=600, ge=1, le=7 * 24 * 3600, description="per target, from its release to ACTIVE")
+
+
 LAYER_ONLY = ("local_steps", "batch_size", "learning_rate", "layer", "eval_inputs")
 """Fields of the last-layer mode that a whole-model task (``algorithm``) does not take."""
 
@@ -260,6 +271,9 @@ class FederatedTrainingSpec(_In):
         default=False, description="whole model: after the last round every participant scores the published model and every participant's last local model "
         "(compression none, no secure aggregation) on its own data with its algorithm's evaluate; the matrix is a task output",
     )  # fmt: skip
+    then_deploy: ThenDeploy | None = Field(
+        default=None, description="whole model: once published, its ONNX export (a participant's algorithm exports it) goes to these targets, as a deployment the hub starts",
+    )  # fmt: skip
     output: TrainingOutput = Field(default_factory=TrainingOutput)
 
     @model_validator(mode="after")
@@ -281,7 +295,7 @@ class FederatedTrainingSpec(_In):
                 raise ValueError("async rounds are for whole models (algorithm) in this version")
             if self.dataset is None:
                 raise ValueError("a last-layer task names the dataset each device keeps")
-            whole = self._not_default(("variants", "datasets", "config", "initial_parameters", "local_fits", "limits", "compression", "topk_fraction", "cross_evaluation"))
+            whole = self._not_default(("variants", "datasets", "config", "initial_parameters", "local_fits", "limits", "compression", "topk_fraction", "cross_evaluation", "then_deploy"))
             if whole:
                 raise ValueError(f"{', '.join(whole)}: whole-model fields; a last-layer task (model) does not take them")
             return self

@@ -150,6 +150,16 @@ class FlEvaluationOrder(WireModel):
     deadline_at: AwareTimestamp = Field(description="scores must reach the hub by then")
 
 
+class FlExportOrder(WireModel):
+    """A whole-model task's published parameters to export as ONNX with this participant's algorithm (when it has
+    ``export``): upload the model with the grant of ``run`` and report it (``TASK_TRAINED_EVENT``)."""
+
+    parameters: InputRef = Field(description="the published parameters (signed safetensors)")
+    run: AlgorithmRun = Field(description="this participant's algorithm; its publish grant names the ONNX model")
+    config: JsonObject | None = None
+    deadline_at: AwareTimestamp
+
+
 class FlScore(WireModel):
     """What a site's ``evaluate`` said of one model."""
 
@@ -240,11 +250,14 @@ class FederatedTrainingOrder(_Order):
     spec: FederatedTrainingSpec
     fl: FlOrder | None = Field(default=None, description="the round in progress")
     evaluation: FlEvaluationOrder | None = Field(default=None, description="whole model, after the last round: the cross-site evaluation")
+    export: FlExportOrder | None = Field(default=None, description="whole model, after the last round: export the published model as ONNX")
 
     def input_refs(self) -> list[InputRef]:
         refs = super().input_refs()
         if self.evaluation is not None:
             refs += [*self.evaluation.models.values(), self.evaluation.run.package]
+        if self.export is not None:
+            refs += [self.export.parameters, self.export.run.package]
         if self.fl is None:
             return refs
         return refs + [ref for ref in (self.fl.weights, self.fl.body, self.fl.run.package if self.fl.run else None) if ref is not None]

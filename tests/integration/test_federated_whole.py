@@ -347,3 +347,32 @@ def test_the_cross_site_evaluation_scores_the_global_and_every_local_model_on_ev
     assert all(0 <= s["metrics"]["accuracy"] <= 1 and s["num_examples"] > 0 and s["loss"] is not None for s in cells.values())
     assert min(cells[(e, "global")]["metrics"]["accuracy"] for e in ids) > 0.5, cells
     assert any("cross-site evaluation done: 3 of 3 participants scored the 4 models" in line for line in logs), logs[-10:]
+
+
+def test_then_deploy_exports_the_published_model_as_onnx_and_its_canary_deployment_succeeds(stack: DevStack, tmp_path: Path) -> None:
+    # Prepare: three numpy sites (the numpy example exports ONNX)
+    algorithm = _upload_algorithm(stack, EXAMPLES / "numpy_cnn", tmp_path)
+    initial = _initial_parameters(stack, tmp_path)
+    devices = _digits_sites(stack, tmp_path)
+    ids = sorted(d.device_id for d in devices)
+
+    # Execute: one round, then the export and a canary deployment of it to the three devices
+    then = {"target": {"kind": "device", "ids": ids}, "strategy": {"type": "canary", "percent": 34}, "timeout_s": 120}
+    spec = {"algorithm": {"name": algorithm["name"], "version": algorithm["version"]}, "datasets": {"train": "digits-train"}, "config": {"epochs": 1},
+            "initial_parameters": initial["id"], "rounds": 1, "min_participants": 3, "round_timeout_s": 120, "then_deploy": then, "output": {"name": "digits-deployed"}}  # fmt: skip
+    task = api(stack, "POST", "/tasks", json={"type": "federated_training", "spec": spec, "heartbeat_s": 0.5, "placement": {"target": "device", "ids": ids}})
+    done = wait_for(lambda: (t := api(stack, "GET", f"/tasks/{task['id']}", "viewer"))["state"] in FINAL and t, 300, interval=0.5, what="the task final")
+
+    # Assert: SUCCEEDED; the outputs list the parameters, the ONNX export and the deployment, which SUCCEEDS
+    logs = _logs(stack, task["id"])
+    assert done["state"] == "SUCCEEDED", (done, logs[-30:])
+    outputs = api(stack, "GET", f"/tasks/{task['id']}/outputs", "viewer")
+    models = {a: api(stack, "GET", f"/artifacts/{a}", "viewer") for a in outputs["artifacts"]}
+    assert sorted((m["name"], m["format"]) for m in models.values()) == [("digits-deployed", "onnx"), ("digits-deployed-parameters", "safetensors")]
+    (deployment_id,) = outputs["deployments"]
+    assert any(f"deployment {deployment_id}" in line and "canary" in line for line in logs), logs[-10:]
+    deployment = wait_for(lambda: (d := api(stack, "GET", f"/deployments/{deployment_id}", "viewer"))["state"] in {"SUCCEEDED", "FAILED", "CANCELED", "ROLLED_BACK"} and d,
+                          240, interval=0.5, what="the deployment final")  # fmt: skip
+    assert deployment["state"] == "SUCCEEDED", deployment
+    onnx = next(a for a, m in models.items() if m["format"] == "onnx")
+    assert deployment["artifact_id"] == onnx and deployment["batches"] == 2, deployment
