@@ -932,3 +932,58 @@ def test_dp_fedavg_on_whole_models_clips_each_update_adds_the_noise_and_charges_
     accountant.compose(dp_accounting.GaussianDpEvent(z), 2)
     for spend in outputs["privacy"]:
         assert spend["epsilon"] == pytest.approx(accountant.get_epsilon(1e-5), rel=1e-3)
+
+
+# --- after the last round: the ONNX export, the cross-site evaluation ------------------------------
+
+
+def test_after_the_last_round_the_export_and_the_evaluation_each_wait_until_their_deadline_and_the_task_succeeds(
+    sqlite_fleet: TaskFleet, packages: dict[Path, bytes],
+) -> None:  # fmt: skip
+    # Prepare: two devices, one round, then_deploy and cross_evaluation
+    from interfaces.tasks import FL_EVALUATION_EVENT, TASK_TRAINED_EVENT, FlEvaluation, FlScore, TrainedModel
+
+    fleet = sqlite_fleet
+    gw = fleet.node()
+    upload_algorithm(fleet, packages, TORCH)
+    start = initial(fleet)
+    a, b = sorted(site_device(fleet, gw) for _ in range(2))
+    then = {"target": {"kind": "device", "ids": [a, b]}, "strategy": {"type": "canary", "percent": 50}}
+    task = federate(fleet, [a, b], rounds=1, initial_parameters=start.id, min_participants=2, then_deploy=then, cross_evaluation=True)
+    workers = started(fleet, task["id"])
+    answer(fleet, workers, 1, {a: (parameters(1), 10), b: (parameters(2), 30)})
+    for _ in range(3):
+        fleet.tick()
+
+    # Assert 1: the model is published; only the first participant is asked to export it, with a grant for the ONNX model
+    plan = plan_of(fleet, task["id"])
+    assert plan.published_artifact_id is not None and fleet.task(task["id"])["state"] == "RUNNING"
+    export = order_for(fleet, workers[a]).export
+    assert export is not None and export.parameters.artifact_id == plan.published_artifact_id
+    assert (export.run.publish.names, export.run.publish.version) == (["digits-torch-cnn"], "1.0.0")
+    assert order_for(fleet, workers[b]).export is None
+
+    # Execute 2: its algorithm has no export (the report says so); the evaluation opens; only b scores
+    fleet.send(a, TASK_TRAINED_EVENT, TrainedModel(task_id=task["id"], worker_id=workers[a]["id"], parameters=plan.published_artifact_id, onnx=None, steps=1,
+                                                   resumed_from=0, num_examples=0, loss=0.0))  # fmt: skip
+    fleet.tick()
+    evaluation = order_for(fleet, workers[b]).evaluation
+    assert evaluation is not None and set(evaluation.models) == {"global", a, b}
+    score = FlScore(loss=0.4, num_examples=50, metrics={"accuracy": 0.8})
+    fleet.send(b, FL_EVALUATION_EVENT, FlEvaluation(task_id=task["id"], worker_id=workers[b]["id"], scores={m: score for m in evaluation.models}))
+    fleet.send(b, FL_EVALUATION_EVENT, FlEvaluation(task_id=task["id"], worker_id=workers[b]["id"], scores={"global": score}))
+    fleet.tick()
+    assert fleet.task(task["id"])["state"] == "RUNNING"  # a has not scored: the evaluation waits for it until its deadline
+    assert order_for(fleet, workers[a]).evaluation is not None
+    for _ in range(2):
+        fleet.tick(datetime.now(UTC) + timedelta(seconds=TIMEOUT + 1))
+
+    # Assert 2: SUCCEEDED without a deployment (logged why); the matrix holds b's row; a second report was a duplicate
+    assert fleet.task(task["id"])["state"] == "SUCCEEDED"
+    outputs = fleet.hub.get(f"/tasks/{task['id']}/outputs").json()
+    assert outputs["deployments"] == [] and outputs["artifacts"] == [plan.published_artifact_id]
+    assert sorted((s["evaluator"], s["model"]) for s in outputs["evaluation"]) == sorted((b, m) for m in ("global", a, b))
+    assert counters(fleet).get("task_update_accepted") == 2 and fleet.ingest.counters["task_evaluation_duplicate"] == 1
+    lines = [line["text"] for line in log_lines(fleet, task["id"])]
+    assert any("not deployed: digits-torch-cnn of" in line and "has no export" in line for line in lines), lines[-10:]
+    assert any("cross-site evaluation done: 1 of 2 participants scored the 3 models" in line for line in lines), lines[-10:]

@@ -78,8 +78,15 @@ def _digits_sites(stack: DevStack, tmp_path: Path, n: int = 3, test: bool = Fals
             device.datasets.add("digits-test", held_out)
         devices.append(device)
     for device in devices:
-        wait_for(lambda d=device: stack.device_state(d.device_id) == "ONLINE", 60, what="the device ONLINE")
+        _ready(stack, device)
     return devices
+
+
+def _ready(stack: DevStack, device: Any) -> None:
+    """The device ONLINE, and its heartbeat in: it is placed only once the hub knows it has the algorithm's frameworks."""
+    wait_for(lambda: stack.device_state(device.device_id) == "ONLINE", 60, what="the device ONLINE")
+    wait_for(lambda: ((api(stack, "GET", f"/devices/{device.device_id}/status", "viewer").get("resources") or {}).get("frameworks") or {}).get("numpy"), 60,
+             what="the device's frameworks reported")  # fmt: skip
 
 
 def test_two_pytorch_sites_and_a_numpy_one_train_one_network_and_the_hub_fuses_it_by_name_as_numpy_does(stack: DevStack, tmp_path: Path) -> None:
@@ -98,7 +105,7 @@ def test_two_pytorch_sites_and_a_numpy_one_train_one_network_and_the_hub_fuses_i
     numpy_site = devices[2].device_id
     api(stack, "PATCH", f"/devices/{numpy_site}", json={"labels": {"fw": "numpy"}})
     for device in devices:
-        wait_for(lambda d=device: stack.device_state(d.device_id) == "ONLINE", 60, what="the device ONLINE")
+        _ready(stack, device)
 
     # Execute: one whole-model FedAvg round over the three
     spec = {
@@ -200,7 +207,7 @@ def test_int8_updates_with_error_feedback_train_as_well_as_fp32_for_far_fewer_by
         device.datasets.add("digits-train", tmp_path / f"shard-{k}.npz")
         devices.append(device)
     for device in devices:
-        wait_for(lambda d=device: stack.device_state(d.device_id) == "ONLINE", 60, what="the device ONLINE")
+        _ready(stack, device)
 
     # Execute: the same task in fp32 and in int8
     results = {}
