@@ -243,7 +243,11 @@ def keeping_dataset(session: Session, task: Task, found: Candidates) -> Candidat
     if spec.whole:
         from cloud.fl import whole
 
-        return whole.candidates(session, task, found)
+        found = whole.candidates(session, task, found)
+        if spec.dp is None:
+            return found
+        kept = [c for c in found.eligible if reserved(session, task.id, c.id) is not None]  # DP-FedAvg: only devices whose budgets were reserved
+        return Candidates(kept, "" if kept else (found.why_not or "no participant qualifies") + "; only devices holding a privacy reservation of this task take part")
     assert spec.dataset is not None
     rows = {d.id: d for d in session.execute(select(Device).where(Device.id.in_([c.id for c in found.eligible]))).scalars()}  # type: ignore[attr-defined]
     kept = [c for c in found.eligible if c.id in rows and budgets.reported_dataset(rows[c.id], spec.dataset) is not None]

@@ -256,11 +256,6 @@ def candidates(session: Session, task: Task, found: Any) -> Any:
             lacking.append(f"{candidate.id} lacks {', '.join(missing)} for {manifest.name} {manifest.version}")
         else:
             eligible.append(candidate)
-    if FederatedTrainingSpec.model_validate(task.spec).dp is not None:  # only devices whose budgets were reserved at creation
-        from cloud.fl.task import reserved
-
-        eligible = [c for c in eligible if reserved(session, task.id, c.id) is not None]
-        lacking.append("only devices holding a privacy reservation of this task take part")
     why = "" if eligible else (found.why_not or "no participant qualifies") + ("; " + "; ".join(lacking[:5]) if lacking else "")
     return Candidates(eligible, why)
 
