@@ -384,6 +384,8 @@ def _open(session: Session, task: Task, plan: FlPlan, spec: FederatedTrainingSpe
         session.add(plan)
         driver.wait(f"{len(running)} of the {spec.min_participants} participants needed run a worker" + (" and sent their key" if spec.secure_aggregation else ""))
         return
+    if attempt > 1:
+        whole.sweep_due(session)  # the updates of the attempt run again never count
     plan.attempt, plan.participants = attempt, running
     plan.unmasking, plan.reveals = [], {}
     plan.trained = {**plan.trained, **{d: plan.trained.get(d, 0) + 1 for d in running}}  # what a DP task charges each device
@@ -483,6 +485,7 @@ def _close(session: Session, task: Task, plan: FlPlan, spec: FederatedTrainingSp
     plan.unmasking, plan.reveals, plan.total_examples = [], {}, None
     plan.weights_artifact_id, plan.opened_at, plan.deadline_at = None, None, None
     session.add(plan)
+    whole.sweep_due(session)  # the fused updates (and the round of two rounds ago) can go
     done.closed = done.changed = True
 
 
@@ -555,7 +558,7 @@ def prepare(engine: Engine, signing: Any, blobs: Any) -> int:
         log.exception("starting the deployment of a federated model failed")
     try:
         with Session(engine) as session:
-            whole.sweep(session, blobs)
+            whole.sweep_if_due(session, blobs)
     except Exception:  # noqa: BLE001 - tried again on the next tick
         log.exception("deleting fused federated updates failed")
     return stored

@@ -261,8 +261,11 @@ def forget(session: Session, task_id: str) -> None:
     """A deleted task's plan, updates and round history (its artefacts stay and can be deleted now)."""
     from cloud.tables import TrainingManifest
 
+    from cloud.fl import whole
+
     for table in (FlUpdateRow, FlRoundRow, FlPlan, TrainingManifest):
         session.execute(delete(table).where(table.task_id == task_id))  # type: ignore[attr-defined]
+    whole.sweep_due(session)  # its update artefacts are orphans now
 
 
 # --- orders ----------------------------------------------------------------------------------------

@@ -24,7 +24,8 @@ are :mod:`cloud.fl.rounds`'; this module is what differs when the model is a use
   whole model in memory, and the result is written to the blob store as it is computed; a server optimiser's
   moments live in a tensor file of their own. The artefact of the next round's parameters (or, after the last
   round, the published ``<name>-parameters``) is recorded by :func:`store` in the hub's tick, on its own
-  transaction; the fused updates' artefacts are deleted then (:func:`sweep`).
+  transaction; the fused updates' artefacts are deleted then (:func:`sweep`, in a tick after something became
+  sweepable in this process, and at least every :data:`SWEEP_EVERY_S`: not a scan of every kept update each tick).
 * **Secure aggregation**: each participant counts for the examples of its latest update (:func:`counted`; 1 before
   its first), fixed as a round attempt opens (:func:`secure_weights`); its upload is its parameters times its share,
   masked (uint32 tensors under the model's names, ``interfaces.secagg.masked_misfit``), and the strategy fuses one
@@ -35,10 +36,12 @@ are :mod:`cloud.fl.rounds`'; this module is what differs when the model is a use
 from __future__ import annotations
 
 import logging
+import math
 import os
 import shutil
 import tempfile
 import time
+import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
 from datetime import UTC, datetime, timedelta
@@ -333,6 +336,7 @@ def vet(session: Session, blobs: Any, task: Task, plan_row: FlPlan, at: datetime
         row.used_in, row.vetted = REFUSED, True  # never fused; its artefact goes with the next sweep
         session.add(row)
         dropped += 1
+        sweep_due(session)
     session.flush()
     return dropped
 
@@ -513,6 +517,32 @@ def _retire(session: Session, blobs: Any, task: Task, spec: FederatedTrainingSpe
         except Exception:  # noqa: BLE001 - an operator may delete it later
             session.rollback()
             log.warning("task %s: the global parameters of round %d (%s) stay: they could not be deleted", task.id, round - 2, old.id, exc_info=True)
+
+
+SWEEP_EVERY_S = 60.0
+"""Without a reason to sweep (a round closed, an update refused, an attempt run again, a task deleted, in this
+process), the sweep runs at most this often: what another replica or a restart left is still found."""
+_swept: weakref.WeakKeyDictionary[Any, float] = weakref.WeakKeyDictionary()
+_due: weakref.WeakSet[Any] = weakref.WeakSet()
+
+
+def sweep_due(session: Session) -> None:
+    """Something became sweepable in this database (the next tick sweeps, not only the periodic one)."""
+    bind = session.get_bind()
+    _due.add(getattr(bind, "engine", bind))
+
+
+def sweep_if_due(session: Session, blobs: Any) -> int | None:
+    """:func:`sweep` when something became sweepable here or :data:`SWEEP_EVERY_S` passed since the last one (the
+    first tick of a process sweeps); None when it did not run."""
+    bind = session.get_bind()
+    engine = getattr(bind, "engine", bind)
+    now = time.monotonic()
+    if engine not in _due and now - _swept.get(engine, -math.inf) < SWEEP_EVERY_S:
+        return None
+    _due.discard(engine)
+    _swept[engine] = now
+    return sweep(session, blobs)
 
 
 def sweep(session: Session, blobs: Any) -> int:
