@@ -95,7 +95,8 @@ class Stack:
             time.sleep(0.2)
         raise StackError(f"timed out waiting for {what}")
 
-    def start(self) -> None:
+    def start_hub(self) -> None:
+        """The broker, then the hub on it; the admin token (made on a first start)."""
         self.data_dir.mkdir(parents=True, exist_ok=True)
         d = str(self.data_dir)
         broker = self._spawn("broker", ["broker", "run", "--data-dir", d, "--host", self.host, "--port", str(self.broker_port)])
@@ -110,15 +111,24 @@ class Stack:
         healthy = lambda: httpx.get(self.hub_url + "/healthz", timeout=1, verify=self._verify()).json()["mqtt"]["connected"]  # noqa: E731
         self._wait("the hub", healthy, hub)
         self.admin_token = self._admin_token()
-        node_id, token, pin = self._edge_node()
-        enrol_url = f"https://{self.host}:{self.enrol_port}"
-        args = ["edge", "run", "--hub", self.hub_url, "--node-id", node_id, "--data-dir", str(self.data_dir / "edge-1"),
-                "--device-listen", f"{self.host}:{self.enrol_port}"]  # fmt: skip
+
+    def start_edge(self, name: str, node_id: str, token: str | None, pin: str, extra: list[str] | None = None) -> Child:
+        """The edge agent ``name`` (its state in ``DIR/<name>/``) for node ``node_id``, ONLINE; ``token`` and ``pin``:
+        a first start's bootstrap token and the CA's fingerprint (handed over in a 0600 file, removed once ONLINE)."""
+        args = ["edge", "run", "--hub", self.hub_url, "--node-id", node_id, "--data-dir", str(self.data_dir / name), *(extra or [])]
         if token:
-            args += ["--bootstrap-token-file", str(self._token_file("edge-1", token)), "--ca-sha256", pin]
-        edge = self._spawn("edge-1", args)
-        self._wait("the edge node to come ONLINE", lambda: self._state(f"/nodes/{node_id}/status") == "ONLINE", edge)
-        self._forget_token("edge-1")
+            args += ["--bootstrap-token-file", str(self._token_file(name, token)), "--ca-sha256", pin]
+        edge = self._spawn(name, args)
+        self._wait(f"{name} to come ONLINE", lambda: self._state(f"/nodes/{node_id}/status") == "ONLINE", edge, timeout=90)
+        self._forget_token(name)
+        return edge
+
+    def start(self) -> None:
+        self.start_hub()
+        node_id, token, pin = self._edge_node()
+        self.start_edge("edge-1", node_id, token, pin, ["--device-listen", f"{self.host}:{self.enrol_port}"])
+        enrol_url = f"https://{self.host}:{self.enrol_port}"
+        broker = self.children[0]
         devices = self._devices(node_id)
         # a device is started once the broker has loaded the access list that names it (it reloads the list
         # a moment after the hub registers the device); one connecting in between was seen cut off

@@ -1,4 +1,9 @@
-"""``aisynergy experiment``: the seed's federated experiment, measured (``seeds/000``; :mod:`cloud.simulation.experiment`).
+"""``aisynergy experiment``: the seed's federated experiment, measured (``seeds/000``; :mod:`cloud.simulation.experiment`,
+:mod:`cloud.simulation.sites`).
+
+    aisynergy experiment sites [--sites 5] [--rounds 20] [--alpha 0.5] [--model cnn|torch-cnn|resnet] [--algorithm DIR]
+        [--config JSON] [--strategy fedavg] [--compression none] [--link-mbps 100] [--latency-ms 20] [--seed 0]
+        [--data-dir DIR] [--json FILE]
 
     aisynergy experiment fl [--parties 5] [--alpha 0.5] [--rounds 200] [--local-epochs 1] [--batch 10] [--lr 0.1]
         [--hidden 64] [--strategy fedavg] [--dp-epsilon 8 [--dp-delta 1e-5] [--clip-norm 0.5] [--dp-batch 256]
@@ -17,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 import click
+import numpy as np
 
 from cloud.cli.simulate import Floats, parse_strategy_params, write_json
 from cloud.simulation import experiment as ex
@@ -174,3 +180,92 @@ def fl_cmd(parties: int, alpha: float, rounds: int, local_epochs: int, batch: in
         payload = {"kind": "experiment-fl-repeats", "summary": summary, "runs": [r.to_json() for r in results],
                    "machine": machine()}
     write_json(json_path, payload)
+
+
+_EXAMPLES = Path(__file__).resolve().parents[2] / "examples" / "algorithms"
+_MODELS = {"cnn": "numpy_cnn", "torch-cnn": "torch_cnn", "resnet": "torch_resnet"}
+
+
+@experiment.command("sites")
+@click.option("--sites", default=5, show_default=True, type=click.IntRange(2, 32), help="site processes (edge agents) on this machine")
+@click.option("--rounds", default=20, show_default=True, type=click.IntRange(1, 1000))
+@click.option("--alpha", default=0.5, show_default=True, type=click.FloatRange(min=0, min_open=True),
+              help="Dirichlet concentration over labels of the sites' shards (small: each site sees few labels)")
+@click.option("--model", default="cnn", show_default=True, type=click.Choice(sorted(_MODELS)),
+              help="the example algorithm: cnn (numpy, 1,370 parameters), torch-cnn (the same network in PyTorch), "
+                   "resnet (PyTorch, a ResNet-18 of 11.2M parameters on digits upscaled to 16x16)")
+@click.option("--algorithm", "algorithm_dir", type=click.Path(exists=True, file_okay=False, path_type=Path), default=None,
+              help="another algorithm package folder (its datasets: train, test) instead of --model's")
+@click.option("--config", "config_json", default=None, metavar="JSON", help='the algorithm\'s configuration  [default: {"epochs": 1}]')
+@click.option("--strategy", default="fedavg", show_default=True, type=click.Choice(STRATEGY_NAMES))
+@click.option("--compression", default="none", show_default=True, type=click.Choice(["none", "fp16", "int8", "topk"]))
+@click.option("--link-mbps", default=100.0, show_default=True, type=click.FloatRange(min=0, min_open=True),
+              help="the declared link of every site, in Mbit/s: the bytes measured are timed on it")
+@click.option("--latency-ms", default=20.0, show_default=True, type=click.FloatRange(0, 10_000, max_open=True), help="each way, per round")
+@click.option("--seed", default=0, show_default=True, type=click.IntRange(min=0))
+@click.option("--data-dir", type=click.Path(file_okay=False, path_type=Path), default=None,
+              help="where the stack, the sites and the data live (default: a temporary folder, removed after)")
+@click.option("--json", "json_path", type=click.Path(dir_okay=False, path_type=Path), default=None, help="write every number to this file")
+def sites_cmd(sites: int, rounds: int, alpha: float, model: str, algorithm_dir: Path | None, config_json: str | None, strategy: str,
+              compression: str, link_mbps: float, latency_ms: float, seed: int, data_dir: Path | None, json_path: Path | None) -> None:
+    """The seed's demo on real processes: a hub and SITES edge agents, each keeping a non-IID shard of the digits, train
+    one network with a federated_training task; the same fit calls on each site alone and on the pooled shards
+    (training tasks) give the local-only and centralised arms. Prints the seed's comparison, the slowest site's
+    communication share on the declared link and the bytes per round."""
+    import json
+    import shutil
+    import tempfile
+
+    from cloud.simulation.sites import SitesConfig, SitesExperiment
+
+    algorithm = algorithm_dir or _EXAMPLES / _MODELS[model]
+    if not (algorithm / "algorithm.json").is_file():
+        raise click.UsageError(f"{algorithm} is no algorithm package folder (the examples are in a checkout of the project)")
+    try:
+        config = json.loads(config_json) if config_json is not None else {"epochs": 1}
+    except ValueError as exc:
+        raise click.BadParameter(f"not JSON: {exc}", param_hint="--config") from None
+    if not isinstance(config, dict):
+        raise click.BadParameter("a JSON object", param_hint="--config")
+    cfg = SitesConfig(algorithm=algorithm.resolve(), sites=sites, rounds=rounds, alpha=alpha, config=config, strategy=strategy,
+                      compression=compression, link_mbps=link_mbps, latency_ms=latency_ms, seed=seed)  # fmt: skip
+    scratch = None if data_dir is not None else Path(tempfile.mkdtemp(prefix="aisynergy-sites-"))
+    where = (data_dir or scratch).resolve()  # type: ignore[union-attr]
+    try:
+        try:
+            result = SitesExperiment(cfg, where, echo=click.echo).run()
+        except SimulationError as exc:
+            raise click.ClickException(str(exc)) from None
+    finally:
+        if scratch is not None:
+            shutil.rmtree(scratch, ignore_errors=True)
+    _report_sites(result)
+    write_json(json_path, result.to_json())
+
+
+def _report_sites(result: Any) -> None:
+    c = result.comparison()
+    click.echo("")
+    click.echo(f"{'site':<8} {'images':>6} {'labels (most common)':<22} {'local-only':>10} {'fit s':>7} {'comm. s':>8} {'comm.':>6}")
+    for s in result.sites:
+        top = ", ".join(f"{k}:{n}" for k, n in sorted(s.labels.items(), key=lambda kv: -kv[1])[:3])
+        click.echo(f"{s.name:<8} {s.examples:>6} {top:<22} {_pct(s.local_accuracy):>10} {s.fit_s:>7.2f} {s.communication_s:>8.2f} {s.communication_pct:>5.1f}%")
+    local, fed, cen = result.local_mean, result.federated_accuracy, result.centralised_accuracy
+    click.echo("")
+    click.echo(f"{'arm':<28}  {'test acc.':>9}  {'vs local-only':>13}  {'vs centralised':>14}")
+    for name, acc in ((f"local-only (mean of {len(result.sites)})", local), (f"federated ({result.config['strategy']})", fed), ("centralised (pooled)", cen)):
+        vs_local = None if acc is None or local is None or name.startswith("local") else 100 * (acc - local)
+        vs_central = None if acc is None or cen is None or name.startswith("centralised") else 100 * (acc - cen)
+        click.echo(f"{name:<28}  {_pct(acc):>9}  {_points(vs_local):>13}  {_points(vs_central):>14}")
+    click.echo("")
+    rounds = result.rounds
+    round_s = [r["round_s"] for r in rounds]
+    click.echo(f"bytes per round: {c['bytes_per_round']:,.0f} (down {np.mean([r.get('bytes_down', 0) for r in rounds]):,.0f}, "
+               f"up {np.mean([r.get('bytes_up', 0) for r in rounds]):,.0f}; model {rounds[-1].get('model_bytes', 0):,.0f} bytes); "
+               f"round time {np.median(round_s):.2f} s median, {max(round_s):.2f} s max")
+    click.echo(f"communication: {c['communication_pct_slowest']:.1f}% of the slowest site's time ({c['slowest_site']}, "
+               f"{result.config['link_mbps']:g} Mbit/s, {result.config['latency_ms']:g} ms each way)")
+    click.echo(f"wall time: federated {result.wall_s['federated_s']:.1f} s, local-only and centralised {result.wall_s['local_and_centralised_s']:.1f} s, "
+               f"all {result.wall_s['total_s']:.1f} s")
+    for target, met in c["met"].items():
+        click.echo(f"  [{'met' if met else 'MISSED'}] {target}")

@@ -84,7 +84,8 @@ def _config(value: str | None) -> dict[str, Any]:
 @click.argument("source", type=click.Path(exists=True, file_okay=False, path_type=Path))
 @click.option("--dataset", "datasets", multiple=True, metavar="NAME=PATH", help="a dataset the client reads (a file or a folder)")
 @click.option("--config", "config", default=None, metavar="JSON|@FILE", help="the algorithm's configuration")
-@click.option("--rounds", type=click.IntRange(1, 100000), default=1, show_default=True)
+@click.option("--rounds", type=click.IntRange(0, 100000), default=1, show_default=True,
+              help="0: fit nothing (with --save: the algorithm's initial parameters, what a whole-model task starts from)")
 @click.option("--save", "save", type=click.Path(dir_okay=False, path_type=Path), default=None,
               help="write the trained parameters here (safetensors)")
 def run_cmd(source: Path, datasets: tuple[str, ...], config: str | None, rounds: int, save: Path | None) -> None:

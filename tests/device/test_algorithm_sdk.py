@@ -218,6 +218,22 @@ def test_cli_new_then_run_then_build(tmp_path: Path) -> None:
     assert built.exit_code == 0 and Path(built.output.strip()).is_file()
 
 
+def test_cli_run_zero_rounds_saves_the_initial_parameters_without_fitting(tmp_path: Path) -> None:
+    runner = CliRunner()
+    assert runner.invoke(algorithm, ["new", "my-algo", "--dir", str(tmp_path)]).exit_code == 0
+    data = _digits_npz(tmp_path / "train.npz")
+    config = '{"classes": 3, "epochs": 3}'
+    ran = runner.invoke(algorithm, ["run", str(tmp_path / "my-algo"), "--dataset", f"train={data}", "--rounds", "0", "--config", config,
+                                    "--save", str(tmp_path / "initial.safetensors")])  # fmt: skip
+    assert ran.exit_code == 0 and ran.output == "", ran.output  # nothing fitted, nothing evaluated
+    once = runner.invoke(algorithm, ["run", str(tmp_path / "my-algo"), "--dataset", f"train={data}", "--rounds", "1", "--config", config,
+                                     "--save", str(tmp_path / "trained.safetensors")])  # fmt: skip
+    assert once.exit_code == 0, once.output
+    initial, trained = load_parameters(tmp_path / "initial.safetensors"), load_parameters(tmp_path / "trained.safetensors")
+    assert sorted(initial) == sorted(trained) == ["linear.bias", "linear.weight"]
+    assert all(initial[k].shape == trained[k].shape for k in initial) and not np.allclose(initial["linear.weight"], trained["linear.weight"])
+
+
 @pytest.mark.parametrize("args", [["--config", '{"epochs": 0}'], ["--config", "{not json"], ["--dataset", "nopath"],
                                   ["--dataset", "train=/nonexistent.npz"]])
 def test_cli_run_bad_input_exits_2(tmp_path: Path, args: list[str]) -> None:
