@@ -88,9 +88,11 @@ class FederatedTraining(TaskKind):
         from cloud.fl import whole
 
         scores = whole.matrix(plan) if plan is not None else []
+        checks, best = whole.round_scores(plan) if plan is not None else ([], None)
         onnx, deployment = whole.deployment_of(plan) if plan is not None else (None, None)
         artifacts += [onnx] if onnx else []
         return outputs.model_copy(update={"artifacts": artifacts, "privacy": [spend_to_wire(r) for r in spends], "complete": bool(artifacts), "evaluation": scores,
+                                          "rounds_scored": checks, "best_round": best if plan is not None and plan.published_artifact_id else None,
                                           "deployments": [deployment] if deployment else []})  # fmt: skip
 
     def forget(self, session: Session, task_id: str) -> None:

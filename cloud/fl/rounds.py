@@ -315,9 +315,16 @@ def drive(session: Session, task: Task, at: datetime, driver: Driver, blobs: Any
         driver.finish(TaskState.FAILED, "the task's federated plan is gone")
         return done
     spec = spec_of(task)
+    checking = whole.check_due(plan, spec)  # evaluate_every: a round's global model is scored before anything else
+    if checking is not None:
+        phase = whole.checked(session, task, plan, spec, checking, _running(session, task.id), at, driver)
+        done.orders |= phase in ("opened", "done")
+        done.changed |= phase in ("opened", "done")
+        if phase != "done" or plan.round > spec.rounds:
+            return done
     if plan.round > spec.rounds:
         if plan.published_artifact_id:
-            running = sorted({w.target_id for w in active_workers(session, task.id) if w.role != FL_AGGREGATOR and w.state in {s.value for s in WORKER_ACTIVE}})
+            running = _running(session, task.id)
             for wanted, step in ((spec.whole and spec.then_deploy is not None, whole.exported), (spec.whole and spec.cross_evaluation, whole.evaluated)):
                 phase = step(session, task, plan, spec, running, at, driver) if wanted else "done"
                 if phase != "done":
@@ -329,6 +336,8 @@ def drive(session: Session, task: Task, at: datetime, driver: Driver, blobs: Any
                 driver.wait(f"starting the deployment of {onnx}")
                 return done
             driver.finish(TaskState.SUCCEEDED, f"{spec.rounds} rounds done; published {plan.published_artifact_id}" + (f"; deployment {deployment} started" if deployment else ""))
+        elif spec.whole and spec.evaluate_every is not None and plan.weights_artifact_id is None and not whole.WholePlan.of(plan).publish_from:
+            driver.wait("storing the last round's global model to score it")
         else:
             driver.wait("publishing the trained model")
         return done
@@ -371,6 +380,11 @@ def drive(session: Session, task: Task, at: datetime, driver: Driver, blobs: Any
     hub_log(session, task.id, f"round {plan.round} attempt {plan.attempt}: {len(contributed)} of the k={k} updates needed by its deadline; running it again", "warning", at)
     _open(session, task, plan, spec, devices, plan.attempt + 1, at, done, driver)
     return done
+
+
+def _running(session: Session, task_id: str) -> list[str]:
+    """The participants whose worker runs now."""
+    return sorted({w.target_id for w in active_workers(session, task_id) if w.role != FL_AGGREGATOR and w.state in {s.value for s in WORKER_ACTIVE}})
 
 
 def _open(session: Session, task: Task, plan: FlPlan, spec: FederatedTrainingSpec, devices: list[TaskWorker], attempt: int, at: datetime,

@@ -26,6 +26,12 @@ are :mod:`cloud.fl.rounds`'; this module is what differs when the model is a use
   round, the published ``<name>-parameters``) is recorded by :func:`store` in the hub's tick, on its own
   transaction; the fused updates' artefacts are deleted then (:func:`sweep`, in a tick after something became
   sweepable in this process, and at least every :data:`SWEEP_EVERY_S`: not a scan of every kept update each tick).
+* **Checks of the global model** (``evaluate_every``; :func:`check_due`, :func:`checked`): every N rounds and after the
+  last, before anything else happens, every running participant scores the global model the next round would start
+  from (an ``FlEvaluationOrder`` with that ``round``); the participants' accuracy weighted by their examples is kept
+  (``WholePlan.scored``) and the best round's artefact is spared by :func:`_retire`. After the last round its
+  parameters are recorded as a round artefact first, scored, and the best round's are published (:func:`_publish_best`:
+  the same blob under the output's identity).
 * **Secure aggregation**: each participant counts for the examples of its latest update (:func:`counted`; 1 before
   its first), fixed as a round attempt opens (:func:`secure_weights`); its upload is its parameters times its share,
   masked (uint32 tensors under the model's names, ``interfaces.secagg.masked_misfit``), and the strategy fuses one
@@ -52,6 +58,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from sqlalchemy import select, update
 from sqlmodel import Session
 
+from cloud.convert import utc
 from cloud.errors import BadRequest, Conflict
 from cloud.tables import Artifact, Device, FlPlan, FlUpdateRow, Node, Task, TaskWorker, TrainingManifest
 from interfaces.algorithms import AlgorithmManifest
@@ -103,6 +110,7 @@ class EvaluationPhase(BaseModel):
     deadline_at: datetime
     scores: dict[str, dict[str, dict[str, Any]]] = Field(default_factory=dict, description="evaluator -> label -> FlScore as JSON")
     done: bool = False
+    round: int | None = Field(default=None, description="evaluate_every: the round whose global model this check scores; None: the evaluation at the end")
 
 
 class ExportPhase(BaseModel):
@@ -131,6 +139,11 @@ class WholePlan(BaseModel):
     examples: dict[str, int] = Field(default_factory=dict, description="secure: each participant's examples, as its latest update counted them")
     weights: dict[str, int] = Field(default_factory=dict, description="secure: what each participant of the attempt in progress counts for")
     evaluation: EvaluationPhase | None = None
+    check: EvaluationPhase | None = Field(default=None, description="evaluate_every: the latest check of a round's global model")
+    scored: list[dict[str, Any]] = Field(default_factory=list, description="evaluate_every: each check's RoundScore as JSON")
+    best: int | None = Field(default=None, description="evaluate_every: the round whose global model scored best so far")
+    superseded: list[str] = Field(default_factory=list, description="round artefacts kept as the best, then beaten: deleted by the next store")
+    publish_from: str | None = Field(default=None, description="evaluate_every, after the last check: the artefact of the best round's parameters to publish")
     export: ExportPhase | None = None
 
     @classmethod
@@ -464,9 +477,11 @@ def store(session: Session, signing: Any, blobs: Any, task: Task, plan_row: FlPl
     from cloud.artifacts import create_artifact, find_by_identity
 
     plan = WholePlan.of(plan_row)
+    if plan.pending is None and plan.publish_from is not None and plan_row.round > spec.rounds and plan_row.published_artifact_id is None:
+        return _publish_best(session, signing, blobs, task, plan_row, spec, plan.publish_from)
     if plan.pending is None:
         return None
-    if plan_row.round > spec.rounds:
+    if plan_row.round > spec.rounds and spec.evaluate_every is None:
         assert spec.output.name is not None and spec.output.version is not None
         name, version = spec.output.name + PARAMETERS_SUFFIX, spec.output.version
     else:
@@ -485,38 +500,74 @@ def store(session: Session, signing: Any, blobs: Any, task: Task, plan_row: FlPl
     if existing.sha256 != plan.pending.sha256:
         raise Conflict(f"model {name} {version} is stored with other bytes than the fused parameters of task {task.id}")
     plan.pending, retired, plan.retired = None, list(plan.retired), []
+    superseded, plan.superseded = list(plan.superseded), []
     row = session.get(FlPlan, task.id)
     assert row is not None
     plan.put(row)
-    if row.round > spec.rounds:
+    if row.round > spec.rounds and spec.evaluate_every is None:
         row.published_artifact_id = existing.id
     else:
         row.weights_artifact_id = existing.id
     session.add(row)
     session.commit()
-    _retire(session, blobs, task, spec, row.round, retired)
+    _retire(session, blobs, task, spec, row.round, retired, keep=_best_artifact(plan), superseded=superseded)
     return existing
 
 
-def _retire(session: Session, blobs: Any, task: Task, spec: FederatedTrainingSpec, round: int, retired: list[str]) -> None:
-    """Delete what the plan moved past: the strategy's earlier arrays, and the global parameters of two rounds ago (the
-    round before stays for a participant still fetching it; the first round's are the task's initial parameters)."""
+def _publish_best(session: Session, signing: Any, blobs: Any, task: Task, plan_row: FlPlan, spec: FederatedTrainingSpec, source_id: str) -> Artifact:
+    """``evaluate_every``: the best round's parameters (a round artefact of this task) published as ``<output>-parameters``
+    (the same blob under the task's output identity). Commits."""
+    from cloud.artifacts import create_artifact, find_by_identity
+
+    source = session.get(Artifact, source_id)
+    if source is None:
+        raise LookupError(f"task {task.id}: the best round's parameters ({source_id}) are gone")
+    assert spec.output.name is not None and spec.output.version is not None
+    name, version = spec.output.name + PARAMETERS_SUFFIX, spec.output.version
+    existing = find_by_identity(session, ArtifactKind.MODEL.value, name, version)
+    if existing is None:
+        try:
+            existing = create_artifact(session, signing, blobs, ArtifactCreate(kind=ArtifactKind.MODEL, name=name, version=version, format=ArtifactFormat.SAFETENSORS),
+                                       _StoredBlob(PendingBlob(sha256=source.sha256, size=source.size)))  # type: ignore[arg-type]  # fmt: skip
+        except Conflict:
+            existing = find_by_identity(session, ArtifactKind.MODEL.value, name, version)
+            if existing is None:
+                raise
+    if existing.sha256 != source.sha256:
+        raise Conflict(f"model {name} {version} is stored with other bytes than the best round's parameters of task {task.id}")
+    row = session.get(FlPlan, task.id)
+    assert row is not None
+    row.published_artifact_id = existing.id
+    session.add(row)
+    session.commit()
+    return existing
+
+
+def _retire(session: Session, blobs: Any, task: Task, spec: FederatedTrainingSpec, round: int, retired: list[str], keep: str | None = None,
+            superseded: list[str] | None = None) -> None:  # fmt: skip
+    """Delete what the plan moved past: the strategy's earlier arrays, the global parameters of two rounds ago (the
+    round before stays for a participant still fetching it; the first round's are the task's initial parameters), but
+    ``keep`` (the best round's, ``evaluate_every``), and ``superseded`` (round artefacts once kept as the best)."""
     from cloud.artifacts import delete_artifact, find_by_identity
     from cloud.artifacts.records import find_by_sha256, is_delta_blob
 
     for sha256 in retired:
         if find_by_sha256(session, sha256) is None and not is_delta_blob(session, sha256):
             blobs.delete(sha256)
-    if spec.algorithm is None or round - 2 < 2:
+    if spec.algorithm is None:
         return
-    old = find_by_identity(session, ArtifactKind.MODEL.value, f"{spec.algorithm.name[:100]}.fl",
-                           f"{spec.algorithm.version.partition('-')[0]}-{task.id.rpartition('-')[2]}.r{round - 2}")  # fmt: skip
-    if old is not None:
+    old = None if round - 2 < 2 else find_by_identity(session, ArtifactKind.MODEL.value, f"{spec.algorithm.name[:100]}.fl",
+                                                      f"{spec.algorithm.version.partition('-')[0]}-{task.id.rpartition('-')[2]}.r{round - 2}")  # fmt: skip
+    row = session.get(FlPlan, task.id)
+    current = {a for a in (keep, row.weights_artifact_id if row is not None else None) if a}
+    for artifact_id in dict.fromkeys([*(superseded or []), *([old.id] if old is not None else [])]):
+        if artifact_id in current or session.get(Artifact, artifact_id) is None:
+            continue
         try:
-            delete_artifact(session, blobs, old.id, checked=False)
+            delete_artifact(session, blobs, artifact_id, checked=False)
         except Exception:  # noqa: BLE001 - an operator may delete it later
             session.rollback()
-            log.warning("task %s: the global parameters of round %d (%s) stay: they could not be deleted", task.id, round - 2, old.id, exc_info=True)
+            log.warning("task %s: the global parameters %s stay: they could not be deleted", task.id, artifact_id, exc_info=True)
 
 
 SWEEP_EVERY_S = 60.0
@@ -614,7 +665,7 @@ def evaluated(session: Session, task: Task, plan_row: FlPlan, spec: FederatedTra
         return "opened"
     if phase.done:
         return "done"
-    deadline = phase.deadline_at if phase.deadline_at.tzinfo else phase.deadline_at.replace(tzinfo=UTC)
+    deadline = utc(phase.deadline_at) or at
     if not phase.evaluators or set(phase.scores) >= set(phase.evaluators) or at >= deadline:
         phase.done = True
         plan.put(plan_row)
@@ -623,6 +674,98 @@ def evaluated(session: Session, task: Task, plan_row: FlPlan, spec: FederatedTra
         return "done"
     driver.wait(f"cross-site evaluation: {len(phase.scores)} of {len(phase.evaluators)} participants scored")
     return "waiting"
+
+
+def check_due(plan_row: FlPlan, spec: FederatedTrainingSpec) -> int | None:
+    """``evaluate_every``: the round whose global model is checked before anything else happens (the one the next
+    round starts from, every ``evaluate_every`` rounds; after the last round, the last one), None when none is."""
+    if not spec.whole or spec.evaluate_every is None or plan_row.attempt != 0 or plan_row.weights_artifact_id is None or plan_row.published_artifact_id:
+        return None
+    done = plan_row.round - 1
+    if done < 1 or (done % spec.evaluate_every and plan_row.round <= spec.rounds):
+        return None
+    plan = WholePlan.of(plan_row)
+    return None if any(r["round"] == done for r in plan.scored) else done
+
+
+def checked(session: Session, task: Task, plan_row: FlPlan, spec: FederatedTrainingSpec, round: int, running: list[str], at: datetime, driver: Any) -> str:
+    """Check round ``round``'s global model (the plan's round artefact now): every running participant scores it on its
+    own data; once all did, or at the deadline, the score is recorded and the best round moves to it when it is at
+    least as good (after the last round, the best one's artefact is marked for publishing): "opened", "waiting",
+    "done"."""
+    from cloud.tasks.lifecycle import hub_log
+    from interfaces.tasks import EVALUATED_GLOBAL
+
+    plan = WholePlan.of(plan_row)
+    phase = plan.check
+    assert plan_row.weights_artifact_id is not None
+    if phase is None or phase.round != round:
+        phase = plan.check = EvaluationPhase(models={EVALUATED_GLOBAL: plan_row.weights_artifact_id}, evaluators=sorted(running), round=round,
+                                             deadline_at=at + timedelta(seconds=spec.round_timeout_s))  # fmt: skip
+        _put(session, plan_row, plan)
+        driver.put_orders()
+        hub_log(session, task.id, f"round {round}: {len(phase.evaluators)} participants score its global model, deadline in {spec.round_timeout_s:g} s", at=at)
+        driver.wait(f"round {round}'s global model: 0 of {len(phase.evaluators)} participants scored")
+        return "opened"
+    if phase.evaluators and set(phase.scores) < set(phase.evaluators) and at < (utc(phase.deadline_at) or at):
+        driver.wait(f"round {round}'s global model: {len(phase.scores)} of {len(phase.evaluators)} participants scored")
+        return "waiting"
+    phase.done = True
+    metric, value = _global_score(phase)
+    plan.scored.append({"round": round, "metric": metric, "value": value, "evaluators": len(phase.scores), "artifact_id": phase.models[EVALUATED_GLOBAL]})
+    best = next((r for r in plan.scored if r["round"] == plan.best), None)
+    better = value is not None and (best is None or best["value"] is None or best["metric"] != metric
+                                    or (value >= best["value"] if metric == "accuracy" else value <= best["value"]))  # fmt: skip
+    if better:
+        if best is not None and best["artifact_id"] != phase.models[EVALUATED_GLOBAL]:
+            plan.superseded.append(best["artifact_id"])
+        plan.best = round
+    shown = "nobody scored it" if value is None else f"{metric} {value:.4f} on {len(phase.scores)} participants"
+    hub_log(session, task.id, f"round {round}'s global model: {shown}" + (" (the best so far)" if better else f" (round {plan.best} stays the best)" if plan.best else ""), at=at)
+    if plan_row.round > spec.rounds:  # the last check: publish the best round's model (the last one when none scored)
+        chosen = next((r for r in plan.scored if r["round"] == plan.best), None)
+        plan.publish_from = chosen["artifact_id"] if chosen is not None else plan_row.weights_artifact_id
+        plan.best = chosen["round"] if chosen is not None else round
+        plan_row.weights_artifact_id = None  # the hub's prepare publishes it now
+        hub_log(session, task.id, f"publishing round {plan.best}'s global model, the best of the {len(plan.scored)} checked", at=at)
+    _put(session, plan_row, plan)
+    driver.put_orders()
+    return "done"
+
+
+def _put(session: Session, plan_row: FlPlan, plan: WholePlan) -> None:
+    plan.put(plan_row)
+    session.add(plan_row)
+    session.flush()
+
+
+def _global_score(phase: EvaluationPhase) -> tuple[str, float | None]:
+    """The participants' scores of the global model weighted by their examples: accuracy when every one reported it,
+    else the loss (None: nobody scored it)."""
+    from interfaces.tasks import EVALUATED_GLOBAL
+
+    rows = [scores[EVALUATED_GLOBAL] for scores in phase.scores.values() if EVALUATED_GLOBAL in scores]
+    weight = lambda r: max(1, int(r.get("num_examples") or 0))  # noqa: E731
+    if rows and all("accuracy" in (r.get("metrics") or {}) for r in rows):
+        return "accuracy", sum(weight(r) * float(r["metrics"]["accuracy"]) for r in rows) / sum(weight(r) for r in rows)
+    losses = [r for r in rows if r.get("loss") is not None]
+    if losses:
+        return "loss", sum(weight(r) * float(r["loss"]) for r in losses) / sum(weight(r) for r in losses)
+    return ("accuracy" if rows else "loss"), None
+
+
+def _best_artifact(plan: WholePlan) -> str | None:
+    return next((r["artifact_id"] for r in plan.scored if r["round"] == plan.best), None)
+
+
+def round_scores(plan_row: FlPlan) -> tuple[list[Any], int | None]:
+    """``evaluate_every``: every check as a ``RoundScore``, and the round published (or the best so far)."""
+    from interfaces.tasks import RoundScore
+
+    if not is_whole(plan_row):
+        return [], None
+    plan = WholePlan.of(plan_row)
+    return [RoundScore.model_validate(r) for r in plan.scored], plan.best
 
 
 def _reporters_plan(session: Session, task: Task, kind: str, target_id: str, worker_id: str) -> FlPlan | None:
@@ -640,8 +783,8 @@ def accept_evaluation(session: Session, task: Task, kind: str, target_id: str, d
     if plan_row is None:
         return "refused"
     plan = WholePlan.of(plan_row)
-    phase = plan.evaluation
-    if phase is None or target_id not in phase.evaluators or not set(data.scores) <= set(phase.models):
+    phase = plan.evaluation if data.round is None else plan.check
+    if phase is None or phase.round != data.round or target_id not in phase.evaluators or not set(data.scores) <= set(phase.models):
         return "refused"
     if phase.done:
         return "late"
@@ -649,7 +792,7 @@ def accept_evaluation(session: Session, task: Task, kind: str, target_id: str, d
         return "duplicate"
     phase.scores[target_id] = {label: score.model_dump(mode="json") for label, score in data.scores.items()}
     if set(phase.scores) >= set(phase.evaluators):
-        phase.deadline_at = min(phase.deadline_at if phase.deadline_at.tzinfo else phase.deadline_at.replace(tzinfo=UTC), datetime.now(UTC))
+        phase.deadline_at = min(utc(phase.deadline_at) or datetime.now(UTC), datetime.now(UTC))
     plan.put(plan_row)
     session.add(plan_row)
     return "accepted"
@@ -660,13 +803,15 @@ def evaluation_order(session: Session, task: Task, plan_row: FlPlan, worker: Tas
     from cloud.artifacts import task_input
     from interfaces.tasks import FlEvaluationOrder
 
-    phase = WholePlan.of(plan_row).evaluation if is_whole(plan_row) else None
+    plan = WholePlan.of(plan_row) if is_whole(plan_row) else None
+    phase = None if plan is None else plan.check if plan.check is not None and not plan.check.done else plan.evaluation
     if phase is None or phase.done or worker.target_id not in phase.evaluators or worker.target_id in phase.scores:
         return None
-    deadline = phase.deadline_at if phase.deadline_at.tzinfo else phase.deadline_at.replace(tzinfo=UTC)
+    deadline = utc(phase.deadline_at) or phase.deadline_at
     run, config = run_for(session, task, plan_row, worker, signing, deadline)
-    models = {label: task_input(session, artifact_id, worker.target_id, signing, f"task {task.id}'s cross-site evaluation") for label, artifact_id in phase.models.items()}
-    return FlEvaluationOrder(models=models, run=run, config=config, deadline_at=deadline)
+    what = f"task {task.id}'s cross-site evaluation" if phase.round is None else f"task {task.id}'s check of round {phase.round}"
+    models = {label: task_input(session, artifact_id, worker.target_id, signing, what) for label, artifact_id in phase.models.items()}
+    return FlEvaluationOrder(models=models, run=run, config=config, deadline_at=deadline, round=phase.round)
 
 
 def matrix(plan_row: FlPlan) -> list[Any]:
@@ -681,10 +826,6 @@ def matrix(plan_row: FlPlan) -> list[Any]:
 
 
 # --- the ONNX export and its deployment (then_deploy) ---------------------------------------------------
-
-
-def _aware(at: datetime) -> datetime:
-    return at if at.tzinfo else at.replace(tzinfo=UTC)
 
 
 def exported(session: Session, task: Task, plan_row: FlPlan, spec: FederatedTrainingSpec, running: list[str], at: datetime, driver: Any) -> str:
@@ -711,7 +852,7 @@ def exported(session: Session, task: Task, plan_row: FlPlan, spec: FederatedTrai
         return "opened"
     if phase.done:
         return "done"
-    if at >= _aware(phase.deadline_at):
+    if at >= (utc(phase.deadline_at) or phase.deadline_at):
         phase.done, phase.why_not = True, f"{phase.exporter} did not export the model by the deadline"
         plan.put(plan_row)
         session.add(plan_row)
@@ -731,7 +872,7 @@ def export_order(session: Session, task: Task, plan_row: FlPlan, worker: TaskWor
         return None
     spec = FederatedTrainingSpec.model_validate(task.spec)
     assert spec.output.name is not None and spec.output.version is not None
-    deadline = _aware(phase.deadline_at)
+    deadline = (utc(phase.deadline_at) or phase.deadline_at)
     run, config = run_for(session, task, plan_row, worker, signing, deadline, grant=(spec.output.name, spec.output.version))
     parameters = task_input(session, plan_row.published_artifact_id, worker.target_id, signing, f"task {task.id}'s published")
     return FlExportOrder(parameters=parameters, run=run, config=config, deadline_at=deadline)

@@ -64,6 +64,8 @@ class SitesConfig:
     seed: int = 0
     round_timeout_s: float = 600.0
     task_timeout_s: float = 7200.0
+    baselines: bool = True  # the local-only and centralised arms (False: the federated task alone)
+    cross_evaluation: bool = True  # the federated accuracy scored on the sites (False: None, unless inspected)
 
     def check(self) -> None:
         if not 2 <= self.sites <= 32:
@@ -167,9 +169,12 @@ def write_shards(directory: Path, sites: int, alpha: float, seed: int) -> tuple[
 
 
 class SitesExperiment:
-    def __init__(self, cfg: SitesConfig, data_dir: Path, echo: Callable[[str], None] = print) -> None:
+    def __init__(self, cfg: SitesConfig, data_dir: Path, echo: Callable[[str], None] = print,
+                 inspect: Callable[[SitesExperiment, str], None] | None = None) -> None:  # fmt: skip
+        """``inspect``: called with this experiment and the federated task's id once it SUCCEEDED, the stack still up
+        (``call`` reads the hub's API)."""
         cfg.check()
-        self.cfg, self.dir, self.echo = cfg, data_dir, echo
+        self.cfg, self.dir, self.echo, self.inspect = cfg, data_dir, echo, inspect
         self.stack = Stack(data_dir, hub_port=free_port(), broker_port=free_port(), devices=0)
 
     # --- the stack -------------------------------------------------------------------------------
@@ -179,7 +184,7 @@ class SitesExperiment:
         client.timeout = httpx.Timeout(60.0)
         return client
 
-    def _call(self, method: str, path: str, **kw: Any) -> Any:
+    def call(self, method: str, path: str, **kw: Any) -> Any:
         with self._api() as api:
             r = api.request(method, path, **kw)
         if r.status_code >= 400:
@@ -187,7 +192,7 @@ class SitesExperiment:
         return r.json() if r.content else None
 
     def _edge(self, name: str, datasets: dict[str, Path]) -> str:
-        registered = self._call("POST", "/nodes", json={"name": name, "labels": {"experiment": "sites"}})
+        registered = self.call("POST", "/nodes", json={"name": name, "labels": {"experiment": "sites"}})
         node_id = registered["node"]["id"]
         extra = [arg for local, path in datasets.items() for arg in ("--dataset", f"{local}={path}")]
         self.stack.start_edge(name, node_id, registered["bootstrap_token"], registered["ca_sha256"], extra)
@@ -198,7 +203,7 @@ class SitesExperiment:
         deadline = time.monotonic() + timeout
         waiting = list(node_ids)
         while waiting and time.monotonic() < deadline:
-            waiting = [n for n in waiting if not ((self._call("GET", f"/nodes/{n}/status").get("resources") or {}).get("frameworks"))]
+            waiting = [n for n in waiting if not ((self.call("GET", f"/nodes/{n}/status").get("resources") or {}).get("frameworks"))]
             if waiting:
                 time.sleep(0.5)
         if waiting:
@@ -212,11 +217,11 @@ class SitesExperiment:
 
     def _upload(self, path: Path, kind: str, name: str, version: str, fmt: str) -> dict[str, Any]:
         with path.open("rb") as stream:
-            return self._call("POST", "/artifacts", data={"kind": kind, "name": name, "version": version, "format": fmt},  # type: ignore[no-any-return]
+            return self.call("POST", "/artifacts", data={"kind": kind, "name": name, "version": version, "format": fmt},  # type: ignore[no-any-return]
                               files={"file": (path.name, stream, "application/octet-stream")})  # fmt: skip
 
     def _task(self, body: dict[str, Any]) -> str:
-        return str(self._call("POST", "/tasks", json={"heartbeat_s": 1.0, **body})["id"])
+        return str(self.call("POST", "/tasks", json={"heartbeat_s": 1.0, **body})["id"])
 
     def _final(self, task_ids: list[str]) -> dict[str, dict[str, Any]]:
         deadline = time.monotonic() + self.cfg.task_timeout_s
@@ -231,10 +236,10 @@ class SitesExperiment:
             for task_id in task_ids:
                 if task_id in done:
                     continue
-                task = self._call("GET", f"/tasks/{task_id}")
+                task = self.call("GET", f"/tasks/{task_id}")
                 step = task.get("items_done")
                 if task["type"] == "federated_training":  # the hub's round metrics: the last round closed
-                    hub = self._call("GET", f"/tasks/{task_id}/metrics?worker=hub")["workers"].get("hub")
+                    hub = self.call("GET", f"/tasks/{task_id}/metrics?worker=hub")["workers"].get("hub")
                     step = int(hub["values"].get("round", 0)) if hub else 0
                 progress = (task["state"], step)
                 if shown.get(task_id) != progress and (step is None or step % 10 == 0 or shown.get(task_id, (None,))[0] != task["state"]):
@@ -249,7 +254,7 @@ class SitesExperiment:
     def _logs_tail(self, task_id: str, lines: int = 15) -> str:
         items: list[dict[str, Any]] = []
         while True:  # page after page: the newest lines are on the last
-            page = self._call("GET", f"/tasks/{task_id}/logs?limit=500" + (f"&after={items[-1]['id']}" if items else ""))
+            page = self.call("GET", f"/tasks/{task_id}/logs?limit=500" + (f"&after={items[-1]['id']}" if items else ""))
             items = (items + page["items"])[-lines:]
             if page["next_cursor"] is None:
                 return "\n".join(line["text"] for line in items)
@@ -287,8 +292,8 @@ class SitesExperiment:
             node_id = self._edge(name, {"train": shard, "test": test})
             sites.append(SiteFigures(name, node_id, sum(labels[k].values()), labels[k]))
             self.echo(f"{name}: edge agent ONLINE as {node_id}, {sites[-1].examples} images, labels {labels[k]}")
-        central = self._edge("central", {"train": pooled, "test": test})
-        self._ready([s.node_id for s in sites] + [central])
+        central = self._edge("central", {"train": pooled, "test": test}) if cfg.baselines else None
+        self._ready([s.node_id for s in sites] + ([central] if central else []))
         wall = {"stack_s": time.perf_counter() - started}
 
         package = Path(self._cli("algorithm", "build", str(cfg.algorithm), "--out", str(self.dir / "package")).strip().splitlines()[-1])
@@ -304,17 +309,23 @@ class SitesExperiment:
         # federated: every site in every round
         spec = {"algorithm": ref, "datasets": datasets, "config": cfg.config, "initial_parameters": initial["id"], "rounds": cfg.rounds,
                 "min_participants": cfg.sites, "round_timeout_s": cfg.round_timeout_s, "strategy": cfg.strategy, "compression": cfg.compression,
-                "cross_evaluation": True, "output": {"name": f"{manifest['name']}-federated"[:128]}}  # fmt: skip
+                "cross_evaluation": cfg.cross_evaluation, "output": {"name": f"{manifest['name']}-federated"[:128]}}  # fmt: skip
         self.echo(f"federated: {cfg.rounds} rounds of {cfg.strategy} over {cfg.sites} sites")
         t0 = time.perf_counter()
         fed_id = self._task({"type": "federated_training", "spec": spec, "placement": {"target": "node", "ids": [s.node_id for s in sites]}})
         self._succeeded(self._final([fed_id]), "the federated")
         wall["federated_s"] = time.perf_counter() - t0
-        outputs = self._call("GET", f"/tasks/{fed_id}/outputs")
+        outputs = self.call("GET", f"/tasks/{fed_id}/outputs")
         scores = [c["metrics"].get("accuracy") for c in outputs["evaluation"] if c["model"] == "global"]
         federated = float(np.mean([s for s in scores if s is not None])) if any(s is not None for s in scores) else None
-        rounds = [m["values"] for m in self._call("GET", f"/tasks/{fed_id}/metrics?series=true&worker=hub")["series"] if "round_s" in m["values"]]
+        rounds = [m["values"] for m in self.call("GET", f"/tasks/{fed_id}/metrics?series=true&worker=hub")["series"] if "round_s" in m["values"]]
         self._site_figures(fed_id, sites, rounds)
+        if self.inspect is not None:
+            self.inspect(self, fed_id)
+        if central is None:
+            wall["total_s"] = time.perf_counter() - started
+            return SitesResult(config={**asdict(cfg), "algorithm": str(cfg.algorithm), "algorithm_ref": ref}, sites=sites, federated_accuracy=federated,
+                               centralised_accuracy=None, rounds=rounds, task_ids={"federated": fed_id}, wall_s=wall, machine=host)  # fmt: skip
 
         # local-only: each site alone, the same fit calls; centralised: the pooled shards on central
         t0 = time.perf_counter()
@@ -330,9 +341,9 @@ class SitesExperiment:
         self._succeeded(self._final([*local_ids.values(), central_id]), "a local-only or centralised")
         wall["local_and_centralised_s"] = time.perf_counter() - t0
         for site in sites:
-            (trained,) = self._call("GET", f"/tasks/{local_ids[site.name]}/outputs")["trained"]
+            (trained,) = self.call("GET", f"/tasks/{local_ids[site.name]}/outputs")["trained"]
             site.local_accuracy = trained["metrics"].get("accuracy")
-        (trained,) = self._call("GET", f"/tasks/{central_id}/outputs")["trained"]
+        (trained,) = self.call("GET", f"/tasks/{central_id}/outputs")["trained"]
         wall["total_s"] = time.perf_counter() - started
         return SitesResult(
             config={**asdict(cfg), "algorithm": str(cfg.algorithm), "algorithm_ref": ref}, sites=sites, federated_accuracy=federated,
@@ -344,13 +355,13 @@ class SitesExperiment:
         """Each site's fit time (its ``fit_s`` of every round, from its worker's metric samples) and the bytes it
         moved (the round's global parameters down, its share of the round's uploads up), timed on the declared link."""
         cfg = self.cfg
-        workers = {w["target_id"]: w["id"] for w in self._call("GET", f"/tasks/{task_id}/workers") if w["target_kind"] == "node"}
+        workers = {w["target_id"]: w["id"] for w in self.call("GET", f"/tasks/{task_id}/workers") if w["target_kind"] == "node"}
         for site in sites:
             worker_id = workers.get(site.node_id)
             if worker_id is None:
                 continue
             fits: dict[int, float] = {}
-            for sample in self._call("GET", f"/tasks/{task_id}/metrics?series=true&worker={worker_id}")["series"]:
+            for sample in self.call("GET", f"/tasks/{task_id}/metrics?series=true&worker={worker_id}")["series"]:
                 values = sample["values"]
                 if "round" in values and "fit_s" in values:
                     fits[int(values["round"])] = float(values["fit_s"])

@@ -18,6 +18,10 @@ each round attempt it has not taken yet and whose deadline has not passed it
    continues the upload) and sends one ``fl.update`` naming the stored artefact, the examples ``fit`` reported and
    its metrics.
 
+An order's ``evaluation`` (the cross-site evaluation at the end, or the check of a round's global model with
+``evaluate_every``, told apart by its ``round``) is run once each: the models scored on this site's datasets by the
+algorithm's ``evaluate``, the scores sent as one ``fl.evaluation``.
+
 A participant that missed a round (stopped, slow, offline) starts the next one from the new global parameters: a
 reset, never a stale continuation; training still under way when the order names another round attempt is stopped
 (unless ``late_updates: stale`` or ``sync: async`` would still count it). A failure of the algorithm FAILS the worker with its reason;
@@ -74,7 +78,7 @@ class _Site:
         self._lock = threading.Lock()
         self.metrics: dict[str, float] = {"rounds": 0.0}
         self.masks = PairMasks(worker)  # secure aggregation
-        self.scored = False  # the cross-site evaluation is done here
+        self.scored: set[int | None] = set()  # the evaluations done here: the rounds checked (evaluate_every), None for the one at the end
         self.exported = False  # the ONNX export of the published model (then_deploy) is done here
 
     def _sample(self) -> dict[str, float]:
@@ -99,7 +103,7 @@ class _Site:
                     if order.export is not None and not self.exported:
                         self._export(order.export)
                         continue
-                    if order.evaluation is not None and not self.scored:
+                    if order.evaluation is not None and order.evaluation.round not in self.scored:
                         self._evaluate(order.evaluation)
                         continue
                     fl = order.fl
@@ -207,12 +211,13 @@ class _Site:
         from device.algorithm.runtime import AlgorithmFailed, Limits, run_worker
 
         w, run = self.worker, evaluation.run
-        self.scored = True
+        self.scored.add(evaluation.round)
+        what = "the cross-site evaluation" if evaluation.round is None else f"the check of round {evaluation.round}'s global model"
         if (evaluation.deadline_at - datetime.now(UTC)).total_seconds() <= 0:
-            w.log("the cross-site evaluation is past its deadline", "warning")
+            w.log(f"{what} is past its deadline", "warning")
             return
         package = self._package_of(run)
-        directory = self.home / "evaluation"
+        directory = self.home / ("evaluation" if evaluation.round is None else f"check-r{evaluation.round}")
         shutil.rmtree(directory, ignore_errors=True)
         models = {label: str(w.fetch_inputs(ref)) for label, ref in evaluation.models.items()}
         config = dict(evaluation.config) if evaluation.config is not None else dict(self.spec.config)
@@ -238,17 +243,18 @@ class _Site:
         except AlgorithmFailed as exc:
             if exc.reason == "stopped":
                 return
-            raise Failed(f"the cross-site evaluation failed: {_detail(exc)}") from None
+            raise Failed(f"{what} failed: {_detail(exc)}") from None
         finally:
             stop.set()
+            shutil.rmtree(directory, ignore_errors=True)
         if not scores:
-            raise Failed("the cross-site evaluation scored no model")
+            raise Failed(f"{what} scored no model")
         shown = ", ".join(f"{label} {s.metrics.get('accuracy', s.loss)}" for label, s in sorted(scores.items()))
-        w.log(f"cross-site evaluation: scored {len(scores)} models on this site's data ({shown})")
+        w.log(f"{what}: scored {len(scores)} model{'s' if len(scores) > 1 else ''} on this site's data ({shown})")
         try:
-            w.event(FL_EVALUATION_EVENT, FlEvaluation(task_id=w.task_id, worker_id=w.worker_id, scores=scores))
+            w.event(FL_EVALUATION_EVENT, FlEvaluation(task_id=w.task_id, worker_id=w.worker_id, scores=scores, round=evaluation.round))
         except Exception as exc:  # noqa: BLE001 - not connected: the hub closes the evaluation without this site at its deadline
-            w.log(f"could not send the cross-site evaluation's scores: {exc}", "warning")
+            w.log(f"could not send the scores of {what}: {exc}", "warning")
 
     def _clipped(self, parameters: Path, weights: Path, attempt_dir: Path) -> Path:
         """DP-FedAvg: the trained parameters with their delta from the global ones clipped to the task's clip norm

@@ -60,6 +60,7 @@ from interfaces.tasks.rest import (
     TASK_CREATE_VARIANTS as TASK_CREATE_VARIANTS,
     TrainedSummary as TrainedSummary,
     CrossScore as CrossScore,
+    RoundScore as RoundScore,
     TrainingTask as TrainingTask,
     TrainingTaskCreate as TrainingTaskCreate,
     TrainingTaskDetail as TrainingTaskDetail,

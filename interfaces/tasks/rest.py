@@ -257,6 +257,14 @@ class CrossScore(BaseModel):
     metrics: dict[str, float]
 
 
+class RoundScore(BaseModel):
+    round: int = Field(description="the round whose global model was scored (evaluate_every)")
+    metric: str = Field(description="accuracy (higher is better), or loss (lower) when a participant reported no accuracy")
+    value: float | None = Field(description="the participants' scores weighted by their examples; None: nobody scored it by the deadline")
+    evaluators: int
+    artifact_id: str = Field(description="the global model's parameters")
+
+
 class TensorInfo(BaseModel):
     name: str
     dtype: str
@@ -275,4 +283,6 @@ class TaskOutputs(BaseModel):
     privacy: list[PrivacySpend] = Field(default_factory=list, description="incremental_training: what each worker run spent of its device's budget")
     trained: list[TrainedSummary] = Field(default_factory=list, description="training: what each site's run reported (its evaluation) and published")
     evaluation: list[CrossScore] = Field(default_factory=list, description="federated_training with cross_evaluation: every participant's score of every model (the cross-site matrix)")
+    rounds_scored: list[RoundScore] = Field(default_factory=list, description="federated_training with evaluate_every: each check of the global model")
+    best_round: int | None = Field(default=None, description="federated_training with evaluate_every: the round whose model was published")
     deployments: list[str] = Field(default_factory=list, description="federated_training with then_deploy: the deployment of the ONNX export it started (GET /deployments/{id})")

@@ -271,6 +271,10 @@ class FederatedTrainingSpec(_In):
         default=False, description="whole model: after the last round every participant scores the published model and every participant's last local model "
         "(compression none, no secure aggregation) on its own data with its algorithm's evaluate; the matrix is a task output",
     )  # fmt: skip
+    evaluate_every: int | None = Field(
+        default=None, ge=1, le=10_000, description="whole model: every this many rounds, and after the last, every participant scores the global model on its "
+        "own data (its algorithm's evaluate); the round whose model scored best (accuracy, else loss, weighted by examples) is the one published",
+    )  # fmt: skip
     then_deploy: ThenDeploy | None = Field(
         default=None, description="whole model: once published, its ONNX export (a participant's algorithm exports it) goes to these targets, as a deployment the hub starts",
     )  # fmt: skip
@@ -295,7 +299,7 @@ class FederatedTrainingSpec(_In):
                 raise ValueError("async rounds are for whole models (algorithm) in this version")
             if self.dataset is None:
                 raise ValueError("a last-layer task names the dataset each device keeps")
-            whole = self._not_default(("variants", "datasets", "config", "initial_parameters", "local_fits", "limits", "compression", "topk_fraction", "cross_evaluation", "then_deploy"))
+            whole = self._not_default(("variants", "datasets", "config", "initial_parameters", "local_fits", "limits", "compression", "topk_fraction", "cross_evaluation", "evaluate_every", "then_deploy"))
             if whole:
                 raise ValueError(f"{', '.join(whole)}: whole-model fields; a last-layer task (model) does not take them")
             return self

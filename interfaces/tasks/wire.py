@@ -141,8 +141,11 @@ EvaluationLabel = Annotated[str, Field(min_length=1, max_length=64, pattern=r"^[
 
 
 class FlEvaluationOrder(WireModel):
-    """A whole-model task's cross-site evaluation, after its last round: every model named here scored on this site's
-    own data by its algorithm's ``evaluate``."""
+    """A whole-model task's cross-site evaluation, after its last round (``round`` None), or the check of the global
+    model after round ``round`` (``evaluate_every``): every model named here scored on this site's own data by its
+    algorithm's ``evaluate``."""
+
+    round: int | None = Field(default=None, ge=1, le=10_000, description="the round whose global model is checked; None: the cross-site evaluation at the end")
 
     models: dict[EvaluationLabel, InputRef] = Field(min_length=1, max_length=1_000, description="label (global, or a participant's id) -> the model's parameters (signed safetensors)")
     run: AlgorithmRun = Field(description="this participant's algorithm, as in the rounds")
@@ -173,6 +176,7 @@ class FlEvaluation(WireModel):
 
     task_id: Id
     worker_id: Id
+    round: int | None = Field(default=None, ge=1, le=10_000, description="the evaluation order's round (None: the cross-site evaluation at the end)")
     scores: dict[EvaluationLabel, FlScore] = Field(min_length=1, max_length=1_000)
 
 

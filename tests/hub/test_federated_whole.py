@@ -987,3 +987,88 @@ def test_after_the_last_round_the_export_and_the_evaluation_each_wait_until_thei
     lines = [line["text"] for line in log_lines(fleet, task["id"])]
     assert any("not deployed: digits-torch-cnn of" in line and "has no export" in line for line in lines), lines[-10:]
     assert any("cross-site evaluation done: 1 of 2 participants scored the 3 models" in line for line in lines), lines[-10:]
+
+
+# --- evaluate_every: the global model checked every N rounds, the best round published ------------------
+
+
+def _score(fleet: TaskFleet, worker: dict[str, Any], round_: int | None, accuracy: float, n: int) -> None:
+    from interfaces.tasks import FL_EVALUATION_EVENT, FlEvaluation, FlScore
+
+    score = FlScore(loss=1 - accuracy, num_examples=n, metrics={"accuracy": accuracy})
+    fleet.send(worker["target_id"], FL_EVALUATION_EVENT, FlEvaluation(task_id=worker["task_id"], worker_id=worker["id"], scores={"global": score}, round=round_))
+
+
+def test_evaluate_every_checks_the_global_model_between_rounds_and_publishes_the_best_rounds(sqlite_fleet: TaskFleet, packages: dict[Path, bytes]) -> None:
+    # Prepare: two devices, four rounds, the global model checked every two
+    fleet = sqlite_fleet
+    gw = fleet.node()
+    upload_algorithm(fleet, packages, TORCH)
+    start = initial(fleet)
+    a, b = sorted(site_device(fleet, gw) for _ in range(2))
+    task = federate(fleet, [a, b], rounds=4, initial_parameters=start.id, min_participants=2, evaluate_every=2)
+    workers = started(fleet, task["id"])
+    fused: dict[int, Tensors] = {}
+    for round_ in (1, 2):
+        answer(fleet, workers, round_, {a: (parameters(10 * round_), 10), b: (parameters(10 * round_ + 1), 30)})
+        fleet.tick()
+        fleet.tick()
+        fused[round_] = fedavg([(parameters(10 * round_), 10), (parameters(10 * round_ + 1), 30)])
+
+    # Assert 1: after round 2 the check opens before round 3: both are asked to score round 2's model, no round is open
+    plan = plan_of(fleet, task["id"])
+    assert (plan.round, plan.attempt) == (3, 0), (plan.round, plan.attempt)
+    round3_weights = plan.weights_artifact_id
+    for target in (a, b):
+        order = order_for(fleet, workers[target])
+        assert order.fl is None and order.evaluation is not None and order.evaluation.round == 2
+        assert set(order.evaluation.models) == {"global"} and order.evaluation.models["global"].artifact_id == round3_weights
+    assert_tensors(load(content(fleet, round3_weights)), fused[2])
+
+    # Execute 2: a score for another round is refused; both score round 2's model; round 3 opens
+    _score(fleet, workers[a], 1, 0.99, 10)
+    assert fleet.ingest.counters.get("task_evaluation_refused") == 1
+    _score(fleet, workers[a], 2, 0.90, 10)
+    _score(fleet, workers[b], 2, 0.70, 30)
+    fleet.tick()
+    plan = plan_of(fleet, task["id"])
+    assert (plan.round, plan.attempt) == (3, 1)
+    assert order_for(fleet, workers[a]).evaluation is None
+    for round_ in (3, 4):
+        answer(fleet, workers, round_, {a: (parameters(10 * round_), 10), b: (parameters(10 * round_ + 1), 30)})
+        fleet.tick()
+        fleet.tick()
+
+    # Execute 3: after the last round the last model is checked; it scores worse (b only, a misses the deadline)
+    plan = plan_of(fleet, task["id"])
+    assert plan.round == 5 and plan.published_artifact_id is None
+    last = order_for(fleet, workers[b]).evaluation
+    assert last is not None and last.round == 4
+    _score(fleet, workers[b], 4, 0.60, 30)
+    fleet.tick()
+    assert plan_of(fleet, task["id"]).published_artifact_id is None  # a may still score until the deadline
+    for _ in range(3):
+        fleet.tick(datetime.now(UTC) + timedelta(seconds=TIMEOUT + 1))
+
+    # Assert 3: SUCCEEDED; round 2's model is published (its bytes, under the output's name), kept though two rounds old
+    assert fleet.task(task["id"])["state"] == "SUCCEEDED"
+    plan = plan_of(fleet, task["id"])
+    published = fleet.hub.get(f"/artifacts/{plan.published_artifact_id}").json()
+    assert (published["name"], published["version"]) == ("digits-torch-cnn-parameters", "1.0.0")
+    assert_tensors(load(content(fleet, published["id"])), fused[2])
+    assert fleet.hub.get(f"/artifacts/{round3_weights}").status_code == 200
+    outputs = fleet.hub.get(f"/tasks/{task['id']}/outputs").json()
+    assert outputs["artifacts"] == [published["id"]] and outputs["best_round"] == 2
+    scored = [(r["round"], r["metric"], round(r["value"], 6), r["evaluators"]) for r in outputs["rounds_scored"]]
+    assert scored == [(2, "accuracy", round((0.9 * 10 + 0.7 * 30) / 40, 6), 2), (4, "accuracy", 0.6, 1)]
+    lines = [line["text"] for line in log_lines(fleet, task["id"])]
+    assert any("round 4's global model: accuracy 0.6000 on 1 participants (round 2 stays the best)" in line for line in lines), lines[-10:]
+    assert any("publishing round 2's global model, the best of the 2 checked" in line for line in lines), lines[-10:]
+
+
+def test_evaluate_every_is_a_whole_model_field(sqlite_fleet: TaskFleet) -> None:
+    fleet = sqlite_fleet
+    body = {"type": "federated_training", "placement": {"target": "device"},
+            "spec": {"model": {"name": "m", "version": "1.0.0"}, "dataset": "d", "rounds": 2, "evaluate_every": 1}}  # fmt: skip
+    r = fleet.hub.request("POST", "/tasks", Role.OPERATOR, json=body)
+    assert r.status_code == 422 and "evaluate_every" in r.text, r.text

@@ -797,3 +797,23 @@ def test_outputs_print_the_privacy_spent_and_the_cross_site_matrix() -> None:
     assert header.index("global") < header.index("dev-a") < header.index("dev-b"), header
     row = next(line for line in lines if line.lstrip("│ ").startswith("dev-b") and "0.8800" in line)
     assert row.index("0.8800") < row.index("0.6100") < row.index("0.9300"), row
+
+
+def test_outputs_print_each_check_of_the_global_model_and_which_round_was_published() -> None:
+    from interfaces.tasks import RoundScore
+
+    outputs = TaskOutputs(
+        task_id="task-1", state=TaskState.SUCCEEDED, complete=True, items_total=None, items_done=None, artifacts=["art-9"], best_round=4,
+        rounds_scored=[RoundScore(round=2, metric="accuracy", value=0.8125, evaluators=3, artifact_id="art-3"),
+                       RoundScore(round=4, metric="accuracy", value=0.9375, evaluators=3, artifact_id="art-5"),
+                       RoundScore(round=6, metric="accuracy", value=None, evaluators=0, artifact_id="art-7")],
+    ).model_dump(mode="json")  # fmt: skip
+    hub = ScriptedHub({("GET", "/tasks/task-1/outputs"): outputs})
+
+    result = CliRunner().invoke(cli.task, ["outputs", "task-1"], obj=hub.hub)
+
+    assert result.exit_code == 0, result.output
+    lines = result.output.splitlines()
+    assert any("4 (published)" in line and "0.9375" in line and "art-5" in line for line in lines), result.output
+    assert any(line.lstrip("│ ").startswith("2 ") and "0.8125" in line for line in lines), result.output
+    assert not any("2 (published)" in line or "6 (published)" in line for line in lines), result.output

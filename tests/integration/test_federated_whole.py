@@ -331,16 +331,19 @@ def test_dp_fedavg_over_real_sites_uploads_clipped_updates_and_charges_each_devi
     assert all(s["epsilon"] > 0 for s in outputs["privacy"])
 
 
-def test_the_cross_site_evaluation_scores_the_global_and_every_local_model_on_every_sites_data(stack: DevStack, tmp_path: Path) -> None:
+def test_the_cross_site_evaluation_scores_the_global_and_every_local_model_on_every_sites_data_and_the_best_checked_round_is_published(
+    stack: DevStack, tmp_path: Path,
+) -> None:  # fmt: skip
     # Prepare: three numpy sites, each with its own train and test split
     algorithm = _upload_algorithm(stack, EXAMPLES / "numpy_cnn", tmp_path)
     initial = _initial_parameters(stack, tmp_path)
     devices = _digits_sites(stack, tmp_path, test=True)
     ids = sorted(d.device_id for d in devices)
 
-    # Execute: two rounds, then the cross-site evaluation
+    # Execute: two rounds, the global model checked after each, then the cross-site evaluation
     spec = {"algorithm": {"name": algorithm["name"], "version": algorithm["version"]}, "datasets": {"train": "digits-train", "test": "digits-test"},
-            "config": {"epochs": 1}, "initial_parameters": initial["id"], "rounds": 2, "min_participants": 3, "round_timeout_s": 120, "cross_evaluation": True}  # fmt: skip
+            "config": {"epochs": 1}, "initial_parameters": initial["id"], "rounds": 2, "min_participants": 3, "round_timeout_s": 120, "cross_evaluation": True,
+            "evaluate_every": 1}  # fmt: skip
     task = api(stack, "POST", "/tasks", json={"type": "federated_training", "spec": spec, "heartbeat_s": 0.5,
                                              "placement": {"target": "device", "ids": ids}})  # fmt: skip
     done = wait_for(lambda: (t := api(stack, "GET", f"/tasks/{task['id']}", "viewer"))["state"] in FINAL and t, 300, interval=0.5, what="the task final")
@@ -354,6 +357,18 @@ def test_the_cross_site_evaluation_scores_the_global_and_every_local_model_on_ev
     assert all(0 <= s["metrics"]["accuracy"] <= 1 and s["num_examples"] > 0 and s["loss"] is not None for s in cells.values())
     assert min(cells[(e, "global")]["metrics"]["accuracy"] for e in ids) > 0.5, cells
     assert any("cross-site evaluation done: 3 of 3 participants scored the 4 models" in line for line in logs), logs[-10:]
+    # each round's global model was scored by the three sites; the better one is published, and the evaluation at the
+    # end scores that very model: its weighted accuracy over the sites is the check's
+    checks = outputs["rounds_scored"]
+    assert [(c["round"], c["metric"], c["evaluators"]) for c in checks] == [(1, "accuracy", 3), (2, "accuracy", 3)], checks
+    best = max(checks, key=lambda c: (c["value"], c["round"]))
+    assert outputs["best_round"] == best["round"]
+    (published,) = outputs["artifacts"]
+    assert _content(stack, published) == _content(stack, best["artifact_id"])
+    final = [cells[(e, "global")] for e in ids]
+    weighted = sum(c["metrics"]["accuracy"] * c["num_examples"] for c in final) / sum(c["num_examples"] for c in final)
+    assert abs(weighted - best["value"]) < 1e-9, (weighted, checks)
+    assert sum("global model: scored 1 model on this site's data" in line for line in logs) == 6, logs[-20:]
 
 
 def test_then_deploy_exports_the_published_model_as_onnx_and_its_canary_deployment_succeeds(stack: DevStack, tmp_path: Path) -> None:

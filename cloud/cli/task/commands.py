@@ -301,6 +301,13 @@ def outputs(hub: _Hub, task_id: str, out: str | None, as_json: bool) -> None:
         for spend in doc["privacy"]:
             table.add_row(spend["device_id"], spend.get("dataset", ""), spend["state"], str(spend.get("steps", "")), f"{spend.get('epsilon') or 0:.4g}")
         make_console().print(table)
+    if doc.get("rounds_scored"):
+        table = make_table("ROUND", "METRIC", "SCORE", "EVALUATORS", "PARAMETERS")
+        for r in doc["rounds_scored"]:
+            best = " (published)" if r["round"] == doc.get("best_round") else ""
+            table.add_row(f"{r['round']}{best}", r["metric"], "" if r["value"] is None else f"{r['value']:.4f}", str(r["evaluators"]), r["artifact_id"])
+        click.echo("the global model's checks (evaluate_every)")
+        make_console().print(table)
     if doc.get("evaluation"):
         _print_matrix(doc["evaluation"])
     if doc.get("content_url") and doc.get("complete"):
