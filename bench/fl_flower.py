@@ -8,7 +8,8 @@ epochs, rounds and strategy, both as real processes talking over the network on 
   client class, wrapped (``timed.client.TimedCNN``, written by this script) so that its ``fit`` reports the seconds
   of the fit itself (``fit_seconds``) and the accuracy of the global model it was handed on the held-out images
   (``global_accuracy``, outside the timed part): the accuracy after round r is what round r+1's fits report; after
-  the last round, the published (ours) or final (Flower's) parameters are scored by this process.
+  the last round, the published (ours) or final (Flower's) parameters are scored by this process. Its shuffle is
+  seeded with the federated round on both sides, so that both run the very same computation.
 * **Ours**: ``cloud.simulation.sites.SitesExperiment`` (a broker, a hub, one edge agent per site, the algorithm and
   the initial parameters stored, one ``federated_training`` task over the sites); round time is the hub's
   ``round_s`` (from the round's open to its close: orders out, downloads, the limited process of each site's fit,
@@ -63,6 +64,9 @@ from numpy_cnn.client import NumpyCNN, forward
 
 class TimedCNN(NumpyCNN):
     def fit(self, parameters, config):
+        # the example seeds its shuffle with config["round"]: the federated round on both sides (Flower passes
+        # server-round as round; a whole-model site passes it as server_round, round being the fit call of its run)
+        config = {**config, "round": int(config.get("server_round", config["round"]))}
         x, y = self.test
         accuracy = float((forward(parameters, x)[0].argmax(axis=1) == y).mean())
         started = time.perf_counter()

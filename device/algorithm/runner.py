@@ -65,6 +65,7 @@ class Job(BaseModel):
     export: bool = True
     evaluate: dict[str, str] = Field(default_factory=dict, max_length=1_000, description="score these parameter files (label -> path) instead of training")
     export_from: str | None = Field(default=None, max_length=4096, description="export these parameters (a file) as ONNX instead of training")
+    fit_config: dict[str, float | int] = Field(default_factory=dict, max_length=16, description="added to every fit call's config (a federated round: server_round, proximal_mu)")
     private_dir: str | None = Field(default=None, max_length=4096, description="the agent's data directory: unreadable to the algorithm (where the kernel has Landlock) but for its package, its datasets and its own directory")
 
 
@@ -186,7 +187,7 @@ def run(job: Job, work: Path, frames: _Frames, confinement: str = "audit hook") 
         parameters = load_parameters(Path(job.initial_parameters)) if job.initial_parameters else checked_initial_parameters(client)
     frames.send("started", resumed_from=start, steps=job.steps, confinement=confinement)
     for step in range(start + 1, job.steps + 1):
-        fitted = checked_fit(client, parameters, {"round": step})
+        fitted = checked_fit(client, parameters, {**job.fit_config, "round": step})
         parameters = fitted.parameters
         frames.send("step", step=step, num_examples=fitted.num_examples, metrics=fitted.metrics)
         if step % job.checkpoint_every == 0 or step == job.steps:

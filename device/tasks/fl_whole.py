@@ -139,6 +139,31 @@ class _Site:
         self.package_sha = sha
         return package
 
+    def _job(self, package: Path, config: dict[str, Any], **kw: Any) -> Any:
+        """The runner's job: this site's datasets and private directory, ``package`` run with ``config``, and ``kw``."""
+        from device.algorithm.runner import Job
+
+        return Job(package_dir=str(package), datasets=self.datasets, config=config, private_dir=str(self.site.private) if self.site.private else None, **kw)
+
+    def _run(self, suffix: str, work: Path, job: Any, run: AlgorithmRun, on_frame: Any = None, stoppable: bool = True, round_of: FlOrder | None = None) -> Any:
+        """Run ``job`` in a limited process of the algorithm's limits, its output as the worker's log; ``stoppable``:
+        stopped with the worker (and paused with it), and (``round_of``) once the hub moved past that round attempt."""
+        from device.algorithm.runtime import Limits, run_worker
+
+        w = self.worker
+        limits = Limits(cpu_cores=run.cpu_cores, memory_bytes=run.memory_bytes, timeout_s=run.timeout_s, accelerators=tuple(run.accelerators))
+        on_log = lambda stream, line: w.log(line, "warning" if stream == "stderr" else "info")  # noqa: E731
+        if not stoppable:
+            return run_worker(f"{w.worker_id}-{suffix}", work, job, limits, on_log=on_log)
+        stop = threading.Event()
+        threading.Thread(target=_watch, args=(w, stop), daemon=True).start()
+        if round_of is not None:
+            threading.Thread(target=self._watch_round, args=(round_of, stop), daemon=True).start()
+        try:
+            return run_worker(f"{w.worker_id}-{suffix}", work, job, limits, stop=stop, on_frame=on_frame or (lambda frame: None), on_log=on_log, paused=w.pause_requested)
+        finally:
+            stop.set()
+
     def _encode(self, fl: FlOrder, parameters: Path, weights: Path, attempt_dir: Path) -> tuple[Path, Path | None]:
         """The file to upload for the trained ``parameters`` (``interfaces.compression``; secure aggregation: masked,
         ``device.tasks.secure``), and the new error feedback's file (None for none, fp16 and masked; it replaces the
@@ -170,8 +195,7 @@ class _Site:
     def _export(self, export: FlExportOrder) -> None:
         """The published parameters as ONNX by this site's algorithm (when it has ``export``), uploaded with the
         order's grant and reported (``task.trained``, ``onnx`` None when the algorithm does not export)."""
-        from device.algorithm.runner import Job
-        from device.algorithm.runtime import AlgorithmFailed, Limits, run_worker
+        from device.algorithm.runtime import AlgorithmFailed
         from device.upload import UploadError
 
         w, run = self.worker, export.run
@@ -181,11 +205,9 @@ class _Site:
         shutil.rmtree(directory, ignore_errors=True)
         parameters = w.fetch_inputs(export.parameters)
         config = dict(export.config) if export.config is not None else dict(self.spec.config)
-        job = Job(package_dir=str(package), datasets=self.datasets, config=config, steps=1, export=True, export_from=str(parameters),
-                  private_dir=str(self.site.private) if self.site.private else None)  # fmt: skip
-        limits = Limits(cpu_cores=run.cpu_cores, memory_bytes=run.memory_bytes, timeout_s=run.timeout_s, accelerators=tuple(run.accelerators))
+        job = self._job(package, config, steps=1, export=True, export_from=str(parameters))
         try:
-            finished = run_worker(f"{w.worker_id}-export", directory / "work", job, limits, on_log=lambda stream, line: w.log(line, "warning" if stream == "stderr" else "info"))
+            finished = self._run("export", directory / "work", job, run, stoppable=False)
         except AlgorithmFailed as exc:
             raise Failed(f"exporting the published model failed: {_detail(exc)}") from None
         onnx = None
@@ -207,8 +229,7 @@ class _Site:
     def _evaluate(self, evaluation: FlEvaluationOrder) -> None:
         """The cross-site evaluation: every model of the order scored on this site's datasets by its algorithm's
         ``evaluate`` (one run of the algorithm, nothing trained), the scores sent to the hub."""
-        from device.algorithm.runner import Job
-        from device.algorithm.runtime import AlgorithmFailed, Limits, run_worker
+        from device.algorithm.runtime import AlgorithmFailed
 
         w, run = self.worker, evaluation.run
         self.scored.add(evaluation.round)
@@ -221,9 +242,7 @@ class _Site:
         shutil.rmtree(directory, ignore_errors=True)
         models = {label: str(w.fetch_inputs(ref)) for label, ref in evaluation.models.items()}
         config = dict(evaluation.config) if evaluation.config is not None else dict(self.spec.config)
-        job = Job(package_dir=str(package), datasets=self.datasets, config=config, steps=1, export=False, evaluate=models,
-                  private_dir=str(self.site.private) if self.site.private else None)  # fmt: skip
-        limits = Limits(cpu_cores=run.cpu_cores, memory_bytes=run.memory_bytes, timeout_s=run.timeout_s, accelerators=tuple(run.accelerators))
+        job = self._job(package, config, steps=1, export=False, evaluate=models)
         scores: dict[str, FlScore] = {}
 
         def on_frame(frame: dict[str, Any]) -> None:
@@ -234,18 +253,13 @@ class _Site:
                 scores[str(frame["label"])] = FlScore(loss=float(loss) if isinstance(loss, int | float) and loss == loss else None,
                                                       num_examples=max(0, int(frame.get("num_examples") or 0)), metrics=dict(list(metrics.items())[:64]))  # fmt: skip
 
-        stop = threading.Event()
-        watcher = threading.Thread(target=_watch, args=(w, stop), daemon=True)
-        watcher.start()
         try:
-            run_worker(f"{w.worker_id}-evaluation", directory / "work", job, limits, stop=stop, on_frame=on_frame,
-                       on_log=lambda stream, line: w.log(line, "warning" if stream == "stderr" else "info"), paused=w.pause_requested)  # fmt: skip
+            self._run("evaluation", directory / "work", job, run, on_frame=on_frame)
         except AlgorithmFailed as exc:
             if exc.reason == "stopped":
                 return
             raise Failed(f"{what} failed: {_detail(exc)}") from None
         finally:
-            stop.set()
             shutil.rmtree(directory, ignore_errors=True)
         if not scores:
             raise Failed(f"{what} scored no model")
@@ -284,8 +298,7 @@ class _Site:
 
     def _round(self, fl: FlOrder) -> bool:
         """Train one round attempt and send the update; False: stop now."""
-        from device.algorithm.runner import Job
-        from device.algorithm.runtime import AlgorithmFailed, Limits, run_worker
+        from device.algorithm.runtime import AlgorithmFailed
         from device.upload import UploadError
 
         w, run = self.worker, fl.run
@@ -297,9 +310,13 @@ class _Site:
             if old != attempt_dir:
                 shutil.rmtree(old, ignore_errors=True)
         config = dict(fl.config) if fl.config is not None else dict(self.spec.config)
-        job = Job(package_dir=str(package), datasets=self.datasets, config=config, steps=self.spec.local_fits, checkpoint_every=self.spec.local_fits,
-                  initial_parameters=str(weights), export=False, private_dir=str(self.site.private) if self.site.private else None)  # fmt: skip
-        limits = Limits(cpu_cores=run.cpu_cores, memory_bytes=run.memory_bytes, timeout_s=run.timeout_s, accelerators=tuple(run.accelerators))
+        fit_config: dict[str, float | int] = {"server_round": fl.round}
+        if self.spec.strategy == "fedprox":  # the proximal term is the participant's: its algorithm gets mu
+            from interfaces.aggregation import strategy_from_spec
+
+            fit_config["proximal_mu"] = float(strategy_from_spec(self.spec.strategy, **self.spec.strategy_params).params()["mu"])
+        job = self._job(package, config, steps=self.spec.local_fits, checkpoint_every=self.spec.local_fits, initial_parameters=str(weights), export=False,
+                        fit_config=fit_config)  # fmt: skip
         fitted: dict[str, Any] = {"num_examples": 0, "metrics": {}}
 
         def on_frame(frame: dict[str, Any]) -> None:
@@ -307,15 +324,9 @@ class _Site:
                 fitted["num_examples"] = int(frame.get("num_examples") or 0)
                 fitted["metrics"] = frame.get("metrics") if isinstance(frame.get("metrics"), dict) else {}
 
-        stop = threading.Event()
-        watcher = threading.Thread(target=_watch, args=(w, stop), daemon=True)
-        watcher.start()
-        moved = threading.Thread(target=self._watch_round, args=(fl, stop), daemon=True)
-        moved.start()
         started = time.perf_counter()
         try:
-            run_worker(f"{w.worker_id}-r{fl.round}a{fl.attempt}", attempt_dir / "work", job, limits, stop=stop, on_frame=on_frame,
-                       on_log=lambda stream, line: w.log(line, "warning" if stream == "stderr" else "info"), paused=w.pause_requested)  # fmt: skip
+            self._run(f"r{fl.round}a{fl.attempt}", attempt_dir / "work", job, run, on_frame=on_frame, round_of=fl)
         except AlgorithmFailed as exc:
             if exc.reason != "stopped":
                 raise Failed(_detail(exc)) from None
@@ -324,8 +335,6 @@ class _Site:
             self.done.add((fl.round, fl.attempt))
             w.log(f"round {fl.round} (attempt {fl.attempt}): the hub moved on before this site finished; its training is reset to the new round", "warning")
             return True
-        finally:
-            stop.set()
         fit_s = time.perf_counter() - started
         self.done.add((fl.round, fl.attempt))
         parameters = attempt_dir / "work" / "output" / "parameters.safetensors"

@@ -96,3 +96,24 @@ def test_checkpoint_and_restore(numpy_run: Any) -> None:
     assert all(not a.any() for a in client.checkpoint().values())
     client.restore(saved)
     assert all(np.array_equal(client.checkpoint()[n], parameters[n]) for n in parameters)
+
+
+def _distance(a: dict[str, np.ndarray], b: dict[str, np.ndarray]) -> float:
+    """Over the trained tensors (a batch norm's running statistics are no parameters: mu does not hold them)."""
+    return float(np.sqrt(sum(float(((a[k].astype(np.float64) - b[k]) ** 2).sum()) for k in a if ".running_" not in k)))
+
+
+@pytest.mark.parametrize("example", ["torch_cnn", "numpy_cnn", "torch_resnet"])
+def test_fedproxs_mu_keeps_a_fit_near_the_global_parameters_it_started_from(example: str, digits: dict[str, Path], tmp_path: Path) -> None:
+    if example.startswith("torch"):
+        pytest.importorskip("torch")
+    config = {"epochs": 1, "learning_rate": 0.05, "batch_size": 32, "seed": 0} | ({"width": 4} if example == "torch_resnet" else {})
+    data = np.load(digits["train"])
+    np.savez(tmp_path / "small.npz", x=data["x"][:256], y=data["y"][:256])
+    _, client = load_client(EXAMPLES / example, config, {"train": tmp_path / "small.npz"})
+    start = client.initial_parameters()
+    free = checked_fit(client, start, {"round": 1}).parameters
+    held = checked_fit(client, start, {"round": 1, "proximal_mu": 20.0}).parameters
+    again = checked_fit(client, start, {"round": 1, "proximal_mu": 0.0}).parameters
+    assert _distance(held, start) < 0.5 * _distance(free, start), (_distance(held, start), _distance(free, start))
+    assert _distance(again, free) < 1e-4  # mu 0 is plain SGD: the same fit

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import socket
+import sys
 import threading
 import time
 from pathlib import Path
@@ -317,3 +318,28 @@ def test_nothing_of_the_agents_directory_is_readable_but_its_own(tmp_path: Path,
         assert isinstance(result, Finished) and f"read 100 bytes of {target}" in lines, (result, lines)
     else:
         assert isinstance(result, AlgorithmFailed) and result.reason == "raised" and "Permission denied" in str(result), (result, lines)
+
+
+def test_a_jobs_fit_config_reaches_every_fit_call(tmp_path: Path) -> None:
+    """What a whole-model round adds to fit's config (server_round; proximal_mu for FedProx) gets to the algorithm:
+    the numpy example with a large mu moves much less from the parameters it was given."""
+    from safetensors.numpy import load_file, save_file
+    from sklearn.datasets import load_digits
+
+    digits = load_digits()
+    np.savez(tmp_path / "train.npz", x=(digits.data[:300] / 16).astype(np.float32).reshape(-1, 1, 8, 8), y=digits.target[:300].astype(np.int64))
+    sys.path.insert(0, str(NUMPY_CNN))
+    try:
+        from numpy_cnn.client import NumpyCNN
+    finally:
+        sys.path.remove(str(NUMPY_CNN))
+    start = NumpyCNN({"seed": 0, "epochs": 1, "learning_rate": 0.05, "batch_size": 32}, {"train": tmp_path / "train.npz"}).initial_parameters()
+    save_file(start, str(tmp_path / "start.safetensors"))
+    moved = {}
+    for mu in (0.0, 20.0):
+        j = Job(package_dir=str(NUMPY_CNN), datasets={"train": str(tmp_path / "train.npz")}, config={"epochs": 1}, steps=1, export=False,
+                initial_parameters=str(tmp_path / "start.safetensors"), fit_config={"server_round": 3, "proximal_mu": mu})  # fmt: skip
+        result = run(tmp_path / f"mu{mu:g}", j, how="rlimit", name=f"w{mu:g}")
+        trained = load_file(str(result.parameters))
+        moved[mu] = float(np.sqrt(sum(float(((trained[k].astype(np.float64) - start[k]) ** 2).sum()) for k in start)))
+    assert moved[20.0] < 0.5 * moved[0.0], moved

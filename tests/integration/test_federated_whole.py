@@ -398,3 +398,27 @@ def test_then_deploy_exports_the_published_model_as_onnx_and_its_canary_deployme
     assert deployment["state"] == "SUCCEEDED", deployment
     onnx = next(a for a, m in models.items() if m["format"] == "onnx")
     assert deployment["artifact_id"] == onnx and deployment["batches"] == 2, deployment
+
+
+def test_fedprox_hands_its_mu_to_the_sites_algorithm_which_keeps_each_update_near_the_global_model(stack: DevStack, tmp_path: Path) -> None:
+    # Prepare: two numpy sites (the example adds mu/2 ||w - w_global||^2 to its loss when fit's config has proximal_mu)
+    algorithm = _upload_algorithm(stack, EXAMPLES / "numpy_cnn", tmp_path)
+    initial = _initial_parameters(stack, tmp_path)
+    start = load(_content(stack, initial["id"]))
+    ids = sorted(d.device_id for d in _digits_sites(stack, tmp_path, n=2))
+
+    # Execute: the same round as FedAvg and as FedProx with a large mu
+    moved = {}
+    for strategy, params in (("fedavg", {}), ("fedprox", {"mu": 20.0})):
+        spec = {"algorithm": {"name": algorithm["name"], "version": algorithm["version"]}, "datasets": {"train": "digits-train"}, "config": {"epochs": 1},
+                "initial_parameters": initial["id"], "rounds": 1, "min_participants": 2, "round_timeout_s": 120, "strategy": strategy, "strategy_params": params,
+                "output": {"name": f"digits-{strategy}"}}  # fmt: skip
+        task = api(stack, "POST", "/tasks", json={"type": "federated_training", "spec": spec, "heartbeat_s": 0.5, "placement": {"target": "device", "ids": ids}})
+        done = wait_for(lambda t=task: (d := api(stack, "GET", f"/tasks/{t['id']}", "viewer"))["state"] in FINAL and d, 300, interval=0.5, what="the task final")
+        assert done["state"] == "SUCCEEDED", (done, _logs(stack, task["id"])[-20:])
+        (published,) = api(stack, "GET", f"/tasks/{task['id']}/outputs", "viewer")["artifacts"]
+        fused = load(_content(stack, published))
+        moved[strategy] = float(np.sqrt(sum(float(((fused[k].astype(np.float64) - start[k]) ** 2).sum()) for k in start)))
+
+    # Assert: FedProx's round moved the global model far less than FedAvg's (both fuse as FedAvg: the difference is mu)
+    assert moved["fedprox"] < 0.5 * moved["fedavg"], moved

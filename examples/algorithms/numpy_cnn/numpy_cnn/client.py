@@ -93,6 +93,8 @@ class NumpyCNN(Client):
 
     def fit(self, parameters: Parameters, config: Mapping[str, Any]) -> tuple[dict[str, np.ndarray], int, dict[str, float]]:
         weights = {name: np.array(array, np.float32) for name, array in parameters.items()}
+        anchor = {name: array.copy() for name, array in weights.items()}  # FedProx: the global parameters this fit started from
+        mu = float(config.get("proximal_mu", 0.0))
         velocity = {name: np.zeros_like(array) for name, array in weights.items()}
         x, y = self.train
         rng = np.random.default_rng(int(self.config["seed"]) + int(config.get("round", 0)))
@@ -105,6 +107,8 @@ class NumpyCNN(Client):
                 loss, grads = gradients(weights, x[batch], y[batch])
                 total += loss * len(batch)
                 for name, grad in grads.items():
+                    if mu:  # the gradient of mu/2 * ||w - w_global||^2
+                        grad = grad + mu * (weights[name] - anchor[name])
                     velocity[name] = 0.9 * velocity[name] + grad
                     weights[name] -= rate * velocity[name]
         self.latest = weights

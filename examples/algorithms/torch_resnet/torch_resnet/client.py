@@ -94,6 +94,8 @@ class TorchResNet(Client):
         generator = torch.Generator().manual_seed(int(self.config["seed"]) + int(config.get("round", 0)))
         optimiser = torch.optim.SGD(self.model.parameters(), lr=float(self.config["learning_rate"]), momentum=0.9, weight_decay=5e-4)
         size = int(self.config["batch_size"])
+        mu = float(config.get("proximal_mu", 0.0))  # FedProx: mu/2 * ||w - w_global||^2 added to the loss
+        anchors = [p.detach().clone() for p in self.model.parameters()] if mu else []
         self.model.train()
         total = 0.0
         for _ in range(int(self.config["epochs"])):
@@ -104,6 +106,8 @@ class TorchResNet(Client):
                     continue
                 optimiser.zero_grad()
                 loss = nn.functional.cross_entropy(self.model(x[batch]), y[batch])
+                if mu:
+                    loss = loss + mu / 2 * sum(((p - a) ** 2).sum() for p, a in zip(self.model.parameters(), anchors, strict=True))
                 loss.backward()
                 optimiser.step()
                 total += float(loss.detach()) * len(batch)
