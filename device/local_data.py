@@ -75,7 +75,7 @@ class LocalDatasets:
             cached = self._described.get(name)
         if cached is not None and cached[0] == key:
             return cached[1]
-        described = _describe(path)
+        described = describe_npz(path)
         with self._lock:
             self._described[name] = (key, described)
         return described
@@ -204,8 +204,9 @@ def _load(path: Path) -> tuple[np.ndarray, np.ndarray]:
     return x, y
 
 
-def _describe(path: Path) -> LocalDataset:
-    """Rows, row shape and dtype from the ``.npy`` headers inside the ``.npz`` (nothing loaded)."""
+def describe_npz(path: Path) -> LocalDataset:
+    """Rows, row shape and dtype from the ``.npy`` headers inside the ``.npz`` (nothing loaded); ``DatasetError`` when it
+    is no ``.npz`` of inputs ``x`` and integer labels ``y``."""
     import numpy as np
 
     try:

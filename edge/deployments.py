@@ -109,7 +109,8 @@ class NodeDeployments:
         self._send_up = send_up
         self._event_lock = threading.Lock()  # held from taking a seq to storing the event: seqs leave in order
         fetch_inputs = InputFetcher(Path(data_dir) / "tasks" / "inputs", self.updater.signing_key, self.updater.downloader, self.updater.verify_manifest)
-        site = Site(Path(data_dir) / "tasks" / "training", hub_url, dict(datasets or {}), verify, private=Path(data_dir))
+        self._datasets = {name: Path(path) for name, path in (datasets or {}).items()}
+        site = Site(Path(data_dir) / "tasks" / "training", hub_url, dict(self._datasets), verify, private=Path(data_dir))
         self.tasks = WorkerHost(Path(data_dir) / "tasks", self.models, self.emit, fetch_inputs, infer=infer, fl=fl, site=site)
         self._version = -1  # the newest desired version seen
         self._tasks_version = -1  # the newest task orders seen
@@ -120,9 +121,24 @@ class NodeDeployments:
         self._restored = False
 
     def status(self) -> dict[str, Any]:
-        """What the node reports it runs (``ReportedBody.status``)."""
+        """What the node reports it runs (``ReportedBody.status``: ``installed``), and the site's datasets that are
+        ``.npz`` files of inputs and labels (``datasets``: rows, row shape; what bounds the examples a federated
+        update of this site may count). A folder, or another format, is not described."""
+        from device.local_data import DatasetError, describe_npz
+        from interfaces.privacy import DATASETS_KEY
+
         installed = self.updater.installed()
-        return {INSTALLED_KEY: {kind: a.model_dump(mode="json") for kind, a in installed.items()}} if installed else {}
+        status: dict[str, Any] = {INSTALLED_KEY: {kind: a.model_dump(mode="json") for kind, a in installed.items()}} if installed else {}
+        described = {}
+        for name, path in sorted(self._datasets.items()):
+            if path.is_file() and path.suffix == ".npz":
+                try:
+                    described[name] = describe_npz(path).model_dump(mode="json")
+                except DatasetError as exc:
+                    log.warning("dataset %s is not described: %s", name, exc)
+        if described:
+            status[DATASETS_KEY] = described
+        return status
 
     def offer(self, desired: DesiredBody) -> None:
         """A desired document arrived (on the event loop); its orders wait for the worker."""

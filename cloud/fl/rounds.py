@@ -61,7 +61,7 @@ from cloud.convert import utc
 from cloud.fl import whole
 from cloud.fl.task import spec_of
 from cloud.incremental import budgets, surgery
-from cloud.tables import Artifact, Device, FlPlan, FlRoundRow, FlUpdateRow, Task, TaskMetric, TaskWorker
+from cloud.tables import Artifact, Device, FlPlan, FlRoundRow, FlUpdateRow, Node, Task, TaskMetric, TaskWorker
 from cloud.tasks.kind import Driver, Ticked
 from cloud.tasks.lifecycle import active_workers, hub_log
 from interfaces.aggregation import ClientUpdate, Strategy, strategy_from_spec, strategy_from_state, weighted_metrics
@@ -252,9 +252,11 @@ def _not_refused() -> Any:
 
 def _examples_bound(session: Session, contributors: list[str], datasets: list[str], lenient: bool = False) -> int:
     """The most examples ``contributors`` can have trained on: the rows they reported of ``datasets`` (the largest of
-    them), at least 1 each. ``lenient`` (a whole model's update): a contributor that reports none of them (a site: edge
-    nodes report none) is not bounded."""
-    rows = {d.id: d for d in session.execute(select(Device).where(Device.id.in_(contributors))).scalars()}  # type: ignore[attr-defined]
+    them), at least 1 each. ``lenient`` (a whole model's update): a contributor that reports none of them (an edge
+    node's dataset that is a folder or no ``.npz`` of x and y is not described) is not bounded."""
+    rows: dict[str, Any] = {d.id: d for d in session.execute(select(Device).where(Device.id.in_(contributors))).scalars()}  # type: ignore[attr-defined]
+    if lenient:  # a whole model's participants may be sites: edge nodes describe their .npz datasets as devices do
+        rows |= {n.id: n for n in session.execute(select(Node).where(Node.id.in_(contributors))).scalars()}  # type: ignore[attr-defined]
     reported = {c: [info.rows for d in datasets if c in rows and (info := budgets.reported_dataset(rows[c], d)) is not None] for c in set(contributors)}
     if lenient and any(not r for r in reported.values()):
         return 2**62

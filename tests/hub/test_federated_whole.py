@@ -1072,3 +1072,29 @@ def test_evaluate_every_is_a_whole_model_field(sqlite_fleet: TaskFleet) -> None:
             "spec": {"model": {"name": "m", "version": "1.0.0"}, "dataset": "d", "rounds": 2, "evaluate_every": 1}}  # fmt: skip
     r = fleet.hub.request("POST", "/tasks", Role.OPERATOR, json=body)
     assert r.status_code == 422 and "evaluate_every" in r.text, r.text
+
+
+def test_a_sites_update_counts_at_most_the_rows_its_node_reported_of_the_tasks_datasets(sqlite_fleet: TaskFleet, packages: dict[Path, bytes]) -> None:
+    from interfaces.messages import ReportedBody
+
+    # Prepare: two sites; a reports its training file's rows (an edge describes its .npz datasets), b a folder (nothing)
+    fleet = sqlite_fleet
+    upload_algorithm(fleet, packages, TORCH)
+    start = initial(fleet)
+    a, b = sorted((site_node(fleet, "a"), site_node(fleet, "b")))
+    fleet.ingest.offer(a, ReportedBody(version=1, status={"datasets": {"digits-train": {"rows": 40, "shape": [1, 8, 8], "dtype": "float32"}}}))
+    fleet.ingest.flush()
+    task = federate(fleet, [a, b], target="node", initial_parameters=start.id, min_participants=2, datasets={"train": "digits-train"})
+    workers = started(fleet, task["id"])
+
+    # Execute: a claims 10,000 examples, b 36
+    answer(fleet, workers, 1, {a: (parameters(1), 10_000), b: (parameters(2), 36)})
+    fleet.tick()
+    fleet.tick()
+
+    # Assert: a counted as its 40 rows (logged), b as it says (no rows reported); the FedAvg is by 40 and 36
+    (closed,) = closed_rounds(fleet, task["id"])
+    assert closed.metrics["examples"] == 76.0
+    assert_tensors(global_after(fleet, task["id"], 2)[1], fedavg([(parameters(1), 40), (parameters(2), 36)]))
+    lines = [line["text"] for line in log_lines(fleet, task["id"])]
+    assert any("claimed 10000 examples; its contributors reported 40 rows of digits-train: counted as 40" in line for line in lines), lines[-10:]

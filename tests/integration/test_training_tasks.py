@@ -243,3 +243,18 @@ def test_each_bad_input_gets_its_answer_end_to_end_and_the_site_keeps_serving(si
     assert api(site, "GET", f"/nodes/{site.node_id}/status", "viewer")["state"] == "ONLINE"
     good = _create(site, {"algorithm": behave, "steps": 2})
     assert _final(site, good["id"])["state"] == "SUCCEEDED"
+
+
+def test_the_edge_reports_the_rows_of_its_npz_datasets_which_bound_what_its_updates_may_count(site: DevStack, tmp_path: Path) -> None:
+    train = np.load(tmp_path / "site-data" / "train.npz")
+    test = np.load(tmp_path / "site-data" / "test.npz")
+
+    def described() -> dict[str, Any] | None:
+        reported = api(site, "GET", f"/nodes/{site.node_id}/twin", "viewer")["reported"]
+        return reported.get("datasets") or None
+
+    # the node reports with each desired document it is sent (a task placed on it sends one; here: a twin update)
+    api(site, "PUT", f"/nodes/{site.node_id}/twin", json={"desired": {"note": "describe yourself"}})
+    datasets = wait_for(described, 60, what="the node's reported datasets")
+    assert datasets == {"digits-test": {"rows": len(test["y"]), "shape": [1, 8, 8], "dtype": "float32"},
+                        "digits-train": {"rows": len(train["y"]), "shape": [1, 8, 8], "dtype": "float32"}}  # fmt: skip
