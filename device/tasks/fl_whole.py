@@ -360,13 +360,16 @@ class _Site:
         shown = ", ".join(f"{k} {v:.4g}" for k, v in sorted(metrics.items()))
         w.log(f"round {fl.round}: {run.manifest.name} {run.manifest.version}, {self.spec.local_fits} fit calls on {update.num_examples} examples in {fit_s:.1f} s"
               + (f" ({shown})" if shown else "") + f"; update {artifact_id} uploaded in {upload_s:.1f} s")  # fmt: skip
-        try:
-            w.event(FL_UPDATE_EVENT, update)
-        except Exception as exc:  # noqa: BLE001 - not connected: this round goes on without us; the next one resets us
-            w.log(f"round {fl.round}: could not send the update: {exc}", "warning")
         with self._lock:
             self.metrics = {"rounds": self.metrics["rounds"] + 1, "round": float(fl.round), "fit_s": fit_s, "upload_s": upload_s,
                             "examples": float(update.num_examples), **metrics}  # fmt: skip
         w.items_done = int(self.metrics["rounds"])
+        # this round's sample (its fit time) goes before the update: the hub may end the task on the last update,
+        # and a withdrawn worker sends no sample after it
+        w.report_now()
+        try:
+            w.event(FL_UPDATE_EVENT, update)
+        except Exception as exc:  # noqa: BLE001 - not connected: this round goes on without us; the next one resets us
+            w.log(f"round {fl.round}: could not send the update: {exc}", "warning")
         return True
 
