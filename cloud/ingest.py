@@ -94,15 +94,16 @@ class StatusIngest:
         with self._lock:
             self._acks.append(token)
 
-    def offer_event(self, node_id: str, device_id: str, message: Envelope[EventBody]) -> None:
+    def offer_event(self, node_id: str, device_id: str, message: Envelope[EventBody], at: datetime | None = None) -> None:
+        """Queue an event of device ``device_id`` relayed by edge ``node_id``, received ``at`` (default: now)."""
         with self._lock:
-            self._events.append((node_id, device_id, message, datetime.now(UTC)))
+            self._events.append((node_id, device_id, message, at or datetime.now(UTC)))
 
-    def offer_node_event(self, node_id: str, message: Envelope[EventBody]) -> None:
+    def offer_node_event(self, node_id: str, message: Envelope[EventBody], at: datetime | None = None) -> None:
         """Queue an event of an edge node: its own (execution progress and task reports are acted on, the rest
         stored), or one the hub records about it (``src`` hub: a message from the node that it dropped)."""
         with self._lock:
-            self._node_events.append((node_id, message, datetime.now(UTC)))
+            self._node_events.append((node_id, message, at or datetime.now(UTC)))
 
     @property
     def backlog(self) -> int:

@@ -203,11 +203,17 @@ _MODELS = {"cnn": "numpy_cnn", "torch-cnn": "torch_cnn", "resnet": "torch_resnet
               help="the declared link of every site, in Mbit/s: the bytes measured are timed on it")
 @click.option("--latency-ms", default=20.0, show_default=True, type=click.FloatRange(0, 10_000, max_open=True), help="each way, per round")
 @click.option("--seed", default=0, show_default=True, type=click.IntRange(min=0))
+@click.option("--dp-epsilon", type=click.FloatRange(0, 1000, min_open=True, max_open=True), default=None,
+              help="the federated arm by DP-SGD on each site, its noise calibrated so that every site stays within this epsilon")
+@click.option("--dp-delta", default=1e-5, show_default=True, type=click.FloatRange(0, 0.01, min_open=True, max_open=True))
+@click.option("--dp-clip-norm", default=1.0, show_default=True, type=click.FloatRange(0, 1000, min_open=True, max_open=True),
+              help="DP-SGD: each example's gradient clipped to this L2 norm")
 @click.option("--data-dir", type=click.Path(file_okay=False, path_type=Path), default=None,
               help="where the stack, the sites and the data live (default: a temporary folder, removed after)")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False, path_type=Path), default=None, help="write every number to this file")
 def sites_cmd(sites: int, rounds: int, alpha: float, model: str, algorithm_dir: Path | None, config_json: str | None, strategy: str,
-              compression: str, link_mbps: float, latency_ms: float, seed: int, data_dir: Path | None, json_path: Path | None) -> None:
+              compression: str, link_mbps: float, latency_ms: float, seed: int, dp_epsilon: float | None, dp_delta: float, dp_clip_norm: float,
+              data_dir: Path | None, json_path: Path | None) -> None:
     """The seed's demo on real processes: a hub and SITES edge agents, each keeping a non-IID shard of the digits, train
     one network with a federated_training task; the same fit calls on each site alone and on the pooled shards
     (training tasks) give the local-only and centralised arms. Prints the seed's comparison, the slowest site's
@@ -228,7 +234,8 @@ def sites_cmd(sites: int, rounds: int, alpha: float, model: str, algorithm_dir: 
     if not isinstance(config, dict):
         raise click.BadParameter("a JSON object", param_hint="--config")
     cfg = SitesConfig(algorithm=algorithm.resolve(), sites=sites, rounds=rounds, alpha=alpha, config=config, strategy=strategy,
-                      compression=compression, link_mbps=link_mbps, latency_ms=latency_ms, seed=seed)  # fmt: skip
+                      compression=compression, link_mbps=link_mbps, latency_ms=latency_ms, seed=seed, dp_epsilon=dp_epsilon, dp_delta=dp_delta,
+                      dp_clip_norm=dp_clip_norm)  # fmt: skip
     scratch = None if data_dir is not None else Path(tempfile.mkdtemp(prefix="aisynergy-sites-"))
     where = (data_dir or scratch).resolve()  # type: ignore[union-attr]
     try:
@@ -246,17 +253,22 @@ def sites_cmd(sites: int, rounds: int, alpha: float, model: str, algorithm_dir: 
 def _report_sites(result: Any) -> None:
     c = result.comparison()
     click.echo("")
-    click.echo(f"{'site':<8} {'images':>6} {'labels (most common)':<22} {'local-only':>10} {'fit s':>7} {'comm. s':>8} {'comm.':>6}")
+    dp = result.config.get("dp_epsilon") is not None
+    click.echo(f"{'site':<8} {'images':>6} {'labels (most common)':<22} {'local-only':>10} {'fit s':>7} {'comm. s':>8} {'comm.':>6}"
+               + (f" {'epsilon':>7}" if dp else ""))
     for s in result.sites:
         top = ", ".join(f"{k}:{n}" for k, n in sorted(s.labels.items(), key=lambda kv: -kv[1])[:3])
-        click.echo(f"{s.name:<8} {s.examples:>6} {top:<22} {_pct(s.local_accuracy):>10} {s.fit_s:>7.2f} {s.communication_s:>8.2f} {s.communication_pct:>5.1f}%")
+        spent = "" if not dp else f" {s.epsilon:>7.3f}" if s.epsilon is not None else f" {'-':>7}"
+        click.echo(f"{s.name:<8} {s.examples:>6} {top:<22} {_pct(s.local_accuracy):>10} {s.fit_s:>7.2f} {s.communication_s:>8.2f} {s.communication_pct:>5.1f}%"
+                   + spent)
     local, fed, cen = result.local_mean, result.federated_accuracy, result.centralised_accuracy
     click.echo("")
-    click.echo(f"{'arm':<28}  {'test acc.':>9}  {'vs local-only':>13}  {'vs centralised':>14}")
-    for name, acc in ((f"local-only (mean of {len(result.sites)})", local), (f"federated ({result.config['strategy']})", fed), ("centralised (pooled)", cen)):
+    click.echo(f"{'arm':<34}  {'test acc.':>9}  {'vs local-only':>13}  {'vs centralised':>14}")
+    federated = f"federated ({result.config['strategy']}" + (f", DP-SGD eps {result.config['dp_epsilon']:g})" if dp else ")")
+    for name, acc in ((f"local-only (mean of {len(result.sites)})", local), (federated, fed), ("centralised (pooled)", cen)):
         vs_local = None if acc is None or local is None or name.startswith("local") else 100 * (acc - local)
         vs_central = None if acc is None or cen is None or name.startswith("centralised") else 100 * (acc - cen)
-        click.echo(f"{name:<28}  {_pct(acc):>9}  {_points(vs_local):>13}  {_points(vs_central):>14}")
+        click.echo(f"{name:<34}  {_pct(acc):>9}  {_points(vs_local):>13}  {_points(vs_central):>14}")
     click.echo("")
     rounds = result.rounds
     round_s = [r["round_s"] for r in rounds]

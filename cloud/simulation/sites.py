@@ -17,6 +17,11 @@ their data leaving them, and the same work is done two other ways for the seed's
   evaluation. **Local-only**: one ``training`` task per site, on its shard alone, ``rounds`` fit calls (the same
   epochs a site trains in the federation). **Centralised**: one ``training`` task on ``central``, the pooled shards,
   ``rounds`` fit calls.
+* **With DP** (``dp_epsilon``): the federated arm trains by DP-SGD on every site (the algorithm's own, e.g.
+  :mod:`device.algorithm.privacy` in the examples), with the noise multiplier that keeps every site within
+  ``dp_epsilon`` at ``dp_delta`` over all its steps (:meth:`SitesExperiment._dp_config`); each site's reported
+  ``epsilon`` is collected. The local-only and centralised arms stay non-private: the seed's target is DP within
+  3 points of centralised training.
 * **Communication**: bytes are measured (the hub's round metrics: the global parameters each site downloads and
   the update it uploads); their time is what they take on the declared link (``link_mbps``, plus ``latency_ms``
   each way per round), against each site's measured fit time (its ``fit_s`` per round). The share printed is the
@@ -48,6 +53,7 @@ FINAL = {"SUCCEEDED", "FAILED", "CANCELED", "TIMED_OUT"}
 SEED_GAIN_OVER_LOCAL_POINTS = 4.0
 SEED_GAP_TO_CENTRAL_POINTS = 1.0
 SEED_COMMUNICATION_PCT = 20.0
+SEED_DP_GAP_TO_CENTRAL_POINTS = 3.0
 
 
 @dataclass(frozen=True)
@@ -66,6 +72,9 @@ class SitesConfig:
     task_timeout_s: float = 7200.0
     baselines: bool = True  # the local-only and centralised arms (False: the federated task alone)
     cross_evaluation: bool = True  # the federated accuracy scored on the sites (False: None, unless inspected)
+    dp_epsilon: float | None = None  # the federated arm by DP-SGD on each site, sigma calibrated to this epsilon
+    dp_delta: float = 1e-5
+    dp_clip_norm: float = 1.0
 
     def check(self) -> None:
         if not 2 <= self.sites <= 32:
@@ -78,6 +87,8 @@ class SitesConfig:
             raise SimulationError("link_mbps must be > 0 and latency_ms in [0, 10000)")
         if not (self.algorithm / "algorithm.json").is_file():
             raise SimulationError(f"{self.algorithm} is not an algorithm package folder (no algorithm.json)")
+        if self.dp_epsilon is not None and not (0 < self.dp_epsilon < 1000 and 0 < self.dp_delta < 0.01 and 0 < self.dp_clip_norm < 1000):
+            raise SimulationError("dp_epsilon in (0, 1000), dp_delta in (0, 0.01) and dp_clip_norm in (0, 1000)")
 
 
 @dataclass
@@ -92,6 +103,7 @@ class SiteFigures:
     bytes_down: float = 0.0
     bytes_up: float = 0.0
     communication_s: float = 0.0
+    epsilon: float | None = None  # with DP-SGD: the epsilon its algorithm reported after its last round
 
     @property
     def communication_pct(self) -> float:
@@ -125,15 +137,20 @@ class SitesResult:
         gap = None if fed is None or cen is None else 100 * (cen - fed)
         share = self.slowest.communication_pct
         per_round = [r.get("bytes_up", 0.0) + r.get("bytes_down", 0.0) for r in self.rounds]
+        met = {f"federated >= local-only + {SEED_GAIN_OVER_LOCAL_POINTS:g} points": gain is not None and gain >= SEED_GAIN_OVER_LOCAL_POINTS}
+        target = self.config.get("dp_epsilon")
+        if target is None:
+            met[f"federated within {SEED_GAP_TO_CENTRAL_POINTS:g} point of centralised"] = gap is not None and gap <= SEED_GAP_TO_CENTRAL_POINTS
+        else:  # the seed's privacy target: DP at epsilon 8 within 3 points of (non-private) centralised training
+            spent = [s.epsilon for s in self.sites]
+            met[f"federated with DP-SGD at epsilon {target:g} within {SEED_DP_GAP_TO_CENTRAL_POINTS:g} points of centralised"] = (
+                gap is not None and gap <= SEED_DP_GAP_TO_CENTRAL_POINTS)  # fmt: skip
+            met[f"every site's reported epsilon <= {target:g}"] = all(e is not None and e <= target * (1 + 1e-6) for e in spent)
+        met[f"communication < {SEED_COMMUNICATION_PCT:g}% of the slowest site's time"] = share < SEED_COMMUNICATION_PCT
         return {
             "federated_minus_local_points": gain, "centralised_minus_federated_points": gap,
             "communication_pct_slowest": share, "slowest_site": self.slowest.name,
-            "bytes_per_round": float(np.mean(per_round)) if per_round else 0.0,
-            "met": {
-                f"federated >= local-only + {SEED_GAIN_OVER_LOCAL_POINTS:g} points": gain is not None and gain >= SEED_GAIN_OVER_LOCAL_POINTS,
-                f"federated within {SEED_GAP_TO_CENTRAL_POINTS:g} point of centralised": gap is not None and gap <= SEED_GAP_TO_CENTRAL_POINTS,
-                f"communication < {SEED_COMMUNICATION_PCT:g}% of the slowest site's time": share < SEED_COMMUNICATION_PCT,
-            },
+            "bytes_per_round": float(np.mean(per_round)) if per_round else 0.0, "met": met,
         }  # fmt: skip
 
     def to_json(self) -> dict[str, Any]:
@@ -306,8 +323,9 @@ class SitesExperiment:
         datasets = {"train": "train", "test": "test"}
         self.echo(f"algorithm {ref['name']} {ref['version']} stored ({algorithm['id']}); initial parameters {initial['id']}")
 
-        # federated: every site in every round
-        spec = {"algorithm": ref, "datasets": datasets, "config": cfg.config, "initial_parameters": initial["id"], "rounds": cfg.rounds,
+        # federated: every site in every round (with dp_epsilon: by DP-SGD on each site)
+        fed_config = cfg.config if cfg.dp_epsilon is None else self._dp_config(manifest, sites)
+        spec = {"algorithm": ref, "datasets": datasets, "config": fed_config, "initial_parameters": initial["id"], "rounds": cfg.rounds,
                 "min_participants": cfg.sites, "round_timeout_s": cfg.round_timeout_s, "strategy": cfg.strategy, "compression": cfg.compression,
                 "cross_evaluation": cfg.cross_evaluation, "output": {"name": f"{manifest['name']}-federated"[:128]}}  # fmt: skip
         self.echo(f"federated: {cfg.rounds} rounds of {cfg.strategy} over {cfg.sites} sites")
@@ -324,7 +342,7 @@ class SitesExperiment:
             self.inspect(self, fed_id)
         if central is None:
             wall["total_s"] = time.perf_counter() - started
-            return SitesResult(config={**asdict(cfg), "algorithm": str(cfg.algorithm), "algorithm_ref": ref}, sites=sites, federated_accuracy=federated,
+            return SitesResult(config={**asdict(cfg), "algorithm": str(cfg.algorithm), "algorithm_ref": ref, "federated_config": fed_config}, sites=sites, federated_accuracy=federated,
                                centralised_accuracy=None, rounds=rounds, task_ids={"federated": fed_id}, wall_s=wall, machine=host)  # fmt: skip
 
         # local-only: each site alone, the same fit calls; centralised: the pooled shards on central
@@ -346,10 +364,32 @@ class SitesExperiment:
         (trained,) = self.call("GET", f"/tasks/{central_id}/outputs")["trained"]
         wall["total_s"] = time.perf_counter() - started
         return SitesResult(
-            config={**asdict(cfg), "algorithm": str(cfg.algorithm), "algorithm_ref": ref}, sites=sites, federated_accuracy=federated,
+            config={**asdict(cfg), "algorithm": str(cfg.algorithm), "algorithm_ref": ref, "federated_config": fed_config}, sites=sites, federated_accuracy=federated,
             centralised_accuracy=trained["metrics"].get("accuracy"), rounds=rounds,
             task_ids={"federated": fed_id, "local": local_ids, "centralised": central_id}, wall_s=wall, machine=host,
         )  # fmt: skip
+
+    def _dp_config(self, manifest: dict[str, Any], sites: list[SiteFigures]) -> dict[str, Any]:
+        """The federated arm's configuration with DP-SGD: the noise multiplier that keeps every site within
+        ``dp_epsilon`` after all its steps (``rounds`` fit calls of ``epochs`` epochs of ceil(n / batch_size) steps,
+        Poisson sampling at batch_size / n): the largest of the sites' (the smallest shard's sample rate is the
+        highest). The algorithm must take ``dp_noise_multiplier`` (the examples do: device.algorithm.privacy)."""
+        from cloud.simulation.dp_sgd import calibrate_sigma
+
+        cfg = self.cfg
+        assert cfg.dp_epsilon is not None
+        schema = manifest.get("config_schema", {}).get("properties", {})
+        if "dp_noise_multiplier" not in schema:
+            raise SimulationError(f"{manifest['name']} takes no dp_noise_multiplier: its fit does no DP-SGD")
+        value = {k: cfg.config.get(k, schema.get(k, {}).get("default")) for k in ("batch_size", "epochs")}
+        if not all(isinstance(v, int) and v > 0 for v in value.values()):
+            raise SimulationError(f"DP-SGD's calibration needs batch_size and epochs (from the configuration or its schema's defaults), got {value}")
+        size, epochs = value["batch_size"], value["epochs"]
+        sigma = max(calibrate_sigma(min(1.0, size / s.examples), cfg.rounds * epochs * -(-s.examples // size), cfg.dp_epsilon, cfg.dp_delta)
+                    for s in sites)  # fmt: skip
+        self.echo(f"DP-SGD on every site: noise multiplier {sigma:.4g}, clip norm {cfg.dp_clip_norm:g}, epsilon {cfg.dp_epsilon:g} at delta {cfg.dp_delta:g} "
+                  f"after {cfg.rounds} rounds of {epochs} epochs at batch size {size}")  # fmt: skip
+        return {**cfg.config, "dp_noise_multiplier": sigma, "dp_clip_norm": cfg.dp_clip_norm, "dp_delta": cfg.dp_delta}
 
     def _site_figures(self, task_id: str, sites: list[SiteFigures], rounds: list[dict[str, float]]) -> None:
         """Each site's fit time (its ``fit_s`` of every round, from its worker's metric samples) and the bytes it
@@ -365,6 +405,8 @@ class SitesExperiment:
                 values = sample["values"]
                 if "round" in values and "fit_s" in values:
                     fits[int(values["round"])] = float(values["fit_s"])
+                if "epsilon" in values:
+                    site.epsilon = max(site.epsilon or 0.0, float(values["epsilon"]))
             site.fit_s, site.rounds_fitted = sum(fits.values()), len(fits)
         link_bps = cfg.link_mbps * 1e6
         for r in rounds:

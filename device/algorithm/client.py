@@ -11,8 +11,10 @@ Required::
     evaluate(parameters, config) -> (loss, num_examples, metrics)
 
 ``fit``'s ``config`` holds ``round`` (the fit call of this run, from 1) and, in a whole-model federated round,
-``server_round`` (the round) and, for FedProx, ``proximal_mu`` (μ: add μ/2 ‖w − w_global‖² to the local loss, with
-``w_global`` the parameters ``fit`` was given; the hub fuses FedProx updates as FedAvg does).
+``server_round`` (the round), ``local_fits`` (the fit calls of each round) and, for FedProx, ``proximal_mu`` (μ: add μ/2 ‖w − w_global‖² to the local loss, with
+``w_global`` the parameters ``fit`` was given; the hub fuses FedProx updates as FedAvg does). A shuffle seeded
+from both ``server_round`` and ``round`` differs on every call, as the examples' does: ``round`` alone is 1 in
+every federated round that makes one fit call.
 
 Optional: ``export(parameters) -> bytes`` (an ONNX model), ``checkpoint() -> Parameters`` and
 ``restore(parameters)`` (a site that restarts resumes from its last checkpoint).

@@ -48,7 +48,7 @@ class {cls}(Client):
     def fit(self, parameters, config):
         w, b = parameters["linear.weight"].copy(), parameters["linear.bias"].copy()
         x, y = self.train
-        rng = np.random.default_rng(int(config.get("round", 0)))
+        rng = np.random.default_rng(1000 * int(config.get("server_round", 0)) + int(config.get("round", 0)))  # another shuffle each call
         size, rate = int(self.config["batch_size"]), float(self.config["learning_rate"])
         for _ in range(int(self.config["epochs"])):
             order = rng.permutation(len(x))

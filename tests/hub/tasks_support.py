@@ -169,12 +169,14 @@ class TaskFleet:
 
     # --- what workers send -------------------------------------------------------------------------
 
-    def send(self, target_id: str, type_: str, data: Any, flush: bool = True) -> str:
+    def send(self, target_id: str, type_: str, data: Any, flush: bool = True, at: datetime | None = None) -> str:
+        """An event of ``target_id`` as the hub receives it, ``at`` (default: now; a test that moves time by ticking
+        at given times stamps the events it sends on the same clock)."""
         message = envelope(target_id, EventBody(type=type_, data=data.model_dump(mode="json")))
         if target_id in self.node_of:
-            self.ingest.offer_event(self.node_of[target_id], target_id, message)
+            self.ingest.offer_event(self.node_of[target_id], target_id, message, at)
         else:
-            self.ingest.offer_node_event(target_id, message)
+            self.ingest.offer_node_event(target_id, message, at)
         if flush:
             self.ingest.flush()
         return message.id

@@ -212,14 +212,14 @@ def encode(layer: Layer) -> str:
 
 def send_update(
     fleet: TaskFleet, worker: dict[str, Any], round_: int, layer: Layer | str, n: int, attempt: int = 1, contributors: list[str] | None = None,
-    metrics: dict[str, float] | None = None, from_target: str | None = None,
+    metrics: dict[str, float] | None = None, from_target: str | None = None, at: datetime | None = None,
 ) -> None:  # fmt: skip
     """What a device (or an edge's aggregator) sends at the end of its local training: an ``fl.update`` event."""
     data = FlUpdate(
         task_id=worker["task_id"], worker_id=worker["id"], round=round_, attempt=attempt, contributors=contributors or [worker["target_id"]],
         num_examples=n, data=layer if isinstance(layer, str) else encode(layer), metrics=metrics or {},
     )  # fmt: skip
-    fleet.send(from_target or worker["target_id"], FL_UPDATE_EVENT, data)
+    fleet.send(from_target or worker["target_id"], FL_UPDATE_EVENT, data, at=at)
 
 
 def fedavg(pairs: list[tuple[Layer, float]]) -> Layer:
@@ -1061,11 +1061,12 @@ def test_a_dp_task_must_fit_every_devices_budget_and_charges_the_rounds_each_too
     workers = devices_of(fleet, task["id"])
     run_all(fleet, workers)
     assert order_for(fleet, workers[a]).fl.sample_rate == pytest.approx(32 / 300)  # type: ignore[union-attr]
-    send_update(fleet, workers[a], 1, trained(1), 300)
-    send_update(fleet, workers[b], 1, trained(2), 300)
+    # (received on the ticks' clock: "everyone answered" closes a round at the first look after the last update)
+    send_update(fleet, workers[a], 1, trained(1), 300, at=t0 + timedelta(seconds=0.5))
+    send_update(fleet, workers[b], 1, trained(2), 300, at=t0 + timedelta(seconds=0.5))
     fleet.tick(t0 + timedelta(seconds=1))
-    send_update(fleet, workers[a], 2, trained(3), 300)
-    send_update(fleet, workers[b], 2, trained(4), 300)
+    send_update(fleet, workers[a], 2, trained(3), 300, at=t0 + timedelta(seconds=1.5))
+    send_update(fleet, workers[b], 2, trained(4), 300, at=t0 + timedelta(seconds=1.5))
     for _ in range(3):
         fleet.tick(t0 + timedelta(seconds=2))
 
@@ -1094,8 +1095,8 @@ def test_adaptive_sync_sets_the_deadline_from_the_pace_of_complete_rounds(sqlite
     assert first is not None and (first.deadline_at.replace(tzinfo=UTC) - t0).total_seconds() == pytest.approx(60)  # type: ignore[union-attr]
 
     # Execute: both answer round 1 at t0 + 2 s
-    send_update(fleet, workers[a], 1, trained(1), 10)
-    send_update(fleet, workers[b], 1, trained(2), 10)
+    send_update(fleet, workers[a], 1, trained(1), 10, at=t0 + timedelta(seconds=2))
+    send_update(fleet, workers[b], 1, trained(2), 10, at=t0 + timedelta(seconds=2))
     fleet.tick(t0 + timedelta(seconds=2))
 
     # Assert: round 2's deadline is 3 x 2 s away, not 60 s

@@ -4,7 +4,9 @@ conv1 (1 -> 8 channels, 3x3, padding 1) -> ReLU -> 2x2 max-pool -> flatten (chan
 the torch example's parameter names, shapes and layouts (``conv1.weight`` [8, 1, 3, 3], ``conv1.bias`` [8],
 ``fc.weight`` [10, 128], ``fc.bias`` [10]), so parameters trained by either run in the other. Trained by SGD with
 momentum on the cross-entropy, gradients written out by hand. ``export`` builds the same network as ONNX with
-the ``onnx`` package's helpers.
+the ``onnx`` package's helpers. With ``dp_noise_multiplier`` > 0 it trains by DP-SGD
+(:mod:`device.algorithm.privacy`: Poisson-sampled batches, each example's gradient clipped to ``dp_clip_norm``,
+Gaussian noise) and reports ``epsilon`` at ``dp_delta`` over its fit calls so far.
 
 Datasets: ``train`` (required) and ``test`` (optional), ``.npz`` with ``x`` (float32, N x 1 x 8 x 8 or N x 64)
 and ``y`` (int64).
@@ -19,6 +21,7 @@ from typing import Any
 import numpy as np
 
 from device.algorithm import Client, Parameters
+from device.algorithm.privacy import DpSgd, fit_calls, secret_rng
 
 CHANNELS, KERNEL, CLASSES = 8, 3, 10
 
@@ -56,21 +59,33 @@ def _softmax(logits: np.ndarray) -> np.ndarray:
 
 def gradients(parameters: Parameters, x: np.ndarray, y: np.ndarray) -> tuple[float, dict[str, np.ndarray]]:
     """The mean cross-entropy over (x, y) and its gradient for every parameter."""
+    loss, per_example = example_gradients(parameters, x, y)
+    return loss, {name: (g.sum(axis=0) / len(y)).astype(np.float32) for name, g in per_example.items()}
+
+
+def example_gradients(parameters: Parameters, x: np.ndarray, y: np.ndarray) -> tuple[float, dict[str, np.ndarray]]:
+    """The mean cross-entropy over (x, y) and each example's gradient for every parameter (``[N, *shape]``)."""
     logits, saved = forward(parameters, x)
     p = _softmax(logits)
-    loss = float(-np.log(p[np.arange(len(y)), y] + 1e-12).mean())
+    loss = float(-np.log(p[np.arange(len(y)), y] + 1e-12).mean()) if len(y) else 0.0
     d_logits = p
     d_logits[np.arange(len(y)), y] -= 1.0
-    d_logits /= len(y)
-    grads = {"fc.weight": d_logits.T @ saved["flat"], "fc.bias": d_logits.sum(axis=0)}
+    grads = {"fc.weight": np.einsum("nc,nf->ncf", d_logits, saved["flat"]), "fc.bias": d_logits}
     d_pooled = (d_logits @ parameters["fc.weight"]).reshape(saved["pooled"].shape)
-    # the gradient reaches the maximum of each 2x2 block
-    winners = saved["blocks"] == saved["pooled"][:, :, :, None, :, None]
-    d_relu = (winners * d_pooled[:, :, :, None, :, None]).reshape(saved["relu"].shape) * (saved["relu"] > 0)
+    # the gradient reaches the maximum of each 2x2 block: its first in row order on a tie, as torch's max-pool
+    windows = saved["blocks"].transpose(0, 1, 2, 4, 3, 5).reshape(len(x), CHANNELS, 4, 4, 4)
+    first = np.arange(4) == windows.argmax(axis=-1)[..., None]
+    d_windows = (first * d_pooled[..., None]).reshape(len(x), CHANNELS, 4, 4, 2, 2).transpose(0, 1, 2, 4, 3, 5)
+    d_relu = d_windows.reshape(saved["relu"].shape) * (saved["relu"] > 0)
     d_conv = d_relu.reshape(len(x), CHANNELS, -1).transpose(0, 2, 1)  # N, 64, C_out
-    grads["conv1.weight"] = np.einsum("npo,npk->ok", d_conv, saved["cols"]).reshape(parameters["conv1.weight"].shape)
-    grads["conv1.bias"] = d_conv.sum(axis=(0, 1))
-    return loss, {name: g.astype(np.float32) for name, g in grads.items()}
+    grads["conv1.weight"] = np.einsum("npo,npk->nok", d_conv, saved["cols"]).reshape(len(x), *parameters["conv1.weight"].shape)
+    grads["conv1.bias"] = d_conv.sum(axis=1)
+    return loss, grads
+
+
+def _shuffle_seed(seed: int, config: Mapping[str, Any]) -> int:
+    """A different shuffle on every fit call: the federated round (``server_round``) and the call within it (``round``)."""
+    return seed + 1000 * int(config.get("server_round", 0)) + int(config.get("round", 0))
 
 
 class NumpyCNN(Client):
@@ -97,22 +112,32 @@ class NumpyCNN(Client):
         mu = float(config.get("proximal_mu", 0.0))
         velocity = {name: np.zeros_like(array) for name, array in weights.items()}
         x, y = self.train
-        rng = np.random.default_rng(int(self.config["seed"]) + int(config.get("round", 0)))
         rate, size, epochs = float(self.config["learning_rate"]), int(self.config["batch_size"]), int(self.config["epochs"])
-        total = 0.0
-        for _ in range(epochs):
-            order = rng.permutation(len(x))
-            for start in range(0, len(x), size):
-                batch = order[start:start + size]
+        dp = DpSgd.from_config(self.config)
+        if dp is None:
+            rng = np.random.default_rng(_shuffle_seed(int(self.config["seed"]), config))
+            batches = (order[start:start + size] for _ in range(epochs) for order in [rng.permutation(len(x))] for start in range(0, len(x), size))
+        else:  # DP-SGD: Poisson-sampled batches, each example's gradient clipped, Gaussian noise (device.algorithm.privacy)
+            secret = secret_rng()
+            batches = dp.batches(len(x), size, epochs, secret)
+        total, seen, steps = 0.0, 0, 0
+        for batch in batches:
+            if dp is None:
                 loss, grads = gradients(weights, x[batch], y[batch])
-                total += loss * len(batch)
-                for name, grad in grads.items():
-                    if mu:  # the gradient of mu/2 * ||w - w_global||^2
-                        grad = grad + mu * (weights[name] - anchor[name])
-                    velocity[name] = 0.9 * velocity[name] + grad
-                    weights[name] -= rate * velocity[name]
+            else:
+                loss, per_example = example_gradients(weights, x[batch], y[batch])
+                grads = dp.privatise(per_example, dp.sample_rate(len(x), size) * len(x), secret)
+            total, seen, steps = total + loss * len(batch), seen + len(batch), steps + 1
+            for name, grad in grads.items():
+                if mu:  # the gradient of mu/2 * ||w - w_global||^2
+                    grad = grad + mu * (weights[name] - anchor[name])
+                velocity[name] = 0.9 * velocity[name] + grad
+                weights[name] -= rate * velocity[name]
         self.latest = weights
-        return weights, len(x), {"train_loss": total / (len(x) * epochs)}
+        metrics = {"train_loss": total / max(seen, 1)}
+        if dp is not None:  # every step of every fit call so far (an upper bound: the calls of rounds it missed too)
+            metrics["epsilon"] = dp.epsilon(len(x), size, fit_calls(config) * steps)
+        return weights, len(x), metrics
 
     def predict(self, parameters: Parameters, x: np.ndarray) -> np.ndarray:
         """The logits for images ``x`` (N x 1 x 8 x 8)."""

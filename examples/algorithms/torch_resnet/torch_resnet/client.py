@@ -25,6 +25,11 @@ from torch import nn
 from device.algorithm import Client, Parameters
 
 
+def _shuffle_seed(seed: int, config: Mapping[str, Any]) -> int:
+    """A different shuffle on every fit call: the federated round (``server_round``) and the call within it (``round``)."""
+    return seed + 1000 * int(config.get("server_round", 0)) + int(config.get("round", 0))
+
+
 class Block(nn.Module):
     def __init__(self, cin: int, cout: int, stride: int) -> None:
         super().__init__()
@@ -74,7 +79,7 @@ class TorchResNet(Client):
         self.model = DigitsResNet(int(self.config["width"]))
         self.train = _load(self.datasets["train"], self.size)
         self.test = _load(self.datasets["test"], self.size) if "test" in self.datasets else self.train
-        self.latest = self._get()
+        self.initial = self.latest = self._get()
 
     def _get(self) -> dict[str, np.ndarray]:
         return {name: t.detach().numpy().copy() for name, t in self.model.state_dict().items() if t.is_floating_point()}
@@ -86,12 +91,12 @@ class TorchResNet(Client):
             raise ValueError(f"the parameters do not fit the network: {wrong[:5]}")
 
     def initial_parameters(self) -> dict[str, np.ndarray]:
-        return self._get()
+        return {name: array.copy() for name, array in self.initial.items()}
 
     def fit(self, parameters: Parameters, config: Mapping[str, Any]) -> tuple[dict[str, np.ndarray], int, dict[str, float]]:
         self._set(parameters)
         x, y = self.train
-        generator = torch.Generator().manual_seed(int(self.config["seed"]) + int(config.get("round", 0)))
+        generator = torch.Generator().manual_seed(_shuffle_seed(int(self.config["seed"]), config))
         optimiser = torch.optim.SGD(self.model.parameters(), lr=float(self.config["learning_rate"]), momentum=0.9, weight_decay=5e-4)
         size = int(self.config["batch_size"])
         mu = float(config.get("proximal_mu", 0.0))  # FedProx: mu/2 * ||w - w_global||^2 added to the loss
