@@ -278,3 +278,43 @@ def upload_artifact(
             state.clear()
             log.info("uploaded %s as artifact %s (%d bytes)", path.name, artifact.id, artifact.size)
             return artifact
+
+
+def hand_over(
+    edge_url: str, token: str, path: Path, *, verify: ssl.SSLContext | bool | str = True, server_name: str | None = None, timeout_s: float = 120.0,
+    attempts: int = 10, transport: httpx.BaseTransport | None = None,
+) -> str:  # fmt: skip
+    """Hand the update file at ``path`` to the aggregator on this device's edge (``PUT <edge>/api/v1/fl/updates`` with
+    the round's publish grant, ``edge.fl.UpdateIntake``): one streamed request, sent again after a transport error or
+    a 5xx (the edge's aggregator not started yet) up to ``attempts`` times. The id the edge answered (the file's
+    SHA-256, checked here); ``UploadRefused`` at once on a 4xx, ``UploadError`` when it never got through."""
+    from interfaces.tasks import FL_UPDATES_PATH
+
+    digest = hashlib.sha256()
+    with path.open("rb") as content:
+        while block := content.read(1 << 20):
+            digest.update(block)
+    size, expected = path.stat().st_size, digest.hexdigest()
+    timeout = httpx.Timeout(timeout_s, connect=min(timeout_s, 10.0))
+    headers = {"Authorization": f"Bearer {token}", "Content-Type": "application/octet-stream", "Content-Length": str(size)}
+    with _Client(base_url=edge_url.rstrip("/") + API_PREFIX, timeout=timeout, verify=tls_verify(verify), transport=transport) as client:
+        client.server_name = server_name
+        for failures in range(1, attempts + 1):
+            try:
+                with path.open("rb") as content:
+                    response = _checked(client.put(FL_UPDATES_PATH, content=content, headers=headers), 201)
+            except (httpx.TransportError, _Retry) as exc:
+                if failures >= attempts:
+                    raise UploadError(f"handing {path.name} to the edge failed {failures} times in a row: {exc}") from exc
+                delay = reconnect_delay(failures)
+                log.warning("handing %s to the edge failed (%s); again in %.1f s", path.name, exc, delay)
+                time.sleep(delay)
+                continue
+            try:
+                answered = json.loads(response.content)
+            except ValueError as exc:
+                raise UploadError(f"the edge answered no JSON: {exc}") from exc
+            if not isinstance(answered, dict) or answered.get("id") != expected or answered.get("size") != size:
+                raise UploadError(f"the edge kept another file than {path.name} ({str(answered)[:200]})")
+            return expected
+    raise UploadError(f"handing {path.name} to the edge failed")  # pragma: no cover - the loop returns or raises

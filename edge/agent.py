@@ -144,7 +144,9 @@ class EdgeAgent:
                     verify=hub_tls,
                     artifacts=self.artifacts,
                     uploads=UploadRelay(config.hub_url or "", verify=hub_tls),
+                    fl_intake=self.fl.intake,
                 )
+                self.fl.intake.keys = self.artifacts.keys.ensure  # a device's round grant is checked against the hub's keys pinned here
             prefetch = self.artifacts.prefetch if self.artifacts is not None else None
             self.relay = DeviceRelay(config.node_id, self.store, self.up, self.down, prefetch=prefetch, on_task_orders=self.split.learn_orders)
             if self.artifacts is not None:

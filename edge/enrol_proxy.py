@@ -10,7 +10,8 @@ unreachable hub is 503 ``hub_unreachable``. Errors are RFC 9457 problem document
 With an ``ArtifactCache`` the same server also answers ``GET|HEAD /api/v1/artifacts/{id}/content`` and
 ``.../delta?from=`` from the edge's artefact cache (:mod:`edge.artifacts`), so devices need not reach the hub; with an
 ``UploadRelay`` it forwards the chunked upload API (``/api/v1/artifacts/uploads...``) for a training device's publish
-grant (:mod:`edge.upload_relay`).
+grant (:mod:`edge.upload_relay`), and with an ``UpdateIntake`` it keeps the devices' whole-model updates of hierarchical
+federated rounds for this node's aggregators (``PUT /api/v1/fl/updates``, :mod:`edge.fl`).
 
 It serves HTTPS only (the bootstrap tokens and the trust it hands out must not travel in clear), with the
 node's own certificate, which the hub CA issues for the node id (devices check that name: ``tls_server_name``),
@@ -51,6 +52,7 @@ from pydantic import ValidationError
 from device.tls import tls_verify
 from edge.artifacts.answers import Answer
 from edge.artifacts.cache import ArtifactCache
+from edge.fl import UpdateIntake
 from edge.upload_relay import UploadRelay
 from interfaces import API_PREFIX
 from interfaces.errors import ERROR_TYPE_PREFIX, PROBLEM_MEDIA_TYPE, ErrorCode
@@ -185,11 +187,13 @@ class EnrolmentProxy:
         artifacts: ArtifactCache | None = None,
         failures: FailureLimit | None = None,
         uploads: UploadRelay | None = None,
+        fl_intake: UpdateIntake | None = None,
     ) -> None:
         """``tls``: the listener's (:func:`server_context`); ``ca_pem``: the hub CA, answered on ``GET /api/v1/ca.crt``;
         ``verify``: how the hub is checked when a request is forwarded to it; ``failures``: the limit on refused
         enrolments per address (default :class:`FailureLimit`); ``uploads``: the relay of the chunked upload API
-        (:mod:`edge.upload_relay`)."""
+        (:mod:`edge.upload_relay`); ``fl_intake``: the devices' whole-model update files for this node's aggregators
+        (``PUT /api/v1/fl/updates``, :class:`edge.fl.UpdateIntake`)."""
         self.failures = failures or FailureLimit()
         self.hub_url = hub_url.rstrip("/")
         self.ca_pem = ca_pem.encode()
@@ -200,6 +204,7 @@ class EnrolmentProxy:
         self._timeout_s = timeout_s
         self.artifacts = artifacts
         self.uploads = uploads
+        self.fl_intake = fl_intake
         try:
             self._server = _Server(listen, _Handler, tls)
         except OSError as exc:
@@ -351,31 +356,44 @@ class _Handler(BaseHTTPRequestHandler):
     def _not_allowed(self) -> None:
         path = urlsplit(self.path).path
         cache = self.server.proxy.artifacts
-        relay = self.server.proxy.uploads
-        if (_PATH.match(path) and self.command != "POST") or (cache is not None and cache.handles(path)) or (relay is not None and relay.handles(path)):
+        relay, intake = self.server.proxy.uploads, self.server.proxy.fl_intake
+        if (_PATH.match(path) and self.command != "POST") or (cache is not None and cache.handles(path)) or (relay is not None and relay.handles(path)) or (
+            intake is not None and intake.handles(path)
+        ):
             self._send(problem(405, ErrorCode.METHOD_NOT_ALLOWED.value, "Method not allowed", self.command), close=True)
         else:
             self._send(problem(404, ErrorCode.NOT_FOUND.value, "Not found", self.path), close=True)
 
     def _relayed(self) -> bool:
         """A request of the chunked upload API, forwarded to the hub and answered here (True), or another (False)."""
-        relay, path = self.server.proxy.uploads, urlsplit(self.path).path
-        if relay is None or not relay.handles(path) or urlsplit(self.path).query:
+        relay = self.server.proxy.uploads
+        return relay is not None and self._served(relay.handles, lambda path, headers: relay.forward(self.command, path, headers, self.rfile), "the upload request")
+
+    def do_PUT(self) -> None:
+        if not self._relayed() and not self._handed_over():
+            self._not_allowed()
+
+    def _handed_over(self) -> bool:
+        """A device's whole-model update for this node's aggregator, kept and answered here (True), or another (False)."""
+        intake = self.server.proxy.fl_intake
+        return intake is not None and self._served(intake.handles, lambda path, headers: intake.receive(self.command, headers, self.rfile), "the update hand-over")
+
+    def _served(self, handles: Callable[[str], bool], answer_for: Callable[[str, dict[str, str]], Any], what: str) -> bool:
+        """Answer the request with ``answer_for(path, headers)`` (lower-case headers) when ``handles(path)`` and it has no
+        query (True), else leave it (False). The answer has ``status``, ``body``, ``content_type``, ``close`` and maybe ``location``."""
+        path = urlsplit(self.path).path
+        if not handles(path) or urlsplit(self.path).query:
             return False
         headers = {name.lower(): value for name, value in self.headers.items()}
         try:
-            answer = relay.forward(self.command, path, headers, self.rfile)
+            answer = answer_for(path, headers)
         except Exception:  # a bug here must still answer the device
             incident = new_id("inc")
-            log.exception("the upload request %s failed (%s)", path, incident)
+            log.exception("%s %s failed (%s)", what, path, incident)
             self._send(problem(500, ErrorCode.INTERNAL.value, "Internal error", incident), close=True)
             return True
-        self._send(ProxyAnswer(answer.status, answer.body, answer.content_type, location=answer.location), close=answer.close)
+        self._send(ProxyAnswer(answer.status, answer.body, answer.content_type, location=getattr(answer, "location", None)), close=answer.close)
         return True
-
-    def do_PUT(self) -> None:
-        if not self._relayed():
-            self._not_allowed()
 
     do_DELETE = do_PUT
     do_PATCH = _not_allowed

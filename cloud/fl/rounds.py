@@ -134,9 +134,13 @@ def accept(session: Session, task: Task, kind: str, target_id: str, data: FlUpda
             whole.counted(plan, target_id, num_examples)
             session.add(plan)
         if spec.whole:
-            ran = whole.algorithm_for(whole.WholePlan.of(plan), whole.labels_of(session, kind, target_id)).manifest
-            hub_log(session, task.id, f"round {data.round}: the update of {target_id} is in ({ran['name']} {ran['version']}, {num_examples} examples)",
-                    at=at, worker_id=data.worker_id, target_id=target_id)  # fmt: skip
+            if worker.role == FL_AGGREGATOR:
+                hub_log(session, task.id, f"round {data.round}: the weighted mean of {len(data.contributors)} devices under {target_id} is in ({num_examples} examples)",
+                        at=at, worker_id=data.worker_id, target_id=target_id)  # fmt: skip
+            else:
+                ran = whole.algorithm_for(whole.WholePlan.of(plan), whole.labels_of(session, kind, target_id)).manifest
+                hub_log(session, task.id, f"round {data.round}: the update of {target_id} is in ({ran['name']} {ran['version']}, {num_examples} examples)",
+                        at=at, worker_id=data.worker_id, target_id=target_id)  # fmt: skip
         if seen | set(data.contributors) >= set(plan.participants):
             plan.deadline_at = min(utc(plan.deadline_at) or at, at)  # everyone answered: close at the next look
             session.add(plan)

@@ -53,8 +53,8 @@ def spec_of(task: Task) -> FederatedTrainingSpec:
 
 def via_edge(spec: FederatedTrainingSpec) -> bool:
     """Whether devices send their updates to their edge's aggregator (else to the hub, as events)."""
-    if spec.whole:
-        return False  # whole-model rounds are flat in this version (a device uploads through its edge's relay)
+    if spec.whole:  # flat unless asked: a whole model's device uploads through its edge's relay; hierarchical: to its edge's aggregator
+        return spec.topology == "hierarchical" and strategy_from_spec(spec.strategy, **spec.strategy_params).decomposable
     return (spec.topology or "hierarchical") == "hierarchical" and strategy_from_spec(spec.strategy, **spec.strategy_params).decomposable
 
 
@@ -77,6 +77,8 @@ def admit(session: Session, task: Task, spec: FederatedTrainingSpec, placement: 
     if spec.whole:
         from cloud.fl import whole
 
+        if spec.topology == "hierarchical" and placement.target is not TargetKind.DEVICE:
+            raise BadRequest("hierarchical whole-model rounds combine devices' updates on their edge: placement.target device (sites take part flat)", status=422)
         if spec.dp is None:
             return whole.admit(session, task, spec, blobs)
         if placement.target is not TargetKind.DEVICE:
@@ -288,12 +290,12 @@ def fl_order(session: Session, task: Task, worker: TaskWorker, signing: Any) -> 
     if spec.whole:
         from cloud.fl import whole
 
-        run, config = whole.run_for(session, task, plan, worker, signing)
+        run, config = whole.run_for(session, task, plan, worker, signing)  # an aggregator's: the grant for its devices' weighted mean
         deadline = utc(plan.deadline_at)
         assert deadline is not None
         secure = spec.secure_aggregation
-        return FlOrder(round=plan.round, attempt=plan.attempt, deadline_at=deadline, weights=ref(plan.weights_artifact_id), via_edge=False,
-                       run=run, participant=worker.target_id, config=config, secure=secure,
+        return FlOrder(round=plan.round, attempt=plan.attempt, deadline_at=deadline, weights=ref(plan.weights_artifact_id), via_edge=via_edge(spec),
+                       run=run, participant=worker.target_id, config=config, secure=secure, participants=_under(session, worker, plan),
                        peers={d: plan.keys[d]["key"] for d in plan.participants if d in plan.keys} if secure else {},
                        total_examples=plan.total_examples if secure else None, reveal=list(plan.unmasking),
                        weight=whole.WholePlan.of(plan).weights.get(worker.target_id) if secure else None)  # fmt: skip
@@ -301,10 +303,7 @@ def fl_order(session: Session, task: Task, worker: TaskWorker, signing: Any) -> 
     if model is None:
         raise LookupError(f"the model of task {task.id}'s federated plan is gone")
     layer = surgery.DenseLayer.from_json(plan.layer)
-    participants: list[str] = []
-    if worker.role == FL_AGGREGATOR:
-        under = set(session.execute(select(Device.id).where(Device.node_id == worker.target_id, Device.id.in_(plan.participants))).scalars())  # type: ignore[attr-defined]
-        participants = [d for d in plan.participants if d in under]
+    participants = _under(session, worker, plan)
     return FlOrder(
         round=plan.round, attempt=plan.attempt, deadline_at=utc(plan.deadline_at), weights=ref(plan.weights_artifact_id), body=ref(plan.body_artifact_id),
         base_sha256=model.sha256, feature=layer.feature, via_edge=via_edge(spec), participants=participants, secure=spec.secure_aggregation,
@@ -312,3 +311,11 @@ def fl_order(session: Session, task: Task, worker: TaskWorker, signing: Any) -> 
         peers={d: plan.keys[d]["key"] for d in plan.participants if d in plan.keys} if spec.secure_aggregation else {},
         total_examples=plan.total_examples if spec.secure_aggregation else None, reveal=list(plan.unmasking),
     )  # fmt: skip
+
+
+def _under(session: Session, worker: TaskWorker, plan: FlPlan) -> list[str]:
+    """An aggregator's devices in the round attempt in progress (the participants under its node); [] for the others."""
+    if worker.role != FL_AGGREGATOR:
+        return []
+    under = set(session.execute(select(Device.id).where(Device.node_id == worker.target_id, Device.id.in_(plan.participants))).scalars())  # type: ignore[attr-defined]
+    return [d for d in plan.participants if d in under]

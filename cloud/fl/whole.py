@@ -64,13 +64,13 @@ from cloud.tables import Artifact, Device, FlPlan, FlUpdateRow, Node, Task, Task
 from interfaces.algorithms import AlgorithmManifest
 from interfaces.compression import FLOATS
 from interfaces.deployments import ArtifactCreate, ArtifactFormat, ArtifactKind, TargetKind
-from interfaces.tasks import PARAMETERS_SUFFIX, AlgorithmRun, FederatedTrainingSpec, PublishGrant
+from interfaces.tasks import FL_UPDATE_PREFIX, PARAMETERS_SUFFIX, AlgorithmRun, FederatedTrainingSpec, PublishGrant, fl_update_identity
 from interfaces.tensorfile import TensorFile, TensorFileError, TensorInfo, TensorWriter
 from interfaces.uploads import PublishClaims
 
 log = logging.getLogger("aisynergy.hub.fl")
 
-UPDATE_PREFIX = "fl-update"
+UPDATE_PREFIX = FL_UPDATE_PREFIX
 GRANT_TTL_S = 7 * 86400
 REFUSED = -1
 """``fl_updates.used_in`` of an update that did not fit the model when read through (never fused)"""
@@ -183,9 +183,8 @@ def counted(plan_row: FlPlan, target_id: str, num_examples: int) -> None:
     plan.put(plan_row)
 
 
-def update_identity(task_id: str, target_id: str, round: int, attempt: int) -> tuple[str, str]:
-    """The (name, version) of the model artefact a participant uploads as its update of a round attempt."""
-    return f"{UPDATE_PREFIX}.{task_id}.{target_id}"[:128], f"{round}.{attempt}"
+update_identity = fl_update_identity
+"""The (name, version) of the model artefact a participant (or an edge's aggregator) uploads as its update of a round attempt."""
 
 
 # --- admission -------------------------------------------------------------------------------------

@@ -166,22 +166,26 @@ class UnknownSigner(VerificationError):
     """No trusted key signed the download token: forged, or signed by a key the hub rotated to since."""
 
 
-def verify_download_token(keys: TrustedKeys | Ed25519PublicKey, token: str, artifact_id: str, now: float | None = None) -> DownloadGrant:
-    """The grant if the hub signed ``token`` (with a trusted key) for ``artifact_id`` and it has not expired."""
+def signed_by(keys: TrustedKeys | Ed25519PublicKey, signature: bytes, signed: bytes) -> bool:
+    """Whether one of ``keys`` made ``signature`` over ``signed``."""
     from cryptography.exceptions import InvalidSignature
 
+    for key in TrustedKeys.of(keys).keys:
+        try:
+            key.verify(signature, signed)
+            return True
+        except InvalidSignature:
+            continue
+    return False
+
+
+def verify_download_token(keys: TrustedKeys | Ed25519PublicKey, token: str, artifact_id: str, now: float | None = None) -> DownloadGrant:
+    """The grant if the hub signed ``token`` (with a trusted key) for ``artifact_id`` and it has not expired."""
     try:
         grant, signature = decode_download_token(token)
     except ValueError as exc:
         raise VerificationError(str(exc)) from exc
-    signed = download_token_signing_bytes(grant)
-    for key in TrustedKeys.of(keys).keys:
-        try:
-            key.verify(signature, signed)
-            break
-        except InvalidSignature:
-            continue
-    else:
+    if not signed_by(keys, signature, download_token_signing_bytes(grant)):
         raise UnknownSigner("the download token's signature is not valid")
     if grant.exp < (time.time() if now is None else now):
         raise VerificationError("the download token has expired")

@@ -55,9 +55,9 @@ IDLE_WAIT_S = 5.0
 
 def run(worker: Worker) -> None:
     if worker.spec(FederatedTrainingSpec).whole:
-        from device.tasks.fl_whole import run as run_whole
+        from device.tasks.fl_whole import aggregate as aggregate_whole, run as run_whole
 
-        run_whole(worker)
+        (aggregate_whole if worker.order.role == FL_AGGREGATOR else run_whole)(worker)
     elif worker.order.role == FL_AGGREGATOR:
         _aggregate(worker)
     else:

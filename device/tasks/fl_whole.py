@@ -56,6 +56,10 @@ def run(worker: Worker) -> None:
     _Site(worker).run()
 
 
+def aggregate(worker: Worker) -> None:
+    _EdgeAggregator(worker).run()
+
+
 def _seconds_left(fl: FlOrder) -> float:
     return (fl.deadline_at - datetime.now(UTC)).total_seconds()
 
@@ -310,7 +314,7 @@ class _Site:
             if old != attempt_dir:
                 shutil.rmtree(old, ignore_errors=True)
         config = dict(fl.config) if fl.config is not None else dict(self.spec.config)
-        fit_config: dict[str, float | int] = {"server_round": fl.round}
+        fit_config: dict[str, float | int] = {"server_round": fl.round, "local_fits": self.spec.local_fits}
         if self.spec.strategy == "fedprox":  # the proximal term is the participant's: its algorithm gets mu
             from interfaces.aggregation import strategy_from_spec
 
@@ -344,7 +348,10 @@ class _Site:
             if self.spec.dp is not None:
                 parameters = self._clipped(parameters, weights, attempt_dir)
             encoded, feedback = self._encode(fl, parameters, weights, attempt_dir)
-            artifact_id = self.site.publish(encoded, grant.names[0], grant.version, "safetensors", grant.token, attempt_dir / "upload.json")
+            if fl.via_edge:  # hierarchical: to the aggregator on this device's edge, which uploads its devices' weighted mean
+                artifact_id = self.site.hand_to_edge(encoded, grant.token)
+            else:
+                artifact_id = self.site.publish(encoded, grant.names[0], grant.version, "safetensors", grant.token, attempt_dir / "upload.json")
         except UploadError as exc:
             w.log(f"round {fl.round}: the update could not be uploaded ({exc}); the next round starts from the new global model", "warning")
             return True
@@ -359,7 +366,7 @@ class _Site:
                           num_examples=max(1, int(fitted["num_examples"])), parameters=artifact_id, metrics=dict(list(metrics.items())[:64]), masked=fl.secure)  # fmt: skip
         shown = ", ".join(f"{k} {v:.4g}" for k, v in sorted(metrics.items()))
         w.log(f"round {fl.round}: {run.manifest.name} {run.manifest.version}, {self.spec.local_fits} fit calls on {update.num_examples} examples in {fit_s:.1f} s"
-              + (f" ({shown})" if shown else "") + f"; update {artifact_id} uploaded in {upload_s:.1f} s")  # fmt: skip
+              + (f" ({shown})" if shown else "") + (f"; update handed to the edge in {upload_s:.1f} s" if fl.via_edge else f"; update {artifact_id} uploaded in {upload_s:.1f} s"))  # fmt: skip
         with self._lock:
             self.metrics = {"rounds": self.metrics["rounds"] + 1, "round": float(fl.round), "fit_s": fit_s, "upload_s": upload_s,
                             "examples": float(update.num_examples), **metrics}  # fmt: skip
@@ -368,8 +375,171 @@ class _Site:
         # and a withdrawn worker sends no sample after it
         w.report_now()
         try:
-            w.event(FL_UPDATE_EVENT, update)
+            if fl.via_edge:
+                if w.fl is None:
+                    raise RuntimeError("this device has no fl channel to its edge")
+                w.fl.send(update)
+            else:
+                w.event(FL_UPDATE_EVENT, update)
         except Exception as exc:  # noqa: BLE001 - not connected: this round goes on without us; the next one resets us
             w.log(f"round {fl.round}: could not send the update: {exc}", "warning")
         return True
 
+
+# --- hierarchical rounds: the aggregator on a device's edge --------------------------------------------
+
+EDGE_MARGIN = 0.2
+"""The aggregator uploads what it has this share of the round's timeout (at most 2 s) before the deadline."""
+INTAKE_SLACK_BYTES = 1 << 20
+"""A device's file may exceed the global parameters' file by this much (another header), and by a tenth."""
+
+
+class _EdgeAggregator:
+    """The ``aggregator`` worker on an edge node of a hierarchical whole-model task (``topology: hierarchical``).
+
+    It opens an inbox in the edge's :class:`edge.fl.UpdateIntake` (each device file at most the global parameters'
+    size, plus slack) and takes its devices' ``fl`` updates (:class:`edge.fl.FlRouter`), each naming the file the
+    device handed over. When every participant under this node answered, or ``EDGE_MARGIN`` before the deadline
+    with at least one, it reads the files one tensor at a time (each checked against the round's global parameters:
+    names, dtypes, shapes, finite values), writes their sample-weighted mean (``interfaces.aggregation.FedAvg``,
+    streaming) and uploads it with the grant of its order (the update ``fl-update.<task>.<node>`` of the round
+    attempt); its ``fl.update`` names those devices as contributors and their examples in all. The hub fuses it
+    with the others at that weight, which for a decomposable strategy is what it would have fused from the devices
+    themselves. A device's update that comes after the upload is dropped (the node's update of the round attempt
+    is stored once). Metrics: ``rounds``, ``updates``, ``refused``, ``bytes_in``, ``bytes_up``."""
+
+    def __init__(self, worker: Worker) -> None:
+        self.worker = worker
+        self.spec = worker.spec(FederatedTrainingSpec)
+        router, site = worker.fl, worker.site
+        if router is None or not hasattr(router, "serve") or not hasattr(router, "intake"):
+            raise Rejected("this target aggregates no federated updates (it is not an edge node)")
+        if site is None:
+            raise Rejected("this edge node has no directory for its devices' updates")
+        self.router, self.intake, self.site = router, router.intake, site
+        self.home = Path(site.root) / f"{worker.task_id}-aggregator"
+        self._lock = threading.Lock()
+        self.inbox: dict[tuple[int, int], dict[str, FlUpdate]] = {}
+        self.counts = {"rounds": 0.0, "updates": 0.0, "refused": 0.0, "bytes_in": 0.0, "bytes_up": 0.0}
+        self.weights: dict[str, Path] = {}  # global parameters' artefact -> the local file
+
+    def offer(self, update: FlUpdate) -> None:
+        """A device's update from the router (on the event loop: only kept)."""
+        with self._lock:
+            self.inbox.setdefault((update.round, update.attempt), {}).setdefault(update.contributors[0], update)
+            self.counts["updates"] += 1
+        self.worker.wake()
+
+    def _sample(self) -> dict[str, float]:
+        with self._lock:
+            return dict(self.counts)
+
+    def _weights(self, fl: FlOrder) -> Path:
+        path = self.weights.get(fl.weights.artifact_id)
+        if path is None:
+            self.weights = {fl.weights.artifact_id: (path := self.worker.fetch_inputs(fl.weights))}
+        return path
+
+    def run(self) -> None:
+        w = self.worker
+        self.home.mkdir(parents=True, exist_ok=True)
+        self.router.serve(w.task_id, self.offer)
+        try:
+            w.metrics_source(self._sample)
+            w.running()
+            w.log(f"aggregating this node's devices' whole-model updates ({self.spec.strategy}, weighted by their examples)")
+            sent: set[tuple[int, int]] = set()
+            window: dict[tuple[int, int], float] = {}  # seconds left when this node first saw each round attempt
+            while w.checkpoint():
+                fl = w.order_as(FederatedTrainingOrder).fl
+                wait: float | None = IDLE_WAIT_S
+                if fl is not None and fl.run is not None:
+                    key = (fl.round, fl.attempt)
+                    weights = self._weights(fl)
+                    self.intake.open(w.task_id, self.home / "inbox", weights.stat().st_size * 11 // 10 + INTAKE_SLACK_BYTES)
+                    self.intake.forget_before(w.task_id, *key)
+                    with self._lock:
+                        for old in [k for k in self.inbox if k < key]:
+                            del self.inbox[old]
+                        got = {d: u for d, u in self.inbox.get(key, {}).items() if d in fl.participants}
+                    left = _seconds_left(fl)
+                    length = min(self.spec.round_timeout_s, max(0.0, window.setdefault(key, left)))
+                    send_at = left - min(2.0, EDGE_MARGIN * length)
+                    if key not in sent:
+                        if got and (set(got) >= set(fl.participants) or send_at <= 0):
+                            sent.add(key)
+                            self._send(fl, weights, list(got.values()))
+                        elif left > 0:
+                            wait = max(0.05, send_at) if send_at > 0 else min(IDLE_WAIT_S, left)
+                    for old in [k for k in window if k < key]:
+                        del window[old]
+                w.wait(wait)
+        finally:
+            self.router.unserve(w.task_id, self.offer)
+            self.intake.close(w.task_id)
+            shutil.rmtree(self.home, ignore_errors=True)
+
+    def _send(self, fl: FlOrder, weights: Path, updates: list[FlUpdate]) -> None:
+        """The weighted mean of the devices' files, uploaded with the order's grant and reported to the hub."""
+        from contextlib import ExitStack
+
+        from device.upload import UploadError
+        from interfaces import compression
+        from interfaces.aggregation import FedAvg, StreamUpdate, weighted_metrics
+        from interfaces.tensorfile import TensorFile, TensorFileError, TensorWriter
+
+        w, run = self.worker, fl.run
+        assert run is not None
+        out = self.home / f"r{fl.round}.a{fl.attempt}.safetensors"
+        started = time.perf_counter()
+        with ExitStack() as stack:
+            base = stack.enter_context(TensorFile(weights))
+            infos = base.infos()
+            streams = []
+            for update in updates:
+                device = update.contributors[0]
+                got = self.intake.take(w.task_id, device, fl.round, fl.attempt, update.parameters or "")
+                why = "its file did not reach this edge" if got is None else None
+                if got is not None:
+                    try:
+                        tensors = stack.enter_context(TensorFile(got.path))
+                        why = compression.misfit("none", tensors, infos)
+                    except TensorFileError as exc:
+                        why = f"not a safetensors file: {exc}"
+                if why is not None:
+                    w.log(f"round {fl.round}: left out {device}'s update: {why}", "warning")
+                    with self._lock:
+                        self.counts["refused"] += 1
+                    continue
+                assert got is not None
+                streams.append(StreamUpdate(tensors, update.num_examples, dict(update.metrics), device))
+                with self._lock:
+                    self.counts["bytes_in"] += got.size
+            if not streams:
+                return
+            try:
+                with TensorWriter(out, infos) as writer:
+                    FedAvg().aggregate_stream(base, streams, writer.write)
+            except ValueError as exc:  # a value the checks above could not see (a non-finite tensor read)
+                w.log(f"round {fl.round}: the devices' updates do not combine: {exc}", "warning")
+                return
+        contributors = sorted(str(s.participant) for s in streams)
+        try:
+            artifact_id = self.site.publish(out, run.publish.names[0], run.publish.version, "safetensors", run.publish.token, self.home / "upload.json")
+        except UploadError as exc:
+            w.log(f"round {fl.round}: the combined update could not be uploaded ({exc})", "warning")
+            return
+        finally:
+            size = out.stat().st_size if out.exists() else 0
+            out.unlink(missing_ok=True)
+        combined = FlUpdate(task_id=w.task_id, worker_id=w.worker_id, round=fl.round, attempt=fl.attempt, contributors=contributors,
+                            num_examples=sum(s.num_examples for s in streams), parameters=artifact_id, metrics=dict(list(weighted_metrics(streams).items())[:64]))  # fmt: skip
+        with self._lock:
+            self.counts["rounds"] += 1
+            self.counts["bytes_up"] += size
+        w.log(f"round {fl.round}: {len(contributors)} of {len(fl.participants)} devices combined ({combined.num_examples} examples) and uploaded as "
+              f"{artifact_id} in {time.perf_counter() - started:.1f} s")  # fmt: skip
+        try:
+            w.event(FL_UPDATE_EVENT, combined)
+        except Exception as exc:  # noqa: BLE001 - not connected: the round closes without this node's devices
+            w.log(f"round {fl.round}: could not send the combined update: {exc}", "warning")

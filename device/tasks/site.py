@@ -68,3 +68,12 @@ class Site:
         stored = upload_artifact(self.hub_url, token, path, kind=ArtifactKind.MODEL.value, name=name, version=version, format=fmt,
                                  state_file=state_file, verify=self.verify, server_name=self.server_name)  # fmt: skip
         return stored.id
+
+    def hand_to_edge(self, path: Path, token: str) -> str:
+        """Hierarchical whole-model rounds, on a device: hand the update at ``path`` to its edge's aggregator with the
+        round's publish grant (``device.upload.hand_over``); the id the edge answered (the file's SHA-256)."""
+        from device.upload import UploadError, hand_over
+
+        if not self.hub_url:
+            raise UploadError("this site has no edge to hand its update to")
+        return hand_over(self.hub_url, token, path, verify=self.verify, server_name=self.server_name)

@@ -76,7 +76,10 @@ from interfaces.tasks.states import (
     TASK_TRAINED_EVENT as TASK_TRAINED_EVENT,
 )
 from interfaces.tasks.wire import (
+    FL_UPDATE_PREFIX as FL_UPDATE_PREFIX,
+    FL_UPDATES_PATH as FL_UPDATES_PATH,
     PARAMETERS_SUFFIX as PARAMETERS_SUFFIX,
+    fl_update_identity as fl_update_identity,
     AlgorithmRun as AlgorithmRun,
     PublishGrant as PublishGrant,
     TrainedModel as TrainedModel,

@@ -221,8 +221,9 @@ class FederatedTrainingSpec(_In):
 
     Either way the round closes when every participant answered, or at ``round_timeout_s`` with at least
     ``min_participants`` (k of n), and the strategy fuses what arrived into the next global model. ``hierarchical``
-    (last layer): each edge node combines its devices' updates first (decomposable strategies) and sends one;
-    ``flat``: every participant's update goes to the hub. After ``rounds`` rounds the hub publishes the model."""
+    (the last layer's default; a whole model's when asked, on devices): each edge node combines its devices' updates
+    first (decomposable strategies: their sample-weighted mean) and sends one; ``flat``: every participant's update
+    goes to the hub. After ``rounds`` rounds the hub publishes the model."""
 
     model: ModelRef | None = Field(default=None, description="last layer: the installed model whose last dense layer is trained; a missing version is resolved (and pinned) at creation")
     dataset: DatasetName | None = Field(default=None, description="last layer: the name of a dataset each device keeps (it never leaves it)")
@@ -247,7 +248,11 @@ class FederatedTrainingSpec(_In):
     learning_rate: float = Field(default=0.1, gt=0, le=1000)
     strategy: Literal["fedavg", "fedprox", "fedadam", "median", "trimmed_mean"] = "fedavg"
     strategy_params: dict[Annotated[str, Field(min_length=1, max_length=16)], float] = Field(default_factory=dict, max_length=8, description="fedprox: mu; fedadam: eta, beta_1, beta_2, tau; trimmed_mean: beta")
-    topology: Literal["hierarchical", "flat"] | None = Field(default=None, description="default: hierarchical for a last layer, flat for a whole model")
+    topology: Literal["hierarchical", "flat"] | None = Field(
+        default=None, description="default: hierarchical for a last layer, flat for a whole model; a hierarchical whole model (devices only; fedavg, fedprox "
+        "or fedadam, compression none, no dp, secure aggregation, async or stale updates): each device hands its update to its edge, which uploads their "
+        "weighted mean",
+    )  # fmt: skip
     min_participants: int = Field(default=1, ge=1, le=10_000, description="k: a round closes at its timeout with at least this many updates")
     round_timeout_s: float = Field(default=60, ge=0.5, le=86400)
     sync: Literal["fixed", "adaptive", "async"] = Field(
@@ -308,8 +313,12 @@ class FederatedTrainingSpec(_In):
             raise ValueError(f"{', '.join(layer)}: last-layer fields; a whole-model task (algorithm) does not take them (datasets, local_fits, config)")
         if self.initial_parameters is None:
             raise ValueError("a whole-model task starts from initial_parameters: a model artefact of the algorithm's named tensors (aisynergy algorithm run writes them)")
-        if self.topology == "hierarchical":
-            raise ValueError("whole-model rounds are flat in this version (every participant uploads to the hub, a device through its edge): topology flat")
+        if self.topology == "hierarchical":  # devices -> their edge's aggregator (the weighted mean of their files) -> the hub
+            for what, why in (("secure_aggregation", self.secure_aggregation), ("dp", self.dp is not None), ("sync async", self.sync == "async"),
+                              ("late_updates stale", self.late_updates == "stale"), (f"compression {self.compression}", self.compression != "none"),
+                              (f"strategy {self.strategy}", self.strategy in ("median", "trimmed_mean"))):  # fmt: skip
+                if why:
+                    raise ValueError(f"hierarchical whole-model rounds (each edge sends its devices' weighted mean) do not go with {what}")
         if self.dp is not None:  # client-level DP-FedAvg (interfaces.dpfedavg)
             for what, why in (("secure_aggregation", self.secure_aggregation), ("sync async", self.sync == "async"), ("late_updates stale", self.late_updates == "stale"),
                               (f"strategy {self.strategy}", self.strategy in ("median", "trimmed_mean"))):  # fmt: skip

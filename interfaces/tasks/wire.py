@@ -94,7 +94,10 @@ class FlOrder(WireModel):
     config: JsonObject | None = Field(default=None, description="whole model: the configuration this participant's algorithm runs with (its variant's, else the task's)")
     sample_rate: float | None = Field(default=None, gt=0, le=1, description="dp: the Poisson sampling rate q the hub accounted for this device")
     via_edge: bool = Field(description="send the update to the edge's aggregator on fl (hierarchical), else as an event to the hub (flat)")
-    participants: list[Id] = Field(default_factory=list, max_length=10_000, description="aggregators: the devices under this node taking part in this round")
+    participants: list[Id] = Field(
+        default_factory=list, max_length=10_000, description="aggregators: the devices under this node taking part in this round (whole model: "
+        "their files reach the edge's intake, and the aggregator uploads their weighted mean with the grant of its run)",
+    )  # fmt: skip
     secure: bool = Field(default=False, description="secure aggregation: send the layer scaled by n / total_examples, fixed-point, masked (interfaces.secagg)")
     peers: dict[Id, PublicKey] = Field(
         default_factory=dict, max_length=10_000, description="secure: every participant's X25519 public key (base64), to derive the pair seeds",
@@ -104,6 +107,19 @@ class FlOrder(WireModel):
         default=None, ge=1, le=INT64_MAX, description="secure, whole model: the examples this participant's parameters count for (its update's share is weight / total_examples)",
     )  # fmt: skip
     reveal: list[Id] = Field(default_factory=list, max_length=10_000, description="secure: participants that dropped after masking; survivors reveal their pair seeds with them")
+
+
+FL_UPDATE_PREFIX = "fl-update"
+"""A whole-model participant's update of a round attempt is the model ``<prefix>.<task>.<participant>`` (:func:`fl_update_identity`)."""
+FL_UPDATES_PATH = "/fl/updates"
+"""Hierarchical whole-model rounds: the route of a device's edge (under the API prefix) that takes the device's update
+(``PUT``, the round's publish grant as the bearer credential) for the edge's aggregator (``edge.fl.UpdateIntake``)."""
+
+
+def fl_update_identity(task_id: str, participant: str, round: int, attempt: int) -> tuple[str, str]:
+    """The (name, version) of the model artefact a whole-model participant (a device, a site, or an edge's
+    aggregator) uploads as its update of a round attempt."""
+    return f"{FL_UPDATE_PREFIX}.{task_id}.{participant}"[:128], f"{round}.{attempt}"
 
 
 PARAMETERS_SUFFIX = "-parameters"
@@ -356,7 +372,10 @@ class FlUpdate(WireModel):
     contributors: list[Id] = Field(min_length=1, max_length=10_000, description="the devices whose training is in it")
     num_examples: int = Field(ge=1, le=INT64_MAX)
     data: str | None = Field(default=None, min_length=1, max_length=MAX_FL_UPDATE_BYTES * 4 // 3 + 4, description="last layer: base64 safetensors, weight [features, classes], bias [classes]")
-    parameters: Id | None = Field(default=None, description="whole model: the model artefact (safetensors) the participant uploaded with its round grant")
+    parameters: Id | None = Field(
+        default=None, description="whole model: the model artefact (safetensors) the participant uploaded with its round grant (a device of a hierarchical "
+        "task, on fl to its edge's aggregator: the id the edge's intake answered for its file)",
+    )  # fmt: skip
     metrics: dict[MetricName, float] = Field(default_factory=dict, max_length=64, description="sample-weighted means over the contributors: loss, accuracy (on their own data)")
     masked: bool = Field(default=False, description="secure aggregation: weight and bias are uint32 masked encodings (an edge's: their sum)")
 

@@ -82,6 +82,19 @@ def _digits_sites(stack: DevStack, tmp_path: Path, n: int = 3, test: bool = Fals
     return devices
 
 
+def _published(stack: DevStack, algorithm: dict[str, Any], initial: dict[str, Any], devices: list[Any], **spec: Any) -> tuple[str, dict[str, np.ndarray]]:
+    """Run a whole-model FedAvg task of ``algorithm`` (one epoch a round, every device a participant, ``spec`` on top)
+    to SUCCEEDED: its id and its published parameters."""
+    spec = {"algorithm": {"name": algorithm["name"], "version": algorithm["version"]}, "datasets": {"train": "digits-train"}, "config": {"epochs": 1},
+            "initial_parameters": initial["id"], "min_participants": len(devices), "round_timeout_s": 120, **spec}  # fmt: skip
+    task = api(stack, "POST", "/tasks", json={"type": "federated_training", "spec": spec, "heartbeat_s": 0.5,
+                                             "placement": {"target": "device", "ids": [d.device_id for d in devices]}})  # fmt: skip
+    done = wait_for(lambda: (t := api(stack, "GET", f"/tasks/{task['id']}", "viewer"))["state"] in FINAL and t, 300, interval=0.5, what="the task final")
+    assert done["state"] == "SUCCEEDED", (done, _logs(stack, task["id"])[-30:])
+    (artifact_id,) = api(stack, "GET", f"/tasks/{task['id']}/outputs", "viewer")["artifacts"]
+    return task["id"], load(_content(stack, artifact_id))
+
+
 def _ready(stack: DevStack, device: Any) -> None:
     """The device ONLINE, and its heartbeat in: it is placed only once the hub knows it has the algorithm's frameworks."""
     wait_for(lambda: stack.device_state(device.device_id) == "ONLINE", 60, what="the device ONLINE")
@@ -281,16 +294,8 @@ def test_secure_aggregation_over_real_sites_fuses_what_the_same_task_without_it_
     # Execute: the same round with and without secure aggregation
     published, tasks = {}, {}
     for secure in (False, True):
-        spec = {"algorithm": {"name": algorithm["name"], "version": algorithm["version"]}, "datasets": {"train": "digits-train"}, "config": {"epochs": 1},
-                "initial_parameters": initial["id"], "rounds": 1, "min_participants": 3, "round_timeout_s": 120, "secure_aggregation": secure,
-                "output": {"name": f"digits-secure-{str(secure).lower()}"}}  # fmt: skip
-        task = api(stack, "POST", "/tasks", json={"type": "federated_training", "spec": spec, "heartbeat_s": 0.5,
-                                                 "placement": {"target": "device", "ids": [d.device_id for d in devices]}})  # fmt: skip
-        done = wait_for(lambda: (t := api(stack, "GET", f"/tasks/{task['id']}", "viewer"))["state"] in FINAL and t, 300, interval=0.5, what="the task final")
-        logs = _logs(stack, task["id"])
-        assert done["state"] == "SUCCEEDED", (done, logs[-30:])
-        (artifact_id,) = api(stack, "GET", f"/tasks/{task['id']}/outputs", "viewer")["artifacts"]
-        published[secure], tasks[secure] = load(_content(stack, artifact_id)), task["id"]
+        tasks[secure], published[secure] = _published(stack, algorithm, initial, devices, rounds=1, secure_aggregation=secure,
+                                                      output={"name": f"digits-secure-{str(secure).lower()}"})  # fmt: skip
 
     # Assert: what each secure site uploaded is masked (uint32, not its parameters); the unmasked mean is the plain one
     for device in devices:
@@ -422,3 +427,42 @@ def test_fedprox_hands_its_mu_to_the_sites_algorithm_which_keeps_each_update_nea
 
     # Assert: FedProx's round moved the global model far less than FedAvg's (both fuse as FedAvg: the difference is mu)
     assert moved["fedprox"] < 0.5 * moved["fedavg"], moved
+
+
+def test_hierarchical_rounds_hand_the_devices_updates_to_their_edge_which_uploads_one_weighted_mean_equal_to_the_flat_fusion(
+    stack: DevStack, tmp_path: Path
+) -> None:
+    # Prepare: three numpy sites behind the stack's edge, shards of different sizes (the mean is weighted); the example
+    # trains deterministically from its seed, so the flat and the hierarchical task train the same local models
+    algorithm = _upload_algorithm(stack, EXAMPLES / "numpy_cnn", tmp_path)
+    initial = _initial_parameters(stack, tmp_path)
+    devices = []
+    for k, fraction in enumerate((0.2, 0.5, 0.7)):
+        train, _ = write_digits(tmp_path / f"site-{k}", test_fraction=fraction, seed=k)
+        device = stack.add_device(f"site-{k}")
+        device.datasets.add("digits-train", train)
+        devices.append(device)
+    for device in devices:
+        _ready(stack, device)
+
+    # Execute: two rounds flat, then the same two rounds hierarchical
+    published, tasks = {}, {}
+    for topology in ("flat", "hierarchical"):
+        tasks[topology], published[topology] = _published(stack, algorithm, initial, devices, rounds=2, topology=topology, output={"name": f"digits-{topology}"})
+
+    # Assert: hierarchical, no device's update reached the hub: one upload a round from the edge's aggregator, naming
+    # the three devices and their examples in all; the published model is the flat task's (float32 rounding apart)
+    hier = tasks["hierarchical"]
+    assert api(stack, "GET", f"/artifacts?name=fl-update.{hier}.{devices[0].device_id}", "viewer")["items"] == []
+    (combined,) = api(stack, "GET", f"/artifacts?name=fl-update.{hier}.{stack.node_id}", "viewer")["items"]  # the last round's (earlier ones swept)
+    assert combined["version"] == "2.1"
+    logs = _logs(stack, hier)
+    means = [line for line in logs if f"the weighted mean of 3 devices under {stack.node_id} is in" in line]
+    assert len(means) == 2, logs[-40:]
+    assert not [line for line in logs if "the update of" in line and " is in (" in line], logs[-40:]
+    workers = api(stack, "GET", f"/tasks/{hier}/workers", "viewer")
+    assert sorted(w["role"] for w in workers).count("aggregator") == 1, workers
+    assert set(published["hierarchical"]) == set(published["flat"])
+    for name, flat in published["flat"].items():
+        assert published["hierarchical"][name].dtype == flat.dtype and np.abs(published["hierarchical"][name] - flat).max() <= 1e-5, name
+    assert not np.allclose(published["flat"]["fc.weight"], load(_content(stack, initial["id"]))["fc.weight"])
