@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Set up this checkout and run it.
 #   ./dev.sh up [aisynergy up options]   virtualenv + Mosquitto, then the local stack (hub on SQLite, broker, edge agent)
-#   ./dev.sh test [pytest options]       virtualenv + Mosquitto + PostgreSQL, then the whole test suite
+#   ./dev.sh test [pytest options]       virtualenv + Mosquitto + PostgreSQL + Chromium, then the whole test suite
 set -euo pipefail
 cd "$(dirname "$0")"
 PY=${PYTHON:-python3}
@@ -65,7 +65,7 @@ case "$cmd" in
     exec "$VENV/bin/aisynergy" up "$@"
     ;;
   test)
-    need_root_apt mosquitto:mosquitto initdb:postgresql-15
+    need_root_apt mosquitto:mosquitto initdb:postgresql-15 chromium:chromium chromedriver:chromium-driver  # the console's browser tests
     venv dev
     start_postgres
     "$VENV/bin/aisynergy" contracts check

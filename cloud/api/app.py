@@ -17,9 +17,10 @@ from sqlalchemy.engine import Engine
 from sqlmodel import Session
 
 from cloud import lease
+from cloud import console
 from cloud.api import problems, spec
-from cloud.api.guards import IdempotentReplay, RequestGuard, SecurityHeaders, purge_idempotency, replay_response
-from cloud.api.routes import artifacts, deployments, devices, nodes, privacy, uploads
+from cloud.api.guards import ConditionalGet, IdempotentReplay, RequestGuard, SecurityHeaders, purge_idempotency, replay_response
+from cloud.api.routes import artifacts, deployments, devices, nodes, privacy, tokens, uploads
 from cloud.api.routes import tasks as task_routes
 from cloud.api.state import HubState, attach, hub_state
 from cloud.artifacts import FileBlobStore
@@ -171,6 +172,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     )
     problems.install(app)
     app.add_exception_handler(IdempotentReplay, replay_response)
+    app.add_middleware(ConditionalGet, prefix=API_PREFIX)  # innermost: ETag / 304 on the API's JSON reads (a polling console)
     app.add_middleware(
         RequestGuard, engine=lambda: hub_state(app).engine, max_body_bytes=settings.max_body_bytes, streamed_uploads={API_PREFIX + "/artifacts"},
         streamed_chunks=uploads.STREAMED_CHUNKS,
@@ -186,6 +188,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     api.include_router(artifacts.router)
     api.include_router(deployments.router)
     api.include_router(task_routes.router)
+    api.include_router(tokens.router)
 
     @api.get("/ca.crt", response_class=Response, tags=["pki"], openapi_extra={"security": []}, responses=spec.pem_response("PEM"))
     def ca_certificate(request: Request) -> Response:
@@ -195,6 +198,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.include_router(api)
     app.include_router(metrics_router())  # GET /metrics beside /healthz (viewer token)
     spec.install(app)
+    console.install(app)  # the web console at /console/ (static files; a client of the API above)
 
     @app.get("/healthz", tags=["meta"])
     def healthz(request: Request) -> dict[str, Any]:

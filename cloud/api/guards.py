@@ -293,3 +293,65 @@ def purge_idempotency(engine: Engine, ttl_s: int) -> int:
         return result.rowcount  # type: ignore[attr-defined,no-any-return]
 
 
+
+
+class ConditionalGet:
+    """Entity tags on the API's JSON reads, so a client that polls (the console) costs a request and a hash, not a
+    transfer: a ``GET`` under ``/api/v1`` answered 200 with a JSON body of at most :attr:`MAX_BYTES` gets ``ETag``
+    (a weak tag of the body's SHA-256) and keeps ``Cache-Control: no-store`` (no cache on the way keeps anyone's
+    data; the client keeps the body itself); a request whose ``If-None-Match`` names that tag is answered 304 with
+    no body. Streams (Server-Sent Events, artefact bytes) and answers that carry their own tag pass through as they are."""
+
+    MAX_BYTES = 4 << 20
+
+    def __init__(self, app: ASGIApp, prefix: str) -> None:
+        self.app = app
+        self.prefix = prefix
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["method"] != "GET" or not scope["path"].startswith(self.prefix):
+            await self.app(scope, receive, send)
+            return
+        request_headers = {name.lower(): value for name, value in scope.get("headers", [])}
+        if b"text/event-stream" in request_headers.get(b"accept", b""):
+            await self.app(scope, receive, send)
+            return
+        wanted = {tag.strip() for tag in request_headers.get(b"if-none-match", b"").split(b",") if tag.strip()}
+        start: Message | None = None
+        body = bytearray()
+        passing = False
+
+        async def buffered(message: Message) -> None:
+            nonlocal start, passing
+            if passing:
+                await send(message)
+                return
+            if message["type"] == "http.response.start":
+                named = {name.lower(): value for name, value in message.get("headers", [])}
+                if message["status"] != 200 or b"etag" in named or not named.get(b"content-type", b"").startswith(b"application/json"):
+                    passing = True
+                    await send(message)
+                    return
+                start = message
+                return
+            body.extend(message.get("body", b""))
+            if message.get("more_body", False):
+                if len(body) > self.MAX_BYTES:  # too large to tag: send what there is and the rest as it comes
+                    passing = True
+                    assert start is not None
+                    await send(start)
+                    await send({"type": "http.response.body", "body": bytes(body), "more_body": True})
+                return
+            assert start is not None
+            tag = b'W/"' + hashlib.sha256(bytes(body)).hexdigest()[:32].encode() + b'"'
+            headers = [(n, v) for n, v in start.get("headers", []) if n.lower() not in (b"content-length", b"cache-control")]
+            headers += [(b"etag", tag), (b"cache-control", b"no-store")]
+            if tag in wanted or b"*" in wanted:
+                kept = [(n, v) for n, v in headers if n.lower() != b"content-type"]
+                await send({"type": "http.response.start", "status": 304, "headers": kept})
+                await send({"type": "http.response.body", "body": b""})
+                return
+            await send({**start, "headers": [*headers, (b"content-length", str(len(body)).encode())]})
+            await send({"type": "http.response.body", "body": bytes(body)})
+
+        await self.app(scope, receive, buffered)
