@@ -16,6 +16,22 @@ from typing import Any
 from interfaces.errors import ErrorCode, Problem
 
 
+_TITLES = {400: "Bad request", 401: "Unauthenticated", 403: "Forbidden", 404: "Not found", 409: "Conflict", 413: "Payload too large",
+           422: "Validation failed", 429: "Too many requests", 502: "Bad gateway", 503: "Service unavailable", 504: "Gateway timeout"}
+
+
+def _title(status: int, fallback: str) -> str:
+    """The title of an error raised with another status than its class's (a BadRequest of status 504 is no "Bad request")."""
+    from http import HTTPStatus
+
+    if status in _TITLES:
+        return _TITLES[status]
+    try:
+        return HTTPStatus(status).phrase
+    except ValueError:
+        return fallback
+
+
 class ApiError(Exception):
     status = 400
     code = ErrorCode.VALIDATION_FAILED
@@ -26,8 +42,9 @@ class ApiError(Exception):
         self.detail = detail
         if code is not None:
             self.code = code
-        if status is not None:
+        if status is not None and status != self.status:
             self.status = status
+            self.title = _title(status, self.title)  # a 504 is not a "Bad request"
         self.extra = extra
 
     def problem(self, instance: str | None = None) -> Problem:

@@ -105,10 +105,11 @@ def deploy(ctx: click.Context, hub_url: str, token: str | None, ca_file: Path | 
 
 @deploy.command()
 @click.argument("file", type=click.Path(exists=True, dir_okay=False, path_type=Path))
-@click.option("--kind", required=True, type=click.Choice(["model", "application", "firmware", "algorithm"]))
+@click.option("--kind", required=True, type=click.Choice(["model", "application", "firmware", "algorithm", "dataset"]),
+              help="dataset: the inputs of a batch task (npy or safetensors), not deployable")
 @click.option("--name", required=True)
 @click.option("--version", "version", required=True)
-@click.option("--format", "fmt", required=True, help="onnx, tflite, firmware, tar.gz, zip, whl, bin")
+@click.option("--format", "fmt", required=True, help="onnx, tflite, safetensors, firmware, tar.gz, zip, whl, bin, npy")
 @click.pass_obj
 def upload(hub: _Hub, file: Path, kind: str, name: str, version: str, fmt: str) -> None:
     """Upload an artefact (streamed from disk); the hub signs its manifest."""
@@ -118,11 +119,12 @@ def upload(hub: _Hub, file: Path, kind: str, name: str, version: str, fmt: str) 
 
 
 @deploy.command()
-@click.option("--kind", default=None, type=click.Choice(["model", "application", "firmware"]))
+@click.option("--kind", default=None, type=click.Choice(["model", "application", "firmware", "algorithm", "dataset"]))
+@click.option("--name", default=None, help="only artefacts of this name")
 @click.pass_obj
-def artifacts(hub: _Hub, kind: str | None) -> None:
-    """List the artefacts."""
-    for item in _all(hub, "/artifacts", {"kind": kind} if kind else {}):
+def artifacts(hub: _Hub, kind: str | None, name: str | None) -> None:
+    """List the artefacts (also: aisynergy artifact list)."""
+    for item in _all(hub, "/artifacts", {k: v for k, v in (("kind", kind), ("name", name)) if v}):
         click.echo(f"{item['id']}  {item['kind']:<11} {item['name']} {item['version']}  {item['size']} B  {item['sha256'][:12]}")
 
 
@@ -138,12 +140,16 @@ def artifacts(hub: _Hub, kind: str | None) -> None:
 @click.option("--allow-downgrade", is_flag=True)
 @click.option("--name", default="")
 @click.option("--wait", is_flag=True, help="watch the rollout until it is final")
+@click.option("--dry-run", is_flag=True, help="only list the targets the ids or the selector match now (nothing is deployed)")
 @click.pass_obj
 def create(hub: _Hub, artifact_id: str, ids: str | None, selector: str | None, target_kind: str, strategy: str, max_failure_percent: float,
-           failure_policy: str, timeout_s: int, allow_downgrade: bool, name: str, wait: bool) -> None:  # fmt: skip
+           failure_policy: str, timeout_s: int, allow_downgrade: bool, name: str, wait: bool, dry_run: bool) -> None:  # fmt: skip
     """Deploy an artefact to targets by ids or by label selector."""
     if (ids is None) == (selector is None):
         raise click.UsageError("give exactly one of --ids or --selector")
+    if dry_run:
+        _dry_run(hub, target_kind, ids, selector)
+        return
     target: dict[str, Any] = {"kind": target_kind}
     if ids is not None:
         target["ids"] = [i.strip() for i in ids.split(",") if i.strip()]
@@ -205,7 +211,45 @@ def _action(name: str, doc: str) -> None:
 _action("pause", "Stop releasing further targets.")
 _action("resume", "Continue a paused deployment.")
 _action("cancel", "Cancel queued and in-flight targets.")
-_action("rollback", "Take the targets back to what they ran before.")
+
+
+@deploy.command()
+@click.argument("deployment_id")
+@click.option("--wait/--no-wait", default=True, show_default=True, help="wait until every target is back (ROLLED_BACK)")
+@click.option("--timeout", "timeout_s", type=click.FloatRange(1, 86400), default=600, show_default=True)
+@click.pass_obj
+def rollback(hub: _Hub, deployment_id: str, wait: bool, timeout_s: float) -> None:
+    """Take the targets back to what they ran before. The deployment keeps its state until every target is back,
+    then is ROLLED_BACK; exits 1 if it is not by --timeout."""
+    import time
+
+    doc = hub.call("POST", f"/deployments/{deployment_id}/rollback")
+    if doc["state"] != "ROLLED_BACK":
+        click.echo(f"{doc['id']} rolling back ({_summary(doc)})")
+    deadline = time.monotonic() + timeout_s
+    while wait and doc["state"] != "ROLLED_BACK" and time.monotonic() < deadline:
+        time.sleep(1.0)
+        doc = hub.call("GET", f"/deployments/{deployment_id}")
+    if doc["state"] == "ROLLED_BACK" or not wait:
+        click.echo(f"{doc['id']} {doc['state'] if wait else 'rolling back'}")
+        return
+    raise click.ClickException(f"{doc['id']} is still {doc['state']} after {timeout_s:g} s ({_summary(doc)}); follow it with: aisynergy deploy watch {doc['id']}")
+
+
+def _dry_run(hub: _Hub, kind: str, ids: str | None, selector: str | None) -> None:
+    """The targets a deployment would have now: each named id (or why it would not do), or every match of the selector."""
+    plural = "nodes" if kind == "node" else "devices"
+    if ids is not None:
+        found = []
+        for target in [i.strip() for i in ids.split(",") if i.strip()]:
+            r = hub.request("GET", f"/{plural}/{target}")
+            found.append(r.json() if r.status_code == 200 else {"id": target, "state": f"not found ({r.status_code})", "name": "", "labels": {}})
+    else:
+        found = _all(hub, f"/{plural}", {"selector": selector})
+    for t in found:
+        labels = ",".join(f"{k}={v}" for k, v in sorted((t.get("labels") or {}).items())) or "-"
+        click.echo(f"{t['id']}  {t['state']:<10} {t.get('name', '')}  {labels}")
+    click.echo(f"{len(found)} {kind}{'s' if len(found) != 1 else ''} match" + ("" if found or ids else f" {selector!r}; label them with: aisynergy {kind} label ID KEY=VALUE"))
 
 
 def _all(hub: _Hub, path: str, params: dict[str, Any]) -> list[dict[str, Any]]:

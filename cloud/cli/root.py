@@ -10,7 +10,7 @@ from importlib.metadata import entry_points
 import click
 
 
-_EXTRA_FOR = {"broker": "hub", "up": "all", "contracts": "hub", "conformance": "device", "algorithm": "device", "firmware": "device", "deploy": "hub", "task": "hub", "model": "hub", "simulate": "hub", "experiment": "hub"}
+_EXTRA_FOR = {"broker": "hub", "up": "all", "contracts": "hub", "conformance": "device", "algorithm": "device", "firmware": "device", "deploy": "hub", "task": "hub", "model": "hub", "simulate": "hub", "experiment": "hub", "node": "hub", "artifact": "hub"}
 
 
 class _PluginGroup(click.Group):
@@ -28,12 +28,21 @@ class _PluginGroup(click.Group):
         if ep is None:
             return None
         try:
-            return ep.load()  # type: ignore[attr-defined,no-any-return]
+            command = ep.load()  # type: ignore[attr-defined]
         except ImportError as exc:
             extra = _EXTRA_FOR.get(cmd_name, cmd_name)
             raise click.ClickException(
                 f"'{cmd_name}' needs an extra that is not installed ({exc.name}): pip install 'aisynergy[{extra}]'"
             ) from exc
+        if isinstance(command, click.Group):  # more subcommands from elsewhere (the hub-side `device list` beside `device run`)
+            for more in entry_points(group="aisynergy.subcommands", name=cmd_name):
+                try:
+                    extra_group = more.load()
+                except ImportError:  # that part's extra is not installed: its subcommands are not offered
+                    continue
+                for name, sub in extra_group.commands.items():
+                    command.commands.setdefault(name, sub)
+        return command  # type: ignore[no-any-return]
 
 
 @click.group(cls=_PluginGroup)

@@ -83,3 +83,23 @@ def test_the_console_is_served_with_its_policy_and_the_root_leads_there(hub: Hub
     assert hub.client.get("/console/vendor/uPlot.iife.min.js").status_code == 200
     for sneaky in ("/console/../../cloud/auth.py", "/console/%2e%2e/__init__.py", "/console/nope.js", "/console/vendor/uPlot.LICENSE"):
         assert hub.client.get(sneaky).status_code == 404, sneaky
+
+
+@SQLITE_ONLY
+def test_a_bootstrap_token_is_reissued_without_a_body_or_with_an_empty_one(hub: HubUnderTest) -> None:
+    node = hub.register("gw-bare")["node"]["id"]
+    device = hub.request("POST", "/devices", Role.OPERATOR, json={"node_id": node, "name": "board", "model": "m"}).json()["id"]
+    for path in (f"/nodes/{node}/bootstrap-token", f"/devices/{device}/bootstrap-token"):
+        for kw in ({}, {"content": b"", "headers": {"content-type": "application/json"}}, {"json": {}}, {"json": {"ttl_s": 600}}):
+            r = hub.request("POST", path, Role.ADMIN, **kw)
+            assert r.status_code == 201 and r.json()["bootstrap_token"], (path, kw, r.text)
+        assert_problem(hub.request("POST", path, Role.ADMIN, json={"ttl_s": 1}), 422, "validation_failed")
+
+
+def test_an_error_raised_with_another_status_than_its_class_is_titled_by_that_status() -> None:
+    from cloud.errors import ApiError, BadRequest
+    from interfaces.errors import ErrorCode
+
+    assert ApiError("late", code=ErrorCode.COMMAND_TIMEOUT, status=504).problem().title == "Gateway timeout"
+    assert BadRequest("no", status=422).problem().title == "Validation failed"
+    assert BadRequest("no").problem().title == "Bad request"

@@ -80,7 +80,7 @@ def test_command_round_trip_and_timeouts(stack: DevStack) -> None:
 
         # the device does not answer in time: a clear timeout error
         r = api.post(f"/devices/{dev.device_id}/commands", json={"name": "slow", "timeout_s": 1})
-        assert r.status_code == 504 and r.json()["code"] == "command_timeout", r.text
+        assert r.status_code == 504 and r.json()["code"] == "command_timeout" and r.json()["title"] == "Gateway timeout", r.text
         release.set()
 
         # the node's own agent answers node commands

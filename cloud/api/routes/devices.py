@@ -96,7 +96,7 @@ def device_events(device_id: str, session: SessionDep, _: Viewer, limit: Limit =
 
 
 @router.post("/{device_id}/bootstrap-token", status_code=status.HTTP_201_CREATED)
-def reissue_device_bootstrap_token(device_id: str, body: BootstrapTokenReissue, session: SessionDep, ca: CADep, caller: Operator, __: IdempotencyKey = None) -> BootstrapTokenIssued:
+def reissue_device_bootstrap_token(device_id: str, session: SessionDep, ca: CADep, caller: Operator, __: IdempotencyKey = None, body: BootstrapTokenReissue | None = None) -> BootstrapTokenIssued:
     """Issue a one-time bootstrap token with which the device enrols (through its edge).
 
     The operator role suffices for a device that never enrolled; for one that holds (or held) a certificate this
@@ -104,7 +104,7 @@ def reissue_device_bootstrap_token(device_id: str, body: BootstrapTokenReissue, 
     device's node (source `hub`, `data.device_id`, `data.by`, `by_name`, `role`; `ts` is when). Enrolling with the
     new token revokes nothing: the earlier certificate stays valid until an admin calls
     `POST /devices/{id}/certificates/revoke-superseded`, or it expires."""
-    token, expires = device_service.reissue_bootstrap(session, device_id, body.ttl_s, caller)
+    token, expires = device_service.reissue_bootstrap(session, device_id, (body or BootstrapTokenReissue()).ttl_s, caller)
     edge = device_service.get(session, device_id).node_id  # its listener's certificate is the node's, named by its id
     return BootstrapTokenIssued(bootstrap_token=token, bootstrap_expires_at=expires, ca_sha256=ca.fingerprint, tls_server_name=edge)
 

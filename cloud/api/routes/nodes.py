@@ -115,7 +115,7 @@ def node_history(node_id: str, session: SessionDep, _: Viewer, limit: Limit = 10
 
 
 @router.post("/{node_id}/bootstrap-token", status_code=status.HTTP_201_CREATED)
-def reissue_bootstrap_token(node_id: str, body: BootstrapTokenReissue, session: SessionDep, ca: CADep, caller: Operator, __: IdempotencyKey = None) -> BootstrapTokenIssued:
+def reissue_bootstrap_token(node_id: str, session: SessionDep, ca: CADep, caller: Operator, __: IdempotencyKey = None, body: BootstrapTokenReissue | None = None) -> BootstrapTokenIssued:
     """Issue a fresh one-time bootstrap token (to re-enrol a node that lost its identity).
 
     The operator role suffices for a node that never enrolled; for one that holds (or held) a certificate this
@@ -124,7 +124,7 @@ def reissue_bootstrap_token(node_id: str, body: BootstrapTokenReissue, session: 
     Enrolling with the new token revokes nothing: the node's earlier certificate stays valid (the node keeps
     working) until an admin calls `POST /nodes/{id}/certificates/revoke-superseded` once the re-enrolled node is
     back online, or until it expires."""
-    token, expires = node_service.reissue_bootstrap(session, node_id, body.ttl_s, caller)
+    token, expires = node_service.reissue_bootstrap(session, node_id, (body or BootstrapTokenReissue()).ttl_s, caller)
     return BootstrapTokenIssued(bootstrap_token=token, bootstrap_expires_at=expires, ca_sha256=ca.fingerprint)
 
 

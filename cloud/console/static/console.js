@@ -522,10 +522,10 @@ async function sha256hex(buffer) {
 
 function uploadForm() {
   const file = h("input", { type: "file", required: true });
-  const kind = h("select", {}, ...["model", "dataset", "algorithm", "application", "firmware", "config"].map((k) => h("option", { value: k, text: k })));
+  const kind = h("select", {}, ...["model", "dataset", "algorithm", "application", "firmware"].map((k) => h("option", { value: k, text: k })));
   const name = h("input", { required: true, placeholder: "digits" });
   const version = h("input", { required: true, placeholder: "1.0.0" });
-  const format = h("select", {}, ...["onnx", "tflite", "safetensors", "npy", "zip", "tar", "bin", "json"].map((k) => h("option", { value: k, text: k })));
+  const format = h("select", {}, ...["onnx", "tflite", "safetensors", "npy", "zip", "tar.gz", "whl", "bin", "firmware"].map((k) => h("option", { value: k, text: k })));
   const progress = h("progress", { max: 100, value: 0, "aria-label": "Upload progress" });
   const form = h("form", { class: "card", "aria-label": "Upload an artefact" }, h("h2", { text: "Upload an artefact" }),
     h("div", { class: "form-grid" }, field("file", "File", file), field("kind", "Kind", kind), field("name", "Name", name), field("version", "Version", version), field("format", "Format", format)),
@@ -557,7 +557,7 @@ function uploadForm() {
 
 VIEWS.artifacts = async (id) => {
   if (id) return artifactDetail(id);
-  const kind = h("select", {}, h("option", { value: "", text: "any" }), ...["model", "dataset", "algorithm", "application", "firmware", "config"].map((k) => h("option", { value: k, text: k })));
+  const kind = h("select", {}, h("option", { value: "", text: "any" }), ...["model", "dataset", "algorithm", "application", "firmware"].map((k) => h("option", { value: k, text: k })));
   const name = h("input", { placeholder: "digits" });
   const cols = [["name", (a) => h("a", { href: `#/artifacts/${a.id}`, text: a.name })], ["version", (a) => a.version], ["kind", (a) => a.kind], ["format", (a) => a.format],
     ["size", (a) => bytes(a.size)], ["id", (a) => h("code", { text: a.id })], ["created", (a) => when(a.created_at)]];
