@@ -34,6 +34,10 @@ from cloud.broker.config import BrokerLayout
 
 log = logging.getLogger("aisynergy.up")
 CLI = [sys.executable, "-m", "cloud.cli.root"]
+STACK_LABELS = {"stack": "local", "zone": "a"}
+"""The edge's labels: the selectors of the README's examples match the local stack as it starts."""
+DEVICE_LABELS = {"stack": "local", "zone": "a", "site": "a", "tier": "board"}
+"""The devices' labels (``--selector zone=a``, ``site=a``, ``tier=board`` in the README)."""
 ACL_RELOAD_GRACE_S = 0.5  # the broker reloads its access list a moment after the file changes
 
 
@@ -193,7 +197,7 @@ class Stack:
                     self.node_id = node_id
                     return node_id, None, ""
         with self.api() as api:
-            r = api.post("/nodes", json={"name": "edge-1", "labels": {"stack": "local"}})
+            r = api.post("/nodes", json={"name": "edge-1", "labels": STACK_LABELS})
             r.raise_for_status()
             registered = r.json()
         self.node_id = registered["node"]["id"]
@@ -212,7 +216,7 @@ class Stack:
                 if index < len(known) and api.get(f"/devices/{known[index]}").status_code == 200:
                     device_id = known[index]
                 else:
-                    r = api.post("/devices", json={"node_id": node_id, "name": f"device-{index + 1}", "model": "simulated", "labels": {"stack": "local"}})
+                    r = api.post("/devices", json={"node_id": node_id, "name": f"device-{index + 1}", "model": "simulated", "labels": DEVICE_LABELS})
                     r.raise_for_status()
                     device_id = r.json()["id"]
                 r = api.post(f"/devices/{device_id}/bootstrap-token", json={})

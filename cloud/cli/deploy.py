@@ -240,7 +240,7 @@ def _dry_run(hub: _Hub, kind: str, ids: str | None, selector: str | None) -> Non
     """The targets a deployment would have now: each named id (or why it would not do), or every match of the selector."""
     plural = "nodes" if kind == "node" else "devices"
     if ids is not None:
-        found = []
+        found: list[dict[str, Any]] = []
         for target in [i.strip() for i in ids.split(",") if i.strip()]:
             r = hub.request("GET", f"/{plural}/{target}")
             found.append(r.json() if r.status_code == 200 else {"id": target, "state": f"not found ({r.status_code})", "name": "", "labels": {}})
