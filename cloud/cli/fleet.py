@@ -228,6 +228,13 @@ def artifact_get(hub: _Hub, artifact_id: str) -> None:
 @with_hub
 def artifact_download(hub: _Hub, artifact_id: str, out: Path | None) -> None:
     """Download an artefact's bytes (streamed), checked against its SHA-256."""
+    doc, out = download_artifact(hub, artifact_id, out)
+    click.echo(f"{out} {doc['size']} B sha256={doc['sha256']}")
+
+
+def download_artifact(hub: _Hub, artifact_id: str, out: Path | None) -> tuple[dict[str, Any], Path]:
+    """Stream an artefact's bytes to ``out`` (default ``NAME-VERSION.FORMAT``), kept only when their SHA-256 is the
+    artefact's; its document and where it went."""
     import hashlib
 
     from cloud.cli.deploy import _problem_line
@@ -248,7 +255,7 @@ def artifact_download(hub: _Hub, artifact_id: str, out: Path | None) -> None:
         part.unlink()
         raise click.ClickException(f"the bytes received do not have the artefact's SHA-256 {doc['sha256']}; nothing kept")
     part.replace(out)
-    click.echo(f"{out} {doc['size']} B sha256={doc['sha256']}")
+    return doc, out
 
 
 @artifact.command(name="delete")

@@ -352,7 +352,7 @@ def drive(session: Session, task: Task, at: datetime, driver: Driver, blobs: Any
         if plan.weights_artifact_id is None:
             driver.wait(f"storing round {plan.round}'s global layer")
             return done
-        _open(session, task, plan, spec, devices, 1, at, done, driver)
+        _open(session, task, plan, spec, devices, 1, at, done, driver, blobs)
         return done
     deadline = utc(plan.deadline_at) or at
     if at < deadline:
@@ -384,7 +384,7 @@ def drive(session: Session, task: Task, at: datetime, driver: Driver, blobs: Any
         driver.finish(TaskState.FAILED, f"round {plan.round} got {len(contributed)} of the k={k} updates needed in each of {plan.attempt} attempts")
         return done
     hub_log(session, task.id, f"round {plan.round} attempt {plan.attempt}: {len(contributed)} of the k={k} updates needed by its deadline; running it again", "warning", at)
-    _open(session, task, plan, spec, devices, plan.attempt + 1, at, done, driver)
+    _open(session, task, plan, spec, devices, plan.attempt + 1, at, done, driver, blobs)
     return done
 
 
@@ -394,7 +394,7 @@ def _running(session: Session, task_id: str) -> list[str]:
 
 
 def _open(session: Session, task: Task, plan: FlPlan, spec: FederatedTrainingSpec, devices: list[TaskWorker], attempt: int, at: datetime,
-          done: Ticked, driver: Driver) -> None:  # fmt: skip
+          done: Ticked, driver: Driver, blobs: Any = None) -> None:  # fmt: skip
     running = sorted({w.target_id for w in devices if w.state in {s.value for s in WORKER_ACTIVE}})
     if spec.secure_aggregation:  # a participant masks with every other one: it needs the key of their worker as it runs now
         current = {w.target_id: w.id for w in devices}
@@ -421,6 +421,23 @@ def _open(session: Session, task: Task, plan: FlPlan, spec: FederatedTrainingSpe
     done.changed = True
     what = f"round {plan.round}/{spec.rounds}" + (f" attempt {attempt}" if attempt > 1 else "")
     hub_log(session, task.id, f"{what} open: {len(running)} participants, {spec.strategy}, deadline in {spec.round_timeout_s:g} s", at=at)
+    if plan.round == 1 and attempt == 1 and spec.eval_inputs is not None and not spec.whole and blobs is not None:
+        _score_start(session, blobs, task, plan, spec, at)
+
+
+def _score_start(session: Session, blobs: Any, task: Task, plan: FlPlan, spec: FederatedTrainingSpec, at: datetime) -> None:
+    """Round 0: the starting model's score on the held-out set, the first point of the accuracy curve (a hub metric
+    sample with ``round`` 0, as each round's close records one)."""
+    from safetensors.numpy import load
+
+    layer = surgery.DenseLayer.from_json(plan.layer)
+    start = load(plan.weights) if plan.weights else None
+    if not start:
+        return
+    values = {"round": 0.0, **_evaluate(session, blobs, task, plan, spec, layer, start)}
+    if len(values) > 1:
+        session.add(TaskMetric(task_id=task.id, worker_id=HUB_WORKER, target_id=HUB_WORKER, message_id=f"fl-{task.id}-r0", ts=at, values=values))
+        hub_log(session, task.id, f"round 0 (the starting model): held-out accuracy {values.get('eval_accuracy', float('nan')):.4f}", at=at)
 
 
 ADAPTIVE_WINDOW, ADAPTIVE_FACTOR, ADAPTIVE_FLOOR_S = 5, 3.0, 1.0
@@ -495,6 +512,8 @@ def _close(session: Session, task: Task, plan: FlPlan, spec: FederatedTrainingSp
         metrics=metrics, participant_ids=list(plan.participants),
     ))  # fmt: skip
     session.add(TaskMetric(task_id=task.id, worker_id=HUB_WORKER, target_id=HUB_WORKER, message_id=f"fl-{task.id}-r{plan.round}", ts=at, values=metrics))
+    if "eval_accuracy" in metrics:  # what `task create --watch` and `task logs` show round after round
+        hub_log(session, task.id, f"round {plan.round}: held-out accuracy {metrics['eval_accuracy']:.4f}, loss {metrics.get('eval_loss', float('nan')):.4f}", at=at)
     ids = [r.id for r in fresh + stale + outvoted]
     if ids:
         session.execute(update(FlUpdateRow).where(FlUpdateRow.id.in_(ids)).values(used_in=plan.round))  # type: ignore[union-attr]

@@ -817,3 +817,24 @@ def test_outputs_print_each_check_of_the_global_model_and_which_round_was_publis
     assert any("4 (published)" in line and "0.9375" in line and "art-5" in line for line in lines), result.output
     assert any(line.lstrip("│ ").startswith("2 ") and "0.8125" in line for line in lines), result.output
     assert not any("2 (published)" in line or "6 (published)" in line for line in lines), result.output
+
+
+def test_outputs_of_a_training_task_name_the_published_model_its_lineage_and_download_it(tmp_path: Path) -> None:
+    # Prepare: an incremental training task that published digits 1.0.1, trained from 1.0.0
+    model = b"onnx bytes of digits 1.0.1"
+    outputs = TaskOutputs(task_id="task-1", state=TaskState.SUCCEEDED, complete=True, items_total=None, items_done=None, artifacts=["art-9"]).model_dump(mode="json")
+    artifact = {"id": "art-9", "kind": "model", "name": "digits", "version": "1.0.1", "format": "onnx", "size": len(model), "sha256": hashlib.sha256(model).hexdigest()}
+    hub = ScriptedHub({
+        ("GET", "/tasks/task-1/outputs"): outputs, ("GET", "/tasks/task-1"): {**_task(TaskState.SUCCEEDED), "spec": {"model": {"name": "digits", "version": "1.0.0"}}},
+        ("GET", "/artifacts/art-9"): artifact, ("GET", "/artifacts/art-9/content"): httpx.Response(200, content=model),
+    })  # fmt: skip
+
+    # Act
+    shown = CliRunner().invoke(cli.task, ["outputs", "task-1"], obj=hub.hub)
+    fetched = CliRunner().invoke(cli.task, ["outputs", "task-1", "--out", str(tmp_path / "m.onnx")], obj=hub.hub)
+
+    # Assert: no --json needed for what was published and from what; --out downloads the model (no 409)
+    assert shown.exit_code == 0, shown.output
+    assert "artifact art-9: published model digits 1.0.1 (onnx)" in shown.output and "trained from digits 1.0.0" in shown.output
+    assert fetched.exit_code == 0, fetched.output
+    assert (tmp_path / "m.onnx").read_bytes() == model and "digits 1.0.1" in fetched.output

@@ -113,7 +113,10 @@ def test_hierarchical_fedavg_with_secure_aggregation_survives_a_participant_that
 
     # Assert: it succeeded and published a model that does better than the cloud's on the devices' images
     assert done["state"] == "SUCCEEDED", done
-    history = rounds()
+    series = rounds()
+    # round 0: the starting model scored on the held-out set before any training, the first point of the curve
+    assert series[0]["round"] == 0 and series[0]["eval_accuracy"] == pytest.approx(before, abs=0.01), series[0]
+    history = series[1:]
     assert [r["round"] for r in history] == list(range(1, ROUNDS + 1))
     assert history[1]["contributors"] == 2, f"round 2 closed without the stopped device's update: {history}"
     assert any(r["contributors"] == 3 for r in history[2:]), f"the stopped device never took part again: {history}"

@@ -276,8 +276,21 @@ def metrics(hub: _Hub, task_id: str, series: bool, worker_id: str | None, as_jso
 @_json_option
 @click.pass_obj
 def outputs(hub: _Hub, task_id: str, out: str | None, as_json: bool) -> None:
-    """What the task produced; --out FILE downloads the gathered outputs (refused while incomplete)."""
+    """What the task produced: gathered outputs, or the published model with what it was trained from and the privacy
+    each device spent. --out FILE downloads the gathered outputs (refused while incomplete), or, for a training task,
+    its published model."""
     if out is not None:
+        r = hub.request("GET", f"/tasks/{task_id}/outputs")
+        known = r.json() if r.status_code == 200 else {}
+        if not known.get("content_url") and known.get("artifacts"):  # a training task: its published model
+            doc = known
+            from cloud.cli.fleet import download_artifact
+
+            if out == "-":
+                raise click.BadParameter("a published model goes to a file", param_hint="--out")
+            model, path = download_artifact(hub, doc["artifacts"][0], Path(out))
+            click.echo(f"{path}: {model['name']} {model['version']} ({model['format']}), {model['size']} bytes", err=as_json)
+            return
         size = download_outputs(hub, task_id, out)
         if out != "-":
             click.echo(f"{out}: {size} bytes", err=as_json)
@@ -289,13 +302,13 @@ def outputs(hub: _Hub, task_id: str, out: str | None, as_json: bool) -> None:
     total = doc.get("items_total")
     click.echo(f"{doc['task_id']} {doc['state']}  {'complete' if doc.get('complete') else 'incomplete'}"
                + (f"  {doc.get('items_done') or 0}/{total} items" if total is not None else ""))  # fmt: skip
+    if doc.get("artifacts"):
+        _print_lineage(hub, task_id, doc["artifacts"])
     if doc.get("tensors"):
         table = make_table("TENSOR", "DTYPE", "SHAPE")
         for t in doc["tensors"]:
             table.add_row(t["name"], t["dtype"], "x".join(str(d) for d in t["shape"]) or "scalar")
         make_console().print(table)
-    for artifact_id in doc.get("artifacts") or []:
-        click.echo(f"artifact {artifact_id}")
     if doc.get("privacy"):
         table = make_table("DEVICE", "DATASET", "STATE", "STEPS", "EPSILON")
         for spend in doc["privacy"]:
@@ -312,6 +325,27 @@ def outputs(hub: _Hub, task_id: str, out: str | None, as_json: bool) -> None:
         _print_matrix(doc["evaluation"])
     if doc.get("content_url") and doc.get("complete"):
         click.echo(f"download: aisynergy task outputs {task_id} --out outputs.safetensors")
+
+
+def _print_lineage(hub: _Hub, task_id: str, artifact_ids: list[str]) -> None:
+    """Each published artefact (name, version, format, id) and what the task trained it from: the model version it
+    started from (incremental and last-layer federated training), or the initial parameters and the algorithm."""
+    found = hub.request("GET", f"/tasks/{task_id}")
+    spec = (found.json().get("spec") or {}) if found.status_code == 200 else {}
+    for artifact_id in artifact_ids:
+        r = hub.request("GET", f"/artifacts/{artifact_id}")
+        if r.status_code != 200:
+            click.echo(f"artifact {artifact_id}")
+            continue
+        a = r.json()
+        click.echo(f"artifact {a['id']}: published {a['kind']} {a['name']} {a['version']} ({a['format']})")
+    base = spec.get("model") or {}
+    if base.get("name"):
+        click.echo(f"trained from {base['name']} {base.get('version') or '(its installed version)'}")
+    elif spec.get("algorithm"):
+        algorithm = spec["algorithm"]
+        start = spec.get("initial_parameters")
+        click.echo(f"trained by {algorithm['name']} {algorithm['version']}" + (f" from the parameters {start}" if start else " from its own initial parameters"))
 
 
 def _print_matrix(scores: list[dict[str, Any]]) -> None:

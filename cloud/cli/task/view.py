@@ -159,6 +159,21 @@ def watch_task(hub: _Hub, task_id: str, *, live: bool = True, follower: LogFollo
     from rich.live import Live
 
     console = make_console()
+    if not console.is_terminal:  # a pipe or a file: one line per change (a state, its reason, a log line), nothing redrawn
+        said: list[str] = []
+
+        def state_line(doc: dict[str, Any]) -> None:
+            view.state(doc)
+            line = f"{task_id} {doc.get('state', '?')}" + (f": {doc['reason']}" if doc.get("reason") else "") + f" ({progress_summary(doc.get('progress'))})"
+            if not said or said[-1] != line:
+                said.append(line)
+                click.echo(line)
+
+        follower.on_state = state_line
+        follower.on_log = lambda line: click.echo(format_log_line(line))
+        final = follow()
+        state_line(final)
+        return final
     with Live(view, console=console, refresh_per_second=4, transient=False, vertical_overflow="visible" if not console.is_terminal else "ellipsis"):
         final = follow()
     if not console.is_terminal:
