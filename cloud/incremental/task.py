@@ -91,8 +91,17 @@ def admit(session: Session, task: Task, spec: IncrementalTrainingSpec, placement
     plan_steps(session, prepared.spec, prepared.targets, lock=False)
     body = store_body(session, signing, blobs, prepared)
     at = task.created_at
+    cut = []
     for target, run, delta in plan_steps(session, prepared.spec, prepared.targets, lock=True):
         budgets.reserve(session, (target.device_id, prepared.spec.dataset), task.id, run, delta, at)
+        if target.planned is not None and run.steps < target.planned:
+            cut.append(f"{target.device_id} trains {run.steps} of the {target.planned} steps")
+    if cut:  # the task's own epsilon affords fewer steps than its epochs ask for: said in its state, not found out later
+        asked = f"{spec.epochs:g} epochs" if spec.epochs is not None else f"{spec.steps} steps"
+        from cloud.tasks.lifecycle import hub_log
+
+        task.reason = f"its epsilon {spec.epsilon:g} cuts the {asked} it asks for: " + "; ".join(cut[:20])
+        hub_log(session, task.id, task.reason, "warning", at)
     session.add(TrainingPlan(task_id=task.id, model_artifact_id=prepared.model.id, body_artifact_id=body.id, layer=prepared.layer.to_json(), head=prepared.head))
     return prepared.spec
 
@@ -190,12 +199,17 @@ def plan_steps(session: Session, spec: IncrementalTrainingSpec, targets: list[Ta
             continue
         planned.append((target, accounting.Run(target.sample_rate, sigma, wanted), delta))
     if refused:
-        first = refused[0]
-        what = first["reason"] if "remaining_epsilon" not in first else (
-            f"{first['reason']}: {first['requested_steps']} steps cost epsilon {first['requested_epsilon']:.4g}, "
-            f"{first['remaining_epsilon']:.4g} remains (at most {first['affordable_steps']} steps)"
-        )  # fmt: skip
-        raise Conflict(f"privacy budget exceeded on {len(refused)} of {len(targets)} devices; {first['device_id']} / {first['dataset']}: {what}",
+        def why(r: dict[str, Any]) -> str:
+            if "remaining_epsilon" not in r:
+                return str(r["reason"])
+            if r["requested_steps"] < 1:
+                return "the task's own epsilon allows no step"
+            return (f"{r['requested_steps']} steps cost epsilon {r['requested_epsilon']:.3g}, {r['remaining_epsilon']:.3g} of its "
+                    f"{r['budget_epsilon']:.3g} remains: it affords {r['affordable_steps']} steps")  # fmt: skip
+
+        shown = "; ".join(f"{r['device_id']} / {r['dataset']}: {why(r)}" for r in refused[:20]) + (f"; and {len(refused) - 20} more" if len(refused) > 20 else "")
+        raise Conflict(f"privacy budget exceeded on {len(refused)} of {len(targets)} devices: {shown}. Ask for fewer steps (or epochs), a larger "
+                       "noise_multiplier, or raise a budget (PUT /devices/{id}/privacy-budgets/{dataset})",
                        code=ErrorCode.PRIVACY_BUDGET_EXCEEDED, targets=refused)  # fmt: skip
     return planned
 

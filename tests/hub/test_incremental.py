@@ -7,6 +7,7 @@ would arrive. Every ε is checked against dp_accounting's RDP accountant compute
 
 from __future__ import annotations
 
+import math
 import base64
 import threading
 from collections.abc import Iterator
@@ -227,6 +228,9 @@ def test_a_task_a_budget_cannot_afford_is_refused_and_nothing_is_stored(fleet: T
     assert refused["requested_epsilon"] == pytest.approx(reference_epsilon(64 / ROWS, 1.1, 200, DELTA), rel=1e-9)
     assert refused["remaining_epsilon"] == 3.0 and 0 < refused["affordable_steps"] < 200
     assert reference_epsilon(64 / ROWS, 1.1, refused["affordable_steps"], DELTA) <= 3.0 < reference_epsilon(64 / ROWS, 1.1, refused["affordable_steps"] + 1, DELTA)
+    # the message says what to do: every device short, the steps it affords, and the ways out
+    assert f"{poor} / {DATASET}: 200 steps cost epsilon" in problem["detail"] and f"it affords {refused['affordable_steps']} steps" in problem["detail"]
+    assert rich not in problem["detail"] and "noise_multiplier" in problem["detail"] and "privacy-budgets" in problem["detail"]
     assert fleet.hub.snapshot() == before
     # no budget at all is no budget to spend
     r = fleet.hub.request("POST", "/tasks", Role.OPERATOR, json={
@@ -436,3 +440,23 @@ def test_retry_reserves_again_and_deleting_a_task_keeps_what_it_spent(sqlite_fle
     after = budgets(fleet, device)[DATASET]
     assert after["spent"] == pytest.approx(spent["spent"]) and [s["task_id"] for s in after["spends"]] == [task["id"]] * 2
     assert fleet.hub.request("DELETE", f"/artifacts/{model.id}", Role.OPERATOR).status_code == 204
+
+
+def test_a_task_whose_own_epsilon_cuts_its_epochs_says_so_in_its_state_and_log(fleet: TaskFleet) -> None:
+    gw = fleet.node()
+    model = upload_model(fleet)
+    device = keeping_device(fleet, gw, model)
+    set_budget(fleet, device, 50.0)
+
+    # 20 epochs ask for ceil(20 / q) steps; an epsilon of 2 affords fewer
+    r = fleet.hub.request("POST", "/tasks", Role.OPERATOR, json={
+        "type": "incremental_training", "spec": {"model": {"name": "digits"}, "dataset": DATASET, "epochs": 20, "epsilon": 2.0, "noise_multiplier": 1.1},
+        "placement": {"ids": [device]},
+    })  # fmt: skip
+    assert r.status_code == 201, r.text
+    task = r.json()
+    asked = math.ceil(20 / (64 / ROWS))
+    assert task["reason"].startswith("its epsilon 2 cuts the 20 epochs it asks for: ") and f"{device} trains " in task["reason"], task["reason"]
+    assert f"of the {asked} steps" in task["reason"]
+    logs = fleet.hub.get(f"/tasks/{task['id']}/logs").json()["items"]
+    assert any("cuts the 20 epochs" in line["text"] and line["level"] == "warning" for line in logs)
