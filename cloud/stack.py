@@ -26,6 +26,7 @@ import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
+from typing import Any
 from pathlib import Path
 
 import httpx
@@ -38,6 +39,8 @@ STACK_LABELS = {"stack": "local", "zone": "a"}
 """The edge's labels: the selectors of the README's examples match the local stack as it starts."""
 DEVICE_LABELS = {"stack": "local", "zone": "a", "site": "a", "tier": "board"}
 """The devices' labels (``--selector zone=a``, ``site=a``, ``tier=board`` in the README)."""
+DIGITS_DATASET = "camera"
+"""``up --datasets digits``: the name of each device's dataset (the README's tasks train on ``camera``)"""
 ACL_RELOAD_GRACE_S = 0.5  # the broker reloads its access list a moment after the file changes
 
 
@@ -63,6 +66,11 @@ class Stack:
     admin_token: str = ""
     node_id: str = ""
     device_ids: list[str] = field(default_factory=list)
+    datasets: str | None = None
+    """``digits``: every device keeps a non-IID shard of scikit-learn's digits as its dataset ``camera``, and the
+    hub has the digits model deployed on them and a held-out set (:meth:`_digits_on_hub`)"""
+    digits: dict[str, str] = field(default_factory=dict)
+    """with ``datasets`` digits: what was set up (the model's and the held-out set's artefact ids, images a device)"""
 
     @property
     def hub_url(self) -> str:
@@ -139,15 +147,72 @@ class Stack:
         acl = BrokerLayout(self.data_dir).acl_file
         self._wait("the broker to know the devices", lambda: all(d in acl.read_text() for d, _ in devices), broker, timeout=15)
         time.sleep(ACL_RELOAD_GRACE_S)
+        shards = self._digits_shards(len(devices)) if self.datasets == "digits" else []
         for index, (device_id, issued) in enumerate(devices, start=1):
             name = f"device-{index}"
             args = ["device", "run", "--device-id", device_id, "--data-dir", str(self.data_dir / name), "--enrol-url", enrol_url]
+            if shards:
+                args += ["--dataset", f"{DIGITS_DATASET}={shards[index - 1]}"]
             if issued is not None:
                 args += ["--bootstrap-token-file", str(self._token_file(name, issued["bootstrap_token"])),
                          "--ca-sha256", issued["ca_sha256"], "--tls-server-name", issued["tls_server_name"]]  # fmt: skip
             device = self._spawn(name, args)
             self._wait(f"{name} to come ONLINE", lambda d=device_id: self._state(f"/devices/{d}/status") == "ONLINE", device)
             self._forget_token(name)
+        if self.datasets == "digits" and self.device_ids:
+            self._digits_on_hub()
+
+    def _digits_shards(self, count: int) -> list[Path]:
+        """``DIR/datasets/device-K.npz``: non-IID shards (Dirichlet α 0.5 over the labels, seed 0) of the digits'
+        training split, ``x`` float32 [N, 64] (pixel / 16), ``y`` int64; and ``digits-test.npz``, the held-out split.
+        Written once: a resumed stack keeps them."""
+        import numpy as np
+
+        from cloud.simulation.quality import DIGITS_CLASSES, dirichlet_split, load_digits
+
+        directory = self.data_dir / "datasets"
+        paths = [directory / f"device-{k + 1}.npz" for k in range(count)]
+        if all(p.exists() for p in paths) and (directory / "digits-test.npz").exists():
+            return paths
+        data = load_digits()
+        directory.mkdir(parents=True, exist_ok=True)
+        parts = dirichlet_split(data.y_train, count, 0.5, np.random.default_rng(0), classes=DIGITS_CLASSES)
+        for path, rows in zip(paths, parts, strict=True):
+            np.savez(path, x=data.x_train[rows], y=data.y_train[rows])
+        np.savez(directory / "digits-test.npz", x=data.x_test, y=data.y_test)
+        return paths
+
+    def _digits_on_hub(self) -> None:
+        """The digits model (``digits`` 1.0.0, ONNX, x [batch, 64] -> logits) stored and deployed to the stack's
+        devices, and the held-out split as a safetensors dataset ``digits-held-out`` 1.0.0 (a federated task's
+        ``eval_inputs``): what the README's federated, DP and split sections start from."""
+        import numpy as np
+        from safetensors.numpy import save
+
+        held = np.load(self.data_dir / "datasets" / "digits-test.npz")
+        with self.api() as api:
+            model = self._stored(api, "model", "digits", "1.0.0", "onnx", (Path(__file__).parent / "ml" / "models" / "digits-mlp.onnx").read_bytes())
+            test = self._stored(api, "dataset", "digits-held-out", "1.0.0", "safetensors", save({"x": held["x"], "y": held["y"]}))
+            self.digits = {"model": model, "held_out": test}
+            deployed = [d for d in api.get("/deployments", params={"limit": 500}).json()["items"] if d["name"] == "digits-on-the-stack"]
+            if not deployed:
+                r = api.post("/deployments", json={"artifact_id": model, "name": "digits-on-the-stack", "target": {"kind": "device", "selector": "stack=local"},
+                                                   "strategy": {"type": "all_at_once"}})  # fmt: skip
+                r.raise_for_status()
+                deployed = [r.json()]
+            done = lambda: api.get(f"/deployments/{deployed[0]['id']}").json()["state"] in ("SUCCEEDED", "FAILED", "CANCELED", "ROLLED_BACK")  # noqa: E731
+            self._wait("the digits model on the devices", done, self.children[1], timeout=120)
+            state = api.get(f"/deployments/{deployed[0]['id']}").json()["state"]
+            if state != "SUCCEEDED":
+                raise StackError(f"deploying the digits model to the devices ended {state}; see GET /deployments/{deployed[0]['id']}")
+
+    def _stored(self, api: Any, kind: str, name: str, version: str, fmt: str, data: bytes) -> str:
+        """The id of the artefact ``kind`` ``name`` ``version``, uploading ``data`` when it is not stored yet."""
+        r = api.post("/artifacts", data={"kind": kind, "name": name, "version": version, "format": fmt}, files={"file": (f"{name}.{fmt}", data)})
+        if r.status_code == 409 and r.json().get("artifact_id"):
+            return str(r.json()["artifact_id"])
+        r.raise_for_status()
+        return str(r.json()["id"])
 
     def _verify(self) -> ssl.SSLContext:
         """The hub's HTTPS is checked against the hub CA (made by the broker's first start)."""

@@ -40,7 +40,9 @@ def _table(stack):  # type: ignore[no-untyped-def]
 @click.option("--enrol-port", default=8090, show_default=True, type=int, help="the edge's device enrolment endpoint")
 @click.option("--devices", default=2, show_default=True, type=click.IntRange(0, 100), help="devices under the edge")
 @click.option("--no-table", is_flag=True, help="print one line per change instead of the live table")
-def up(data_dir: Path, hub_port: int, broker_port: int, enrol_port: int, devices: int, no_table: bool) -> None:
+@click.option("--datasets", type=click.Choice(["digits"]), default=None,
+              help="digits: each device keeps a non-IID shard of scikit-learn's digits as dataset camera, and the digits model is deployed on them")
+def up(data_dir: Path, hub_port: int, broker_port: int, enrol_port: int, devices: int, no_table: bool, datasets: str | None) -> None:
     """Start broker, hub, one edge agent and N devices on this machine; Ctrl-C stops them all."""
     from rich.console import Console
     from rich.live import Live
@@ -48,7 +50,7 @@ def up(data_dir: Path, hub_port: int, broker_port: int, enrol_port: int, devices
     from cloud.stack import Stack, StackError
 
     console = Console()
-    stack = Stack(data_dir.resolve(), hub_port=hub_port, broker_port=broker_port, devices=devices, enrol_port=enrol_port)
+    stack = Stack(data_dir.resolve(), hub_port=hub_port, broker_port=broker_port, devices=devices, enrol_port=enrol_port, datasets=datasets)
     stopping = False
 
     def _on_signal(signum: int, _frame: object) -> None:
@@ -64,6 +66,9 @@ def up(data_dir: Path, hub_port: int, broker_port: int, enrol_port: int, devices
         console.print(f"[bold]admin token[/] {stack.admin_token}")
         console.print(f"[bold]edge node[/]   {stack.node_id}   logs in {stack.data_dir / 'logs'}")
         console.print(f"[bold]devices[/]     {', '.join(stack.device_ids) or '-'}")
+        if stack.digits:
+            console.print(f"[bold]datasets[/]    camera on every device ({stack.data_dir / 'datasets'}); model digits 1.0.0 {stack.digits['model']} deployed; "
+                          f"held-out set digits-held-out {stack.digits['held_out']}")
         if no_table or not console.is_terminal:
             last: dict[str, str] = {}
             while not stopping and stack.failed() is None:

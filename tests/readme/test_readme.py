@@ -1,7 +1,7 @@
 """The README's commands, as a newcomer pastes them (issue 20): every ```bash block that follows a
 ``<!-- README test -->`` line is taken from README.md itself (so the two cannot drift apart), in order, and run as
 one bash script (``set -euo pipefail``: the first command that fails fails the test) against a fresh ``aisynergy
-up``, from a working directory laid out like the checkout (``.venv``, ``tests``, ``examples`` and the stack's
+up --datasets digits`` (the stack the README's federated, DP and split sections start from), from a working directory laid out like the checkout (``.venv``, ``tests``, ``examples`` and the stack's
 ``.data``). The README's ports (hub 8000, broker 8883, the edges' device listeners 8090 and 8091) become free ports
 of this machine; nothing else of the text is changed. Whatever the script left running (an edge started with
 ``&``) is stopped with it."""
@@ -14,6 +14,8 @@ import signal
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 from tests.support import AISYNERGY, free_port, wait_for
 
@@ -28,10 +30,11 @@ def readme_blocks() -> list[str]:
 
 def test_the_readme_marks_its_runnable_blocks() -> None:
     blocks = readme_blocks()
-    assert len(blocks) >= 3
+    assert len(blocks) >= 6
     assert all("…" not in b.replace("# ", "#").split("#")[0] for b in blocks)  # no placeholder left to guess in a command
 
 
+@pytest.mark.timeout(900)
 def test_the_readme_s_commands_run_in_order_on_a_fresh_stack(tmp_path: Path) -> None:
     # Prepare: a fresh `aisynergy up` on free ports, and a working directory laid out like the checkout
     ports = {p: str(free_port()) for p in PORTS}
@@ -42,7 +45,7 @@ def test_the_readme_s_commands_run_in_order_on_a_fresh_stack(tmp_path: Path) -> 
     (work / ".venv").symlink_to(Path(sys.prefix))
     log = (tmp_path / "up.log").open("wb")
     up = subprocess.Popen([*AISYNERGY, "up", "--data-dir", str(work / ".data"), "--hub-port", ports["8000"], "--broker-port", ports["8883"],
-                           "--enrol-port", ports["8090"], "--no-table"], stdout=log, stderr=subprocess.STDOUT, cwd=work)  # fmt: skip
+                           "--enrol-port", ports["8090"], "--no-table", "--datasets", "digits"], stdout=log, stderr=subprocess.STDOUT, cwd=work)  # fmt: skip
     script = "set -euo pipefail\n" + "\n".join(readme_blocks())
     for readme_port, port in ports.items():
         script = re.sub(rf"(?<![0-9]){readme_port}(?![0-9])", port, script)
@@ -54,10 +57,15 @@ def test_the_readme_s_commands_run_in_order_on_a_fresh_stack(tmp_path: Path) -> 
 
         # Execute: the README's blocks, in order, as one script
         env = {k: v for k, v in os.environ.items() if not k.startswith("AISYNERGY_")}
-        runner = subprocess.Popen(["bash", str(tmp_path / "readme.sh")], cwd=work, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                  start_new_session=True)  # fmt: skip
-        out, _ = runner.communicate(timeout=900)
-        text = out.decode(errors="replace")
+        output = tmp_path / "readme.out"
+        with output.open("wb") as sink:  # a file, not a pipe: what the script ran so far stays readable if it hangs
+            runner = subprocess.Popen(["bash", "-x", str(tmp_path / "readme.sh")], cwd=work, env=env, stdout=sink, stderr=subprocess.STDOUT,
+                                      start_new_session=True)  # fmt: skip
+            try:
+                runner.wait(timeout=600)
+            except subprocess.TimeoutExpired:
+                raise AssertionError("the README's commands did not end in 600 s:\n" + output.read_text(errors="replace")[-6000:]) from None
+        text = output.read_text(errors="replace")
 
         # Assert: every command succeeded, and what the README says it shows is there
         assert runner.returncode == 0, text[-6000:]
@@ -65,6 +73,9 @@ def test_the_readme_s_commands_run_in_order_on_a_fresh_stack(tmp_path: Path) -> 
         assert '"pong"' in text or "pong" in text
         assert "2 devices match" in text
         assert (work / "y.safetensors").exists()
+        assert "round 0 (the starting model): held-out accuracy" in text and "published model digits 1.0.1" in text  # federated, live
+        assert "trained from digits 1.0.0" in text and "spent" in text  # DP fine-tuning: lineage and the ε spent
+        assert "cut_index" in text  # split inference's metrics
     finally:
         if runner is not None:
             try:
