@@ -12,6 +12,7 @@ from cloud.api.deps import DEFAULT_PAGE, Admin, Cursor, IdempotencyKey, Limit, S
 from cloud.api.problems import PROBLEM_RESPONSES
 from cloud.api.state import hub_state
 from cloud.auth import create_api_token, revoke_api_token
+from cloud.convert import utc
 from cloud.errors import NotFound
 from cloud.services.paging import page
 from cloud.tables import ApiToken, Deployment, Device, Node, Task
@@ -23,7 +24,9 @@ router = APIRouter(tags=["tokens"], responses=PROBLEM_RESPONSES)
 
 
 def _public(row: ApiToken) -> TokenPublic:
-    return TokenPublic(id=row.id, role=Role(row.role), name=row.name, created_at=row.created_at, revoked_at=row.revoked_at)
+    created = utc(row.created_at)
+    assert created is not None
+    return TokenPublic(id=row.id, role=Role(row.role), name=row.name, created_at=created, revoked_at=utc(row.revoked_at))
 
 
 @router.get("/tokens/self")
