@@ -62,6 +62,8 @@ WRITE_REQUESTS: dict[tuple[str, str], dict[str, Any] | None] = {
     ("POST", "/tasks"): {"type": "inference", "spec": {"model": {"name": "mlp"}}},
     ("DELETE", "/tasks/{task_id}"): None,
     **{("POST", f"/tasks/{{task_id}}/{action}"): None for action in ("start", "stop", "pause", "resume", "cancel", "retry")},
+    ("POST", "/tokens"): {"role": "viewer", "name": "made by a test"},
+    ("DELETE", "/tokens/{token_id}"): None,
 }
 
 
@@ -73,7 +75,8 @@ def seeded(hub: HubUnderTest) -> dict[str, str]:
     device_id = hub.add_device(node_id, labels={"kind": "camera"})["id"]
     hub.request("PUT", f"/devices/{device_id}/twin", json={"desired": {"fps": 10}})
     return {"node_id": node_id, "device_id": device_id, "bootstrap_token": registered["bootstrap_token"], "deployment_id": "dep-00000000000000000000000000", "artifact_id": "art-00000000000000000000000000",
-            "task_id": "task-00000000000000000000000000", "dataset": "camera", "upload_id": "upl-00000000000000000000000000", "index": "0"}
+            "task_id": "task-00000000000000000000000000", "dataset": "camera", "upload_id": "upl-00000000000000000000000000", "index": "0",
+            "token_id": "tok-00000000000000000000000000"}
 
 
 @pytest.fixture
