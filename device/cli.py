@@ -72,7 +72,7 @@ def device() -> None:
     "--data-dir",
     envvar="AISYNERGY_DATA_DIR",
     required=True,
-    type=click.Path(file_okay=False, path_type=Path),
+    type=click.Path(file_okay=False, path_type=Path, resolve_path=True),
     help="identity and local state",
 )
 @click.option("--enrol-url", envvar="AISYNERGY_ENROL_URL", help="the edge (or hub) base URL, first start only")

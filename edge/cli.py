@@ -79,7 +79,7 @@ def edge() -> None:
     "--data-dir",
     envvar="AISYNERGY_DATA_DIR",
     required=True,
-    type=click.Path(file_okay=False, path_type=Path),
+    type=click.Path(file_okay=False, path_type=Path, resolve_path=True),
     help="identity and local state",
 )
 @click.option("--mqtt-url", help="override the broker URL the hub gave (mqtts://host:port)")

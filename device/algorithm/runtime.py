@@ -220,6 +220,22 @@ def _pump(stream: Any, sink: Callable[[str], None], tail: deque[str]) -> None:
     stream.close()
 
 
+def _absolute(job: Job) -> Job:
+    """``job`` with every path in it absolute, as the agent's working directory resolves it."""
+
+    def absolute(path: str) -> str:
+        return str(Path(path).resolve())
+
+    def optional(path: str | None) -> str | None:
+        return None if path is None else absolute(path)
+
+    return job.model_copy(update={
+        "package_dir": absolute(job.package_dir), "datasets": {k: absolute(v) for k, v in job.datasets.items()},
+        "initial_parameters": optional(job.initial_parameters), "evaluate": {k: absolute(v) for k, v in job.evaluate.items()},
+        "export_from": optional(job.export_from), "private_dir": optional(job.private_dir),
+    })  # fmt: skip
+
+
 def run_worker(
     name: str, work: Path, job: Job, limits: Limits, *, on_log: Callable[[str, str], None] = lambda stream, line: None,
     on_frame: Callable[[dict[str, Any]], None] = lambda frame: None, stop: threading.Event | None = None, cgroup_root: Path = CGROUP_ROOT,
@@ -232,6 +248,7 @@ def run_worker(
     takes no CPU, and goes on where it was at ``SIGCONT``), and paused time does not count towards its timeout."""
     work = Path(work).resolve()
     work.mkdir(parents=True, exist_ok=True)
+    job = _absolute(job)  # the child starts in ``work``: a path relative to the agent's directory would miss there
     group: _Cgroup | None = None
     how = limit_support(cgroup_root)
     if how == "cgroup" and (limits.cpu_cores is not None or limits.memory_bytes is not None):

@@ -200,6 +200,22 @@ def test_the_numpy_example_trains_and_exports_onnx_in_the_runtime(tmp_path: Path
     assert abs(float((logits.argmax(1) == y[1400:]).mean()) - result.metrics["accuracy"]) < 0.005
 
 
+def test_paths_relative_to_the_agents_directory_reach_the_worker(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Prepare: an agent started in tmp_path with a relative data directory (`edge run --data-dir .data/gw-3`)
+    import shutil
+
+    shutil.copytree(BEHAVE, tmp_path / "site" / "package")
+    (tmp_path / "site" / "data.npz").write_bytes(b"rows")
+    monkeypatch.chdir(tmp_path)
+    j = Job(package_dir="site/package", datasets={"train": "site/data.npz"}, config={"mode": "train"}, steps=1)
+
+    # Execute: the worker starts in its own directory, not the agent's
+    result = run(tmp_path, j, how="rlimit")
+
+    # Assert: it found its package (it trained) in spite of the relative paths
+    assert result.steps == 1 and result.num_examples == 10
+
+
 def _frozen(work: Path) -> bool:
     """Every process working in ``work`` is stopped (state T), and there is one."""
     states = []
