@@ -65,7 +65,7 @@ case "$cmd" in
     exec "$VENV/bin/aisynergy" up "$@"
     ;;
   test)
-    need_root_apt mosquitto:mosquitto initdb:postgresql-15 chromium:chromium chromedriver:chromium-driver  # the console's browser tests
+    need_root_apt mosquitto:mosquitto initdb:postgresql-15 chromium:chromium chromedriver:chromium-driver jq:jq  # the console's browser tests; jq: the README's curl example
     venv dev
     start_postgres
     "$VENV/bin/aisynergy" contracts check

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from fastapi import FastAPI, Request
+from fastapi import FastAPI
 from fastapi.responses import FileResponse, RedirectResponse, Response
 
 STATIC = Path(__file__).resolve().parent / "static"
@@ -50,5 +50,5 @@ def install(app: FastAPI) -> None:
         return _file("index.html")
 
     @app.get(PREFIX + "/{name:path}", include_in_schema=False)
-    def console_asset(name: str, request: Request) -> Response:
+    def console_asset(name: str) -> Response:
         return _file(name)

@@ -14,7 +14,7 @@ are :mod:`cloud.fl.rounds`'; this module is what differs when the model is a use
   left out, the reason in the task's wait.
 * **Orders** (:func:`run_for`): the package and limits of the participant's algorithm and a publish grant for
   exactly one model, its update of the round attempt in progress: ``fl-update.<task>.<target>`` at version
-  ``<round>.<attempt>`` (:func:`update_identity`).
+  ``<round>.<attempt>`` (:func:`interfaces.tasks.fl_update_identity`).
 * **Updates**: an ``fl.update`` names the artefact; the ingest keeps it when the artefact is that identity
   (:func:`identity_wrong`), and before a round closes every update kept is read through (:func:`vet`): its tensors
   must be the plan's names and shapes, floating point, with finite values (read one tensor at a time); one that is
@@ -183,7 +183,6 @@ def counted(plan_row: FlPlan, target_id: str, num_examples: int) -> None:
     plan.put(plan_row)
 
 
-update_identity = fl_update_identity
 """The (name, version) of the model artefact a participant (or an edge's aggregator) uploads as its update of a round attempt."""
 
 
@@ -289,7 +288,7 @@ def run_for(session: Session, task: Task, plan_row: FlPlan, worker: TaskWorker, 
     plan = WholePlan.of(plan_row)
     chosen = algorithm_for(plan, labels_of(session, worker.target_kind, worker.target_id))
     manifest = AlgorithmManifest.model_validate(chosen.manifest)
-    name, version = grant or update_identity(task.id, worker.target_id, plan_row.round, max(1, plan_row.attempt))
+    name, version = grant or fl_update_identity(task.id, worker.target_id, plan_row.round, max(1, plan_row.attempt))
     deadline = deadline or plan_row.deadline_at
     expires = int(deadline.timestamp() if deadline is not None else time.time()) + GRANT_TTL_S  # one token per round attempt: the order stays the same
     claims = PublishClaims(task_id=task.id, worker_id=worker.id, target_id=worker.target_id, names=[name], version=version, exp=expires)
@@ -309,7 +308,7 @@ def identity_wrong(session: Session, task_id: str, target_id: str, artifact_id: 
     artifact = session.get(Artifact, artifact_id)
     if artifact is None:
         return f"artefact {artifact_id} is not stored"
-    name, version = update_identity(task_id, target_id, round, attempt)
+    name, version = fl_update_identity(task_id, target_id, round, attempt)
     if (artifact.kind, artifact.name, artifact.version, artifact.format) != (ArtifactKind.MODEL.value, name, version, ArtifactFormat.SAFETENSORS.value):
         return f"artefact {artifact_id} is the {artifact.kind} {artifact.name} {artifact.version} ({artifact.format}), not the update {name} {version} (safetensors)"
     return None

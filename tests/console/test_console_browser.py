@@ -2,7 +2,7 @@
 against a running stack: hub + brokers + an edge + devices (``tests.integration.devstack``). It signs in, sees the
 stack ONLINE, uploads a model and deploys it with a canary whose progress reaches SUCCEEDED on the page without a
 reload, creates a batch_inference task from the form and watches its state and log, opens a federated task's round
-chart; a viewer sees no write control and a write forged with its token is refused; a validation error shows next
+chart and a split inference task's route shares and cut; at a phone's width nothing scrolls sideways; a viewer sees no write control and a write forged with its token is refused; a validation error shows next
 to its field. Each page's screenshot goes to ``$AISYNERGY_CONSOLE_SCREENSHOTS`` when set (``docs/console/`` holds
 those of a run)."""
 
@@ -147,6 +147,12 @@ def test_an_operator_deploys_runs_a_task_and_follows_training_and_a_viewer_can_o
     ui.go("#/devices")
     ui.wait(lambda: ui.text("table").count("ONLINE") >= 2, what="both devices ONLINE")
     ui.shot("devices")
+    browser.set_window_size(390, 844)  # a phone's width: the page reflows (tables as cards), nothing scrolls sideways
+    ui.wait(lambda: browser.execute_script("return window.innerWidth") < 500, what="the narrow window")
+    assert browser.execute_script("return document.documentElement.scrollWidth <= window.innerWidth + 1"), "the page scrolls sideways at 390 px"
+    assert ui.text("table").count("ONLINE") >= 2
+    ui.shot("devices-phone")
+    browser.set_window_size(1280, 800)
     ui.go(f"#/devices/{devices[0].device_id}")
     ui.wait(lambda: "last heartbeat" in ui.text() and "Desired" in ui.text(), what="a device's detail")
     ui.shot("device")
@@ -206,6 +212,21 @@ def test_an_operator_deploys_runs_a_task_and_follows_training_and_a_viewer_can_o
     ui.wait(lambda: ui.text("#task-state") == "SUCCEEDED", 240, what="the federated task SUCCEEDED")
     ui.wait(lambda: ui.find("#round-chart canvas") and "round" in ui.text("#rounds"), 30, what="the round chart")
     ui.shot("task-federated")
+
+    # A split inference task's route shares and cut over time (mlp is on the devices: the canary above)
+    spec = {"model": {"name": "mlp", "version": "1.0.0"}, "timeout_ms": 1000, "report_interval_s": 0.5, "probe_interval_s": 2, "duration_s": 60}
+    split = api(s, "POST", "/tasks", json={"type": "split_inference", "spec": spec, "heartbeat_s": 0.5, "placement": {"ids": [devices[0].device_id]}})
+    ui.go(f"#/tasks/{split['id']}")
+    head = lambda: [v["values"] for k, v in api(s, "GET", f"/tasks/{split['id']}/metrics", "viewer")["workers"].items() if "cut_index" in v["values"]]  # noqa: E731
+    wait_for(lambda: any("estimate_ms" in values for values in head()), 90, what="the head calibrated against the edge")
+    x = np.random.default_rng(1).standard_normal((1, 128)).astype(np.float32)
+    routes = {devices[0].models.infer({"x": x}).route for _ in range(20)}
+    assert any(r.startswith("split:") or r in ("edge", "device") for r in routes), routes
+    wait_for(lambda: any(values["requests"] >= 20 for values in head()), 30, what="the head's sample counting the requests")
+    ui.wait(lambda: ui.find("#split-routes canvas") and ui.find("#split-cut canvas") and "Split inference" in ui.text("#split"), 30, what="the split charts")
+    browser.execute_script("document.getElementById('split').scrollIntoView()")
+    ui.shot("task-split")
+    assert ui.find("#rounds").is_displayed() is False  # no rounds in a split task: the card is hidden
     ui.go("#/tasks")
     ui.wait(lambda: "federated_training" in ui.text("table"), what="the task list")
     ui.shot("tasks")

@@ -3,8 +3,13 @@
 one bash script (``set -euo pipefail``: the first command that fails fails the test) against a fresh ``aisynergy
 up --datasets digits`` (the stack the README's federated, DP and split sections start from), from a working directory laid out like the checkout (``.venv``, ``tests``, ``examples`` and the stack's
 ``.data``). The README's ports (hub 8000, broker 8883, the edges' device listeners 8090 and 8091) become free ports
-of this machine; nothing else of the text is changed. Whatever the script left running (an edge started with
-``&``) is stopped with it."""
+of this machine; nothing else of the text is changed. Whatever the script left running (the edges started with
+``&``) is stopped with it.
+
+Not run here, each for its reason: ``experiment sites`` (it starts a stack of its own and trains for minutes: run by
+hand, figures in BENCHMARKS.md), the whole conformance suite (the README's block runs clause 8.1; every clause runs
+in ``tests/conformance``), docker-compose (no container runtime on the test machines) and the SDK's Python
+snippet (placeholders for a board's own values)."""
 
 from __future__ import annotations
 
@@ -30,11 +35,11 @@ def readme_blocks() -> list[str]:
 
 def test_the_readme_marks_its_runnable_blocks() -> None:
     blocks = readme_blocks()
-    assert len(blocks) >= 6
+    assert len(blocks) >= 15
     assert all("…" not in b.replace("# ", "#").split("#")[0] for b in blocks)  # no placeholder left to guess in a command
 
 
-@pytest.mark.timeout(900)
+@pytest.mark.timeout(1800)
 def test_the_readme_s_commands_run_in_order_on_a_fresh_stack(tmp_path: Path) -> None:
     # Prepare: a fresh `aisynergy up` on free ports, and a working directory laid out like the checkout
     ports = {p: str(free_port()) for p in PORTS}
@@ -62,9 +67,9 @@ def test_the_readme_s_commands_run_in_order_on_a_fresh_stack(tmp_path: Path) -> 
             runner = subprocess.Popen(["bash", "-x", str(tmp_path / "readme.sh")], cwd=work, env=env, stdout=sink, stderr=subprocess.STDOUT,
                                       start_new_session=True)  # fmt: skip
             try:
-                runner.wait(timeout=600)
+                runner.wait(timeout=1500)
             except subprocess.TimeoutExpired:
-                raise AssertionError("the README's commands did not end in 600 s:\n" + output.read_text(errors="replace")[-6000:]) from None
+                raise AssertionError("the README's commands did not end in 1500 s:\n" + output.read_text(errors="replace")[-6000:]) from None
         text = output.read_text(errors="replace")
 
         # Assert: every command succeeded, and what the README says it shows is there
@@ -76,6 +81,13 @@ def test_the_readme_s_commands_run_in_order_on_a_fresh_stack(tmp_path: Path) -> 
         assert "round 0 (the starting model): held-out accuracy" in text and "published model digits 1.0.1" in text  # federated, live
         assert "trained from digits 1.0.0" in text and "spent" in text  # DP fine-tuning: lineage and the ε spent
         assert "cut_index" in text  # split inference's metrics
+        assert '"name":"mlp-chunked"' in text  # the chunked upload with curl, committed
+        assert "published model digits-fl-parameters 1.0.0 (safetensors)" in text  # whole-model rounds on the devices
+        assert '"phase": "evaluate"' in text and "my-algo 0.1.0" in text  # an algorithm from the template, run and stored
+        assert "published model digits-numpy-cnn 1.0.0 (onnx)" in text and "the evaluation on the site's own data" in text  # on gw-3
+        assert "published model digits-numpy-cnn 1.0.1 (onnx)" in text  # on a board
+        assert all((work / ".data" / name).exists() for name in ("quality.json", "efficiency.json", "fl.json"))  # simulations
+        assert "0 FAIL, 0 ERROR" in text and (work / ".data" / "conformance-report.md").exists()
     finally:
         if runner is not None:
             try:

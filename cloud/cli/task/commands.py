@@ -321,6 +321,13 @@ def outputs(hub: _Hub, task_id: str, out: str | None, as_json: bool) -> None:
             table.add_row(f"{r['round']}{best}", r["metric"], "" if r["value"] is None else f"{r['value']:.4f}", str(r["evaluators"]), r["artifact_id"])
         click.echo("the global model's checks (evaluate_every)")
         make_console().print(table)
+    if doc.get("trained"):
+        table = make_table("SITE", "STEPS", "EXAMPLES", "LOSS", "METRICS")
+        for run in doc["trained"]:
+            metrics = " ".join(f"{k}={v:.4g}" for k, v in sorted(run["metrics"].items()))
+            table.add_row(run["target_id"], str(run["steps"]), str(run["num_examples"]), f"{run['loss']:.4g}", metrics)
+        click.echo("the evaluation on the site's own data")
+        make_console().print(table)
     if doc.get("evaluation"):
         _print_matrix(doc["evaluation"])
     if doc.get("content_url") and doc.get("complete"):

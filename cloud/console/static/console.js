@@ -761,10 +761,11 @@ async function taskDetail(id) {
   const logs = h("div", { class: "log", role: "log", "aria-live": "off", id: "task-log" });
   const charts = h("div");
   const rounds = h("div");
+  const split = h("div");
   const outputs = h("div");
   page("Task", h("div", { class: "card" }, head, actions), h("div", { class: "card" }, h("h2", { text: "Workers" }), workers),
     h("div", { class: "card" }, h("h2", { text: "Log (live)" }), logs), h("div", { class: "card" }, h("h2", { text: "Metrics" }), charts),
-    h("div", { class: "card", id: "rounds" }, rounds), h("div", { class: "card" }, h("h2", { text: "Outputs" }), outputs));
+    h("div", { class: "card", id: "rounds" }, rounds), h("div", { class: "card", id: "split" }, split), h("div", { class: "card" }, h("h2", { text: "Outputs" }), outputs));
   let task = null;
   const render = (t) => {
     task = t;
@@ -800,7 +801,7 @@ async function taskDetail(id) {
   every(5000, async () => {
     const m = await call("GET", `/tasks/${id}/metrics?series=true`);
     if (!m.changed) return;
-    drawMetrics(charts, rounds, m.data);
+    drawMetrics(charts, rounds, split, m.data);
     if (task && ["SUCCEEDED", "FAILED", "CANCELED", "TIMED_OUT"].includes(task.state)) {
       const o = await get(`/tasks/${id}/outputs`).catch(() => null);
       if (o) put(outputs, outputsView(o));
@@ -808,14 +809,39 @@ async function taskDetail(id) {
   });
 }
 
-function drawMetrics(box, roundsBox, metrics) {
+const ROUTES = ["split", "edge", "device", "fallbacks"];
+
+function drawMetrics(box, roundsBox, splitBox, metrics) {
   for (const c of S.charts || []) c.destroy();
   S.charts = [];
   put(box, );
   put(roundsBox, );
+  put(splitBox, );
   const series = metrics.series || [];
+  // split inference: each head's samples count its requests by route since it started; the shares are per interval
+  const heads = series.filter((s) => s.worker_id !== "hub" && s.values && s.values.cut_index !== undefined);
+  splitBox.parentElement.hidden = !heads.length;
+  if (heads.length) {
+    const before = {};
+    const xs = [], cut = [], shares = Object.fromEntries(ROUTES.map((k) => [k, []]));
+    for (const s of heads) {
+      const prev = before[s.worker_id] || {};
+      const delta = Object.fromEntries(ROUTES.map((k) => [k, Math.max(0, (s.values[k] || 0) - (prev[k] || 0))]));
+      const total = ROUTES.reduce((sum, k) => sum + delta[k], 0);
+      before[s.worker_id] = s.values;
+      xs.push(new Date(s.ts).getTime() / 1000);
+      for (const k of ROUTES) shares[k].push(total ? (100 * delta[k]) / total : null);
+      cut.push(s.values.estimate_ms !== undefined ? s.values.cut_index : null);  // planned: -1 is the whole model on the device
+    }
+    const routeBox = h("div", { id: "split-routes" });
+    const cutBox = h("div", { id: "split-cut" });
+    splitBox.append(h("h2", { text: "Split inference" }), h("p", { class: "muted", text: "Requests by route in each interval (%), and the cut each device chose: the index of its candidate cut, -1 for the whole model on the device (a gap: not calibrated yet)." }), routeBox, cutBox);
+    chart(routeBox, "Route shares (%)", xs, ROUTES.map((k) => ({ label: k, values: shares[k] })));
+    chart(cutBox, "Cut over time", xs, [{ label: "cut index", values: cut }]);
+  }
   // the hub's per-round samples (federated training): accuracy and loss against the round
   const hub = series.filter((s) => s.worker_id === "hub" && s.values && s.values.round !== undefined);
+  roundsBox.parentElement.hidden = !hub.length;
   if (hub.length) {
     roundsBox.append(h("h2", { text: "Rounds" }));
     const xs = hub.map((s) => s.values.round);
