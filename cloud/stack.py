@@ -26,8 +26,8 @@ import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
-from typing import Any
 from pathlib import Path
+from typing import Any
 
 import httpx
 

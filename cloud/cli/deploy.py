@@ -152,7 +152,7 @@ def create(hub: _Hub, artifact_id: str, ids: str | None, selector: str | None, t
         return
     target: dict[str, Any] = {"kind": target_kind}
     if ids is not None:
-        target["ids"] = [i.strip() for i in ids.split(",") if i.strip()]
+        target["ids"] = id_list(ids)
     else:
         target["selector"] = selector
     body = {
@@ -236,19 +236,28 @@ def rollback(hub: _Hub, deployment_id: str, wait: bool, timeout_s: float) -> Non
     raise click.ClickException(f"{doc['id']} is still {doc['state']} after {timeout_s:g} s ({_summary(doc)}); follow it with: aisynergy deploy watch {doc['id']}")
 
 
+def id_list(text: str) -> list[str]:
+    """``--ids a, b,c`` as a list, blanks dropped."""
+    return [i.strip() for i in text.split(",") if i.strip()]
+
+
+def labels_text(labels: dict[str, str] | None) -> str:
+    """Labels as a selector would name them (``k=v,...``), ``-`` for none."""
+    return ",".join(f"{k}={v}" for k, v in sorted((labels or {}).items())) or "-"
+
+
 def _dry_run(hub: _Hub, kind: str, ids: str | None, selector: str | None) -> None:
     """The targets a deployment would have now: each named id (or why it would not do), or every match of the selector."""
     plural = "nodes" if kind == "node" else "devices"
     if ids is not None:
         found: list[dict[str, Any]] = []
-        for target in [i.strip() for i in ids.split(",") if i.strip()]:
+        for target in id_list(ids):
             r = hub.request("GET", f"/{plural}/{target}")
             found.append(r.json() if r.status_code == 200 else {"id": target, "state": f"not found ({r.status_code})", "name": "", "labels": {}})
     else:
         found = _all(hub, f"/{plural}", {"selector": selector})
     for t in found:
-        labels = ",".join(f"{k}={v}" for k, v in sorted((t.get("labels") or {}).items())) or "-"
-        click.echo(f"{t['id']}  {t['state']:<10} {t.get('name', '')}  {labels}")
+        click.echo(f"{t['id']}  {t['state']:<10} {t.get('name', '')}  {labels_text(t.get('labels'))}")
     click.echo(f"{len(found)} {kind}{'s' if len(found) != 1 else ''} match" + ("" if found or ids else f" {selector!r}; label them with: aisynergy {kind} label ID KEY=VALUE"))
 
 

@@ -21,7 +21,7 @@ from typing import Any
 
 import click
 
-from cloud.cli.deploy import _all, _Hub, hub_options
+from cloud.cli.deploy import _all, _Hub, hub_options, labels_text
 
 LABEL = re.compile(r"^([^=\s]+)=(.*)$")
 
@@ -38,10 +38,6 @@ def _labels(pairs: tuple[str, ...]) -> dict[str, str]:
 
 def _show(doc: Any, as_json: bool, line: str) -> None:
     click.echo(json.dumps(doc, indent=2) if as_json else line)
-
-
-def _labels_text(labels: dict[str, str] | None) -> str:
-    return ",".join(f"{k}={v}" for k, v in sorted((labels or {}).items())) or "-"
 
 
 def with_hub(fn: Any) -> Any:
@@ -74,7 +70,7 @@ def _target_commands(group: click.Group, kind: str) -> None:
             return
         for t in items:
             where = f"  edge {t['node_id']}" if kind == "device" else f"  {t.get('admin_state', '')}"
-            click.echo(f"{t['id']}  {t['state']:<10} {t['name']:<24} {_labels_text(t.get('labels'))}{where}")
+            click.echo(f"{t['id']}  {t['state']:<10} {t['name']:<24} {labels_text(t.get('labels'))}{where}")
         click.echo(f"{len(items)} {plural}" + (f" match {selector!r}" if selector else ""), err=True)
 
     list_.help = f"List {plural} (every page), optionally by label selector."
@@ -94,7 +90,7 @@ def _target_commands(group: click.Group, kind: str) -> None:
             click.echo(json.dumps({**doc, "status": status}, indent=2))
             return
         click.echo(f"{doc['id']}  {doc['name']}  {status['state']}" + (f"  {doc['admin_state']}" if "admin_state" in doc else f"  edge {doc.get('node_id')}"))
-        click.echo(f"  labels {_labels_text(doc.get('labels'))}")
+        click.echo(f"  labels {labels_text(doc.get('labels'))}")
         click.echo(f"  last heartbeat {status.get('last_heartbeat_at') or '-'}  health {status.get('health') or '-'}")
         resources = status.get("resources") or {}
         cpu, memory = resources.get("cpu") or {}, resources.get("memory") or {}
@@ -119,7 +115,7 @@ def _target_commands(group: click.Group, kind: str) -> None:
             else:
                 labels.update(_labels((change,)))
         doc = hub.call("PATCH", f"/{plural}/{target_id}", json={"labels": labels})
-        _show(doc, as_json, f"{doc['id']}  {_labels_text(doc.get('labels'))}")
+        _show(doc, as_json, f"{doc['id']}  {labels_text(doc.get('labels'))}")
 
     label.help = f"Set labels of a {kind} (KEY=VALUE) or remove them (KEY-), as kubectl label does."
 

@@ -183,9 +183,6 @@ def counted(plan_row: FlPlan, target_id: str, num_examples: int) -> None:
     plan.put(plan_row)
 
 
-"""The (name, version) of the model artefact a participant (or an edge's aggregator) uploads as its update of a round attempt."""
-
-
 # --- admission -------------------------------------------------------------------------------------
 
 

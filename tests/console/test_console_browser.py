@@ -2,8 +2,8 @@
 against a running stack: hub + brokers + an edge + devices (``tests.integration.devstack``). It signs in, sees the
 stack ONLINE, uploads a model and deploys it with a canary whose progress reaches SUCCEEDED on the page without a
 reload, creates a batch_inference task from the form and watches its state and log, opens a federated task's round
-chart and a split inference task's route shares and cut; at a phone's width nothing scrolls sideways; a viewer sees no write control and a write forged with its token is refused; a validation error shows next
-to its field. Each page's screenshot goes to ``$AISYNERGY_CONSOLE_SCREENSHOTS`` when set (``docs/console/`` holds
+chart and a split inference task's route shares and cut; at a phone's width nothing scrolls sideways; a viewer sees
+no write control and a write forged with its token is refused; a validation error shows next to its field. Each page's screenshot goes to ``$AISYNERGY_CONSOLE_SCREENSHOTS`` when set (``docs/console/`` holds
 those of a run)."""
 
 from __future__ import annotations

@@ -7,8 +7,8 @@ would arrive. Every ε is checked against dp_accounting's RDP accountant compute
 
 from __future__ import annotations
 
-import math
 import base64
+import math
 import threading
 from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta

@@ -283,12 +283,11 @@ def outputs(hub: _Hub, task_id: str, out: str | None, as_json: bool) -> None:
         r = hub.request("GET", f"/tasks/{task_id}/outputs")
         known = r.json() if r.status_code == 200 else {}
         if not known.get("content_url") and known.get("artifacts"):  # a training task: its published model
-            doc = known
             from cloud.cli.fleet import download_artifact
 
             if out == "-":
                 raise click.BadParameter("a published model goes to a file", param_hint="--out")
-            model, path = download_artifact(hub, doc["artifacts"][0], Path(out))
+            model, path = download_artifact(hub, known["artifacts"][0], Path(out))
             click.echo(f"{path}: {model['name']} {model['version']} ({model['format']}), {model['size']} bytes", err=as_json)
             return
         size = download_outputs(hub, task_id, out)
